@@ -1,0 +1,76 @@
+"""Subscription handshake: what a subscriber asks for and how it is checked.
+
+The publisher enforces each subscriber's policy; the names follow Vector's
+``when_full`` (``block``, ``drop_newest``): ``block`` is lossless and makes the
+publisher, and so the engine, wait for that subscriber.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from actbus.wire import SCHEMA_VERSION, WireError
+
+POLICIES = ("block", "drop_newest")
+MAX_WINDOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """A subscriber's request, sent in HELLO."""
+
+    policy: str = "block"
+    window: int = 32
+    """Credit in messages: how many the publisher may send ahead of acknowledgements."""
+    layers: tuple[int, ...] | None = None
+    hooks: tuple[str, ...] | None = None
+    name: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "policy": self.policy,
+            "window": self.window,
+            "layers": list(self.layers) if self.layers is not None else None,
+            "hooks": list(self.hooks) if self.hooks is not None else None,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Subscription:
+        schema = d.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise WireError(
+                f"subscriber speaks schema {schema!r}, publisher speaks {SCHEMA_VERSION}; "
+                "install the same actbus version on both sides"
+            )
+        policy = d.get("policy", "block")
+        if policy not in POLICIES:
+            raise WireError(f"policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+        window = d.get("window", 32)
+        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
+            raise WireError(f"window must be an int in 1..{MAX_WINDOW}, got {window!r}")
+        layers = d.get("layers")
+        if layers is not None and (
+            not isinstance(layers, list) or not all(isinstance(x, int) for x in layers)
+        ):
+            raise WireError(f"layers must be a list of ints or null, got {layers!r}")
+        hooks = d.get("hooks")
+        if hooks is not None and (
+            not isinstance(hooks, list) or not all(isinstance(x, str) for x in hooks)
+        ):
+            raise WireError(f"hooks must be a list of strings or null, got {hooks!r}")
+        name = d.get("name", "")
+        return cls(
+            policy=policy,
+            window=window,
+            layers=tuple(layers) if layers is not None else None,
+            hooks=tuple(hooks) if hooks is not None else None,
+            name=str(name)[:200],
+        )
+
+    def wants(self, layer: int, hook: str) -> bool:
+        return (self.layers is None or layer in self.layers) and (
+            self.hooks is None or hook in self.hooks
+        )

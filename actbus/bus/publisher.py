@@ -1,0 +1,371 @@
+"""The publisher: one ROUTER socket, per-subscriber credit, queues and policies.
+
+The engine thread hands each captured message to ``publish``, which only queues it
+(within a byte budget) and returns; a background thread owns the socket and does
+all sending. Each subscriber grants credit, and the publisher never sends it more
+data messages than granted. What happens when a subscriber has no credit is that
+subscriber's policy: ``block`` holds back the shared queue (the engine waits once
+the budget is spent), ``drop_newest`` counts and drops.
+
+Dead subscribers are found two ways: ``ROUTER_MANDATORY`` makes a send to a peer
+whose connection closed fail at once (heartbeats go out every ``heartbeat_s``, so
+a killed process is noticed within that), and a subscriber silent for
+``subscriber_timeout_s`` is dropped. Either way it is no longer waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from actbus.bus.protocol import Subscription
+from actbus.wire import (
+    BYE,
+    CREDIT,
+    DATA,
+    END,
+    HEARTBEAT,
+    HELLO,
+    REJECT,
+    SCHEMA_VERSION,
+    WELCOME,
+    Header,
+    WireError,
+    pack_map,
+    pack_seq,
+    tensor_to_frame,
+    unpack_map,
+)
+
+log = logging.getLogger("actbus.publisher")
+
+# How many messages a subscriber may have waiting beyond its credit before its
+# policy applies (block: hold the shared queue; drop_newest: drop).
+PENDING_LIMIT = 8
+
+
+@dataclass
+class _Item:
+    header: Header
+    header_bytes: bytes
+    payload: memoryview
+    tensor: torch.Tensor  # keeps the payload's memory alive until sent
+    nbytes: int
+
+
+@dataclass
+class _Sub:
+    ident: bytes
+    sub: Subscription
+    credit: int
+    last_seen: float
+    pending: deque[_Item] = field(default_factory=deque)
+    seq: int = 0
+    sent: int = 0
+    bytes_sent: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+
+
+class Publisher:
+    """Publishes activation messages to any number of subscribers."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        info: dict[str, Any],
+        queue_bytes: int = 1 << 30,
+        heartbeat_s: float = 0.5,
+        subscriber_timeout_s: float = 5.0,
+    ) -> None:
+        self.address = address
+        self._info = dict(info)
+        self._queue_budget = queue_bytes
+        self._heartbeat_s = heartbeat_s
+        self._timeout_s = subscriber_timeout_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # credit bounds what is in flight
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError as e:
+            self._sock.close()
+            self._ctx.term()
+            raise OSError(f"actbus.publish={address!r}: cannot bind: {e}") from e
+        self._queue: deque[_Item] = deque()
+        self._queued_bytes = 0
+        self._cond = threading.Condition()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._subs: dict[bytes, _Sub] = {}
+        self._closing = False
+        self._stopped = threading.Event()
+        self._counters: Counter[str] = Counter()
+        self.last_step = -1
+        self.stall_s = 0.0  # time the engine spent waiting for queue space
+        self._thread = threading.Thread(target=self._run, name="actbus-publisher", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- engine side
+    def publish(self, header: Header, tensor: torch.Tensor) -> None:
+        """Queue one message; waits (lossless) only while the byte budget is spent."""
+        tensor = tensor.contiguous()
+        item = _Item(header, header.encode(), tensor_to_frame(tensor), tensor, header.nbytes)
+        with self._cond:
+            t0 = None
+            while (
+                self._queue
+                and self._queued_bytes + item.nbytes > self._queue_budget
+                and not self._closing
+            ):
+                t0 = t0 or time.monotonic()
+                self._cond.wait(timeout=0.5)
+            if t0 is not None:
+                self.stall_s += time.monotonic() - t0
+            if self._closing:
+                self._counters["dropped_after_close"] += 1
+                return
+            was_empty = not self._queue
+            self._queue.append(item)
+            self._queued_bytes += item.nbytes
+        if was_empty:
+            self._wake()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            subs = {
+                s.sub.name or s.ident.hex(): {
+                    "policy": s.sub.policy,
+                    "sent": s.sent,
+                    "bytes_sent": s.bytes_sent,
+                    "dropped": dict(s.dropped),
+                    "pending": len(s.pending),
+                    "credit": s.credit,
+                }
+                for s in list(self._subs.values())
+            }
+            return {
+                **dict(self._counters),
+                "last_step": self.last_step,
+                "queued": len(self._queue),
+                "queued_bytes": self._queued_bytes,
+                "stall_s": round(self.stall_s, 3),
+                "subscribers": subs,
+            }
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout``), tell subscribers, stop."""
+        if self._stopped.is_set():
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._busy():
+            time.sleep(0.01)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._wake()
+        self._thread.join(timeout=max(0.5, deadline - time.monotonic() + 1.0))
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ------------------------------------------------------------ publisher thread
+    def _busy(self) -> bool:
+        with self._cond:
+            return bool(self._queue) or any(s.pending for s in self._subs.values())
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while True:
+                with self._cond:
+                    closing = self._closing
+                if closing:
+                    self._broadcast(END, {"last_step": self.last_step})
+                    break
+                wait_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+                events = dict(poller.poll(wait_ms))
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                if self._sock in events:
+                    self._read_control()
+                self._take_items()
+                self._send_pending()
+                if time.monotonic() >= next_beat:
+                    self._heartbeat()
+                    next_beat = time.monotonic() + self._heartbeat_s
+        except Exception:  # the engine must never die of the bus
+            log.exception("actbus publisher thread failed; capture data is no longer sent")
+        finally:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._stopped.set()
+            with self._cond:
+                self._closing = True
+                self._queue.clear()
+                self._cond.notify_all()
+
+    def _read_control(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3:
+                self._counters["malformed_control"] += 1
+                continue
+            ident, tag, body = frames
+            try:
+                msg = unpack_map(body)
+            except WireError:
+                self._counters["malformed_control"] += 1
+                continue
+            now = time.monotonic()
+            sub = self._subs.get(ident)
+            if tag == HELLO:
+                self._hello(ident, msg, now)
+            elif tag == CREDIT:
+                n = msg.get("n", 0)
+                if sub is None:
+                    self._send_control(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
+                elif isinstance(n, int) and 0 <= n <= 1 << 20:
+                    sub.credit = min(sub.credit + n, sub.sub.window)
+                    sub.last_seen = now
+                else:
+                    self._counters["malformed_control"] += 1
+            elif tag == BYE:
+                if sub is not None:
+                    self._remove(sub, "left")
+            else:
+                self._counters["malformed_control"] += 1
+
+    def _hello(self, ident: bytes, msg: dict[str, Any], now: float) -> None:
+        try:
+            sub = Subscription.from_wire(msg)
+        except WireError as e:
+            self._counters["rejected"] += 1
+            self._send_control(ident, REJECT, {"reason": str(e)})
+            return
+        old = self._subs.pop(ident, None)
+        if old is not None:
+            self._drop_pending(old, "resubscribed")
+        with self._cond:
+            self._subs[ident] = _Sub(ident=ident, sub=sub, credit=sub.window, last_seen=now)
+        log.info("subscriber %s joined (policy=%s)", sub.name or ident.hex(), sub.policy)
+        self._send_control(
+            ident,
+            WELCOME,
+            {**self._info, "schema": SCHEMA_VERSION, "step": self.last_step},
+        )
+
+    def _can_take(self) -> bool:
+        return all(
+            len(s.pending) < PENDING_LIMIT for s in self._subs.values() if s.sub.policy == "block"
+        )
+
+    def _take_items(self) -> None:
+        while self._can_take():
+            with self._cond:
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._queued_bytes -= item.nbytes
+                self._cond.notify_all()
+            h = item.header
+            self.last_step = max(self.last_step, h.step)
+            self._counters["published"] += 1
+            routed = False
+            for s in self._subs.values():
+                if not s.sub.wants(h.layer, h.hook):
+                    continue
+                routed = True
+                if s.sub.policy == "drop_newest" and len(s.pending) >= PENDING_LIMIT:
+                    s.dropped["queue_full"] += 1
+                    continue
+                s.pending.append(item)
+            if not routed:
+                self._counters["unrouted"] += 1
+
+    def _send_pending(self) -> None:
+        for s in list(self._subs.values()):
+            while s.credit > 0 and s.pending:
+                item = s.pending[0]
+                try:
+                    self._sock.send_multipart(
+                        [s.ident, DATA, pack_seq(s.seq), item.header_bytes, item.payload],
+                        copy=False,
+                    )
+                except zmq.ZMQError as e:
+                    self._lost(s, e)
+                    break
+                s.pending.popleft()
+                s.seq += 1
+                s.credit -= 1
+                s.sent += 1
+                s.bytes_sent += item.nbytes
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for s in list(self._subs.values()):
+            if now - s.last_seen > self._timeout_s:
+                log.warning("subscriber %s timed out; no longer waited for", s.sub.name)
+                self._remove(s, "timeout")
+                continue
+            beat = {
+                "step": self.last_step,
+                "seq": s.seq,
+                "pending": len(s.pending),
+                "queued": len(self._queue),
+                "sent": s.sent,
+                "dropped": dict(s.dropped),
+            }
+            if not self._send_control(s.ident, HEARTBEAT, beat):
+                self._remove(s, "disconnected")
+
+    def _broadcast(self, tag: bytes, body: dict[str, Any]) -> None:
+        for s in list(self._subs.values()):
+            self._send_control(s.ident, tag, body)
+
+    def _send_control(self, ident: bytes, tag: bytes, body: dict[str, Any]) -> bool:
+        try:
+            self._sock.send_multipart([ident, tag, pack_map(body)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def _lost(self, s: _Sub, err: zmq.ZMQError) -> None:
+        if err.errno == zmq.EHOSTUNREACH:
+            log.warning("subscriber %s disconnected; no longer waited for", s.sub.name)
+            self._remove(s, "disconnected")
+        else:
+            raise err
+
+    def _remove(self, s: _Sub, reason: str) -> None:
+        self._drop_pending(s, reason)
+        with self._cond:
+            self._subs.pop(s.ident, None)
+        self._counters[f"subscribers_{reason}"] += 1
+
+    def _drop_pending(self, s: _Sub, reason: str) -> None:
+        if s.pending:
+            s.dropped[reason] += len(s.pending)
+            s.pending.clear()

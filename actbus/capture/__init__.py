@@ -1,0 +1,1 @@
+"""The capture path: in-graph taps, per-step harvesting, and vLLM runner adapters."""

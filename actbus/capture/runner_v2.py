@@ -1,0 +1,66 @@
+"""Adapter for vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner``).
+
+V2 builds an ``InputBatch`` per step and keeps it in ``execute_model_state``
+until ``sample_tokens`` clears it, so the batch layout is read right after
+``execute_model`` returns. Dummy runs (profiling, warm-up, graph capture) are
+skipped. Every touch of V2 internals is in this file.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from actbus.capture.session import attach_capture
+from actbus.capture.worker import StepView
+
+
+def patch() -> bool:
+    """Wrap the V2 runner's methods; False if this vLLM has no usable V2 runner."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except Exception:  # absent, or needs Triton/CUDA that this build lacks
+        return False
+    if getattr(GPUModelRunner, "_actbus_patched", False):
+        return True
+    GPUModelRunner.load_model = _wrap_load_model(GPUModelRunner.load_model)
+    GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
+    GPUModelRunner._actbus_patched = True
+    return True
+
+
+def _wrap_load_model(orig):
+    @functools.wraps(orig)
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        self._actbus = attach_capture(
+            self.model, self.vllm_config, max_rows=self.max_num_tokens, device=self.device
+        )
+        return out
+
+    return load_model
+
+
+def _wrap_execute_model(orig):
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, scheduler_output, *args, **kwargs)
+        cap = getattr(self, "_actbus", None)
+        if cap is None or kwargs.get("dummy_run") or (len(args) >= 2 and args[1]):
+            return out
+        state = getattr(self, "execute_model_state", None)
+        ib = getattr(state, "input_batch", None)
+        if ib is None or not ib.num_tokens:
+            return out
+        n = int(ib.num_tokens)
+        cap.on_step(
+            StepView(
+                req_ids=list(ib.req_ids[: ib.num_reqs]),
+                offsets=ib.query_start_loc_np[: ib.num_reqs + 1].astype("int64").copy(),
+                positions=ib.positions[:n],
+                token_ids=ib.input_ids[:n],
+            )
+        )
+        return out
+
+    return execute_model

@@ -1,0 +1,93 @@
+"""From a vLLM config to a running capture: validation, taps, publisher.
+
+``validate`` runs in the front-end process when the engine config is built, so a
+bad ``actbus`` entry fails before the engine starts; ``attach_capture`` runs in
+the worker after the model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from actbus.capture.taps import check_architecture, install_taps
+from actbus.capture.worker import CaptureWorker
+from actbus.config import CaptureConfig
+
+log = logging.getLogger("actbus.capture")
+# Bumped whenever what the taps add to the traced graph changes, so vLLM's
+# compile cache (keyed on additional_config) never reuses a graph of another shape.
+GRAPH_VERSION = 1
+
+
+def capture_config(vllm_config: Any) -> CaptureConfig | None:
+    """The parsed ``actbus`` entry of ``additional_config``, or None (plugin inert)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get("actbus") if isinstance(extra, dict) else None
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    return CaptureConfig.from_dict(raw)
+
+
+def validate(vllm_config: Any) -> CaptureConfig | None:
+    """Check everything that can be checked without loading weights."""
+    cfg = capture_config(vllm_config)
+    if cfg is None:
+        return None
+    mc = vllm_config.model_config
+    check_architecture(getattr(mc.hf_config, "architectures", None))
+    cfg.resolve_layers(_num_layers(mc), mc.model)
+    vllm_config.additional_config["actbus"]["_graph_version"] = GRAPH_VERSION
+    return cfg
+
+
+def attach_capture(
+    model: nn.Module, vllm_config: Any, *, max_rows: int, device: torch.device
+) -> CaptureWorker | None:
+    """Install taps on a freshly loaded model and start publishing."""
+    cfg = capture_config(vllm_config)
+    if cfg is None:
+        return None
+    if _tp_rank() != 0:
+        return None  # the residual stream is replicated across TP ranks
+    mc = vllm_config.model_config
+    check_architecture(getattr(mc.hf_config, "architectures", None))
+    num_layers = _num_layers(mc)
+    layers = cfg.resolve_layers(num_layers, mc.model)
+    taps = install_taps(
+        model,
+        layers=layers,
+        hooks=cfg.hooks,
+        num_layers=num_layers,
+        hidden_size=mc.get_hidden_size(),
+        max_rows=max_rows,
+        dtype=mc.dtype,
+        device=device,
+    )
+    name = cfg.model_name or _served_name(mc)
+    return CaptureWorker(cfg, taps, name)
+
+
+def _num_layers(mc: Any) -> int:
+    return int(mc.hf_text_config.num_hidden_layers)
+
+
+def _served_name(mc: Any) -> str:
+    served = getattr(mc, "served_model_name", None)
+    if isinstance(served, (list, tuple)) and served:
+        return str(served[0])
+    return str(served or mc.model)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (single process)
+        return 0

@@ -1,0 +1,85 @@
+"""The ``actbus`` command.
+
+    actbus run --list
+    actbus run NAME --connect ADDR [--policy P] [--window N] [consumer flags...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from actbus import consumer as consumers
+from actbus.bus import POLICIES
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="actbus", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="run a consumer plugin against a publisher", add_help=False)
+    run_p.add_argument("name", nargs="?", help="consumer name (see --list)")
+    run_p.add_argument("--list", action="store_true", help="list installed consumers")
+    run_p.add_argument("-h", "--help", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "run":
+        return _run(args, rest, run_p)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentParser) -> int:
+    if args.list:
+        for name, target in sorted(consumers.available().items()):
+            print(f"{name:16s} {target}")
+        return 0
+    if not args.name:
+        run_p.print_help()
+        return 0 if args.help else 2
+    try:
+        cls = consumers.load(args.name)
+    except (KeyError, TypeError) as e:
+        print(f"actbus run: {e.args[0]}", file=sys.stderr)
+        return 2
+    p = argparse.ArgumentParser(prog=f"actbus run {args.name}")
+    p.add_argument("--connect", required=True, help="publisher address, e.g. ipc:///tmp/actbus.sock")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=cls.default_policy,
+        help=f"what the publisher does when this consumer falls behind (default {cls.default_policy})",
+    )
+    p.add_argument("--window", type=int, default=32, help="credit: messages in flight")
+    p.add_argument("--exit-on-end", action="store_true", help="exit when the publisher stops")
+    p.add_argument("--log-level", default="INFO")
+    cls.add_arguments(p)
+    if args.help:
+        p.print_help()
+        return 0
+    opts = p.parse_args(rest)
+    logging.basicConfig(
+        level=opts.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    consumer = cls.from_args(opts)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sub = consumers.run(
+        consumer,
+        opts.connect,
+        subscription=consumer.subscription(policy=opts.policy, window=opts.window),
+        stop=stop,
+        exit_on_end=opts.exit_on_end,
+    )
+    s = sub.stats
+    logging.getLogger("actbus").info(
+        "stopped: received=%d missed=%d malformed=%d", s.received, s.missed, s.malformed
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""vLLM general plugin: registered through the ``vllm.general_plugins`` entry point.
+
+vLLM calls ``register`` in every process it starts. It wraps the model runners'
+model loading and step methods and the engine-config builder; all of them do
+nothing unless ``additional_config`` holds an ``actbus`` entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+log = logging.getLogger("actbus")
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from actbus.capture import runner_v1, runner_v2
+
+    patched = [name for name, mod in (("v1", runner_v1), ("v2", runner_v2)) if mod.patch()]
+    if not patched:
+        log.warning("actbus: no supported vLLM model runner found; capture is disabled")
+    _patch_engine_args()
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_actbus_patched", False):
+        return
+    orig = EngineArgs.create_engine_config
+
+    @functools.wraps(orig)
+    def create_engine_config(self, *args, **kwargs):
+        from actbus.capture.session import validate
+
+        vllm_config = orig(self, *args, **kwargs)
+        validate(vllm_config)
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config
+    EngineArgs._actbus_patched = True

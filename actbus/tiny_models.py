@@ -1,0 +1,147 @@
+"""Tiny HF-format causal LMs with random weights, built locally and cached.
+
+No weights can be downloaded in CI, so tests and the demo build their own: a
+seeded random model in safetensors and a byte-level BPE tokenizer trained on a
+small embedded corpus. Both vLLM and HF transformers load the same directory,
+which is what makes transformers a valid oracle for captured activations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+_CORPUS = """\
+The residual stream carries every layer's contribution forward, one token at a time.
+Sparse autoencoders find directions in it that humans can name; probes read labels off it.
+A scheduler mixes prefill and decode, splits long prompts into chunks, and preempts
+requests when memory runs short; every activation row still belongs to exactly one request.
+Quick brown foxes jump over lazy dogs while engineers measure throughput and latency.
+Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in logs, tables and benchmarks.
+Questions? Answers! Lists: apples, oranges, pears; code: def f(x): return x * 2.
+In the beginning was the token, and the token was embedded, normalised and attended to.
+"""
+
+
+def default_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """A small config: 4 layers, hidden 128, head_dim 32 (CPU attention needs >= 32)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch: {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    cfg: dict[str, Any] = {
+        "arch": arch,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "vocab_size": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.2,
+        "seed": 0,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ACTBUS_CACHE", Path.home() / ".cache" / "actbus")) / "tiny-models"
+
+
+def build_tiny_model(arch: str = "llama", cache: Path | None = None, **overrides: Any) -> Path:
+    """Directory of a tiny model for ``arch``; built once per config, then reused."""
+    cfg = default_config(arch, **overrides)
+    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cache) if cache else cache_root()
+    out = root / f"{arch}-{key}"
+    if (out / ".complete").exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-{key}-", dir=root))
+    try:
+        _write_model(tmp, cfg)
+        (tmp / ".complete").write_text(json.dumps(cfg, sort_keys=True))
+        try:
+            os.replace(tmp, out)  # atomic; a concurrent builder may have won
+        except OSError:
+            if not (out / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_model(path: Path, cfg: dict[str, Any]) -> None:
+    import torch
+    import transformers
+
+    tokenizer = _train_tokenizer(cfg["vocab_size"])
+    vocab = len(tokenizer)
+    arch = cfg["arch"]
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        initializer_range=cfg["initializer_range"],
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    conf_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    extra: dict[str, Any] = {}
+    if arch in ("qwen3",):
+        extra["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    config = conf_cls(**common, **extra)
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    else:
+        config.rope_theta = cfg["rope_theta"]
+    torch.manual_seed(cfg["seed"])
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|bos|>", "<|eos|>", "<|pad|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        clean_up_tokenization_spaces=False,
+    )

@@ -1,0 +1,220 @@
+"""The wire format: what one activation message looks like on the bus.
+
+A data message is two frames: a small msgpack header and the raw tensor bytes.
+The tensor frame is sent zero-copy and never pickled; its dtype and shape are in
+the header. Row metadata (which request, which position, which token) travels in
+the header as a per-step request table plus packed int arrays, so a message for
+8k rows costs a few tens of KiB of header, not 8k msgpack strings.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+SCHEMA_VERSION = 1
+
+# Frame tags: the first frame of every message names its kind.
+DATA = b"D"  # publisher -> subscriber: seq (u64), header, tensor
+HEARTBEAT = b"H"  # publisher -> subscriber: status header
+END = b"E"  # publisher -> subscriber: the publisher is shutting down
+WELCOME = b"W"  # publisher -> subscriber: reply to HELLO
+REJECT = b"X"  # publisher -> subscriber: the HELLO was refused (reason in header)
+HELLO = b"O"  # subscriber -> publisher: subscription request
+CREDIT = b"C"  # subscriber -> publisher: grant more messages (also a heartbeat)
+BYE = b"B"  # subscriber -> publisher: leaving
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A message that does not follow the schema (malformed, truncated, wrong version)."""
+
+
+@dataclass
+class RowIndex:
+    """Which request, position and token each row of a step belongs to.
+
+    Rows are grouped by request in batch order: rows ``offsets[i]:offsets[i+1]``
+    belong to ``request_ids[i]``.
+    """
+
+    request_ids: list[str]
+    offsets: np.ndarray  # int64 [n_requests + 1]
+    positions: np.ndarray  # int64 [n_rows]
+    token_ids: np.ndarray  # int64 [n_rows]
+    sample_index: list[int] = field(default_factory=list)  # n>1: child index, else 0
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets[-1]) if len(self.offsets) else 0
+
+    def row_request_ids(self) -> list[str]:
+        """The request id of every row (expanded from the per-request table)."""
+        counts = np.diff(self.offsets)
+        out: list[str] = []
+        for rid, c in zip(self.request_ids, counts, strict=True):
+            out.extend([rid] * int(c))
+        return out
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "request_ids": self.request_ids,
+            "sample_index": self.sample_index,
+            "offsets": _pack_ints(self.offsets),
+            "positions": _pack_ints(self.positions),
+            "token_ids": _pack_ints(self.token_ids),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> RowIndex:
+        try:
+            rows = cls(
+                request_ids=[str(r) for r in d["request_ids"]],
+                offsets=_unpack_ints(d["offsets"]),
+                positions=_unpack_ints(d["positions"]),
+                token_ids=_unpack_ints(d["token_ids"]),
+                sample_index=[int(i) for i in d.get("sample_index", [])],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError(f"bad row index in header: {e}") from e
+        n = rows.num_rows
+        if len(rows.offsets) != len(rows.request_ids) + 1:
+            raise WireError("row index: offsets must have one more entry than request_ids")
+        if len(rows.positions) != n or len(rows.token_ids) != n:
+            raise WireError("row index: positions/token_ids length differs from the row count")
+        if len(rows.offsets) and (rows.offsets[0] != 0 or np.any(np.diff(rows.offsets) < 0)):
+            raise WireError("row index: offsets must start at 0 and never decrease")
+        return rows
+
+
+def _pack_ints(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, dtype="<i8").tobytes()
+
+
+def _unpack_ints(b: bytes) -> np.ndarray:
+    if not isinstance(b, (bytes, bytearray)) or len(b) % 8:
+        raise ValueError("packed int array must be bytes of a multiple of 8")
+    return np.frombuffer(b, dtype="<i8").astype(np.int64)
+
+
+@dataclass
+class Header:
+    """Everything about one data message except the tensor bytes."""
+
+    step: int
+    layer: int
+    hook: str
+    dtype: str
+    shape: tuple[int, ...]
+    model: str
+    rows: RowIndex
+    tags: dict[str, Any] = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "schema": self.schema,
+                "step": self.step,
+                "layer": self.layer,
+                "hook": self.hook,
+                "dtype": self.dtype,
+                "shape": list(self.shape),
+                "model": self.model,
+                "tags": self.tags,
+                "rows": self.rows.to_wire(),
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> Header:
+        d = unpack_map(raw)
+        schema = d.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise WireError(
+                f"schema version {schema!r} is not supported (this actbus speaks "
+                f"{SCHEMA_VERSION}); upgrade the older side"
+            )
+        try:
+            hdr = cls(
+                step=int(d["step"]),
+                layer=int(d["layer"]),
+                hook=str(d["hook"]),
+                dtype=str(d["dtype"]),
+                shape=tuple(int(s) for s in d["shape"]),
+                model=str(d["model"]),
+                tags=dict(d.get("tags") or {}),
+                rows=RowIndex.from_wire(d["rows"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, WireError):
+                raise
+            raise WireError(f"bad header field: {e!r}") from e
+        if hdr.dtype not in DTYPES:
+            raise WireError(f"unknown dtype {hdr.dtype!r}; expected one of {sorted(DTYPES)}")
+        if len(hdr.shape) != 2 or hdr.shape[0] != hdr.rows.num_rows:
+            raise WireError(f"shape {hdr.shape} does not match {hdr.rows.num_rows} rows")
+        return hdr
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * DTYPES[self.dtype].itemsize
+
+
+def unpack_map(raw: bytes | memoryview) -> dict[str, Any]:
+    """Decode a msgpack map, turning every decoding failure into a WireError."""
+    try:
+        d = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError(f"undecodable msgpack: {type(e).__name__}") from e
+    if not isinstance(d, dict):
+        raise WireError("header is not a map")
+    return d
+
+
+def pack_seq(seq: int) -> bytes:
+    """Per-subscriber sequence number; a gap means messages were dropped."""
+    return seq.to_bytes(8, "little")
+
+
+def unpack_seq(raw: bytes | memoryview) -> int:
+    if len(raw) != 8:
+        raise WireError("sequence frame must be 8 bytes")
+    return int.from_bytes(raw, "little")
+
+
+def pack_map(d: dict[str, Any]) -> bytes:
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def tensor_to_frame(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor, for a zmq frame."""
+    if t.device.type != "cpu":
+        raise ValueError("tensor_to_frame needs a CPU tensor")
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def frame_to_tensor(buf: memoryview | bytes, hdr: Header) -> torch.Tensor:
+    """The tensor of a data message, made zero-copy over the received frame."""
+    if len(buf) != hdr.nbytes:
+        raise WireError(f"tensor frame has {len(buf)} bytes, header says {hdr.nbytes}")
+    if hdr.nbytes == 0:
+        return torch.empty(hdr.shape, dtype=DTYPES[hdr.dtype])
+    with warnings.catch_warnings():
+        # zmq frames are read-only; consumers must not write into them.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(buf, dtype=DTYPES[hdr.dtype])
+    return t.view(hdr.shape)
