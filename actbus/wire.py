@@ -99,13 +99,17 @@ class RowIndex:
 
 
 def _pack_ints(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, dtype="<i8").tobytes()
+    """Little-endian int32: positions, token ids and row offsets all fit."""
+    a = np.asarray(a)
+    if a.size and (a.min() < -(1 << 31) or a.max() >= 1 << 31):
+        raise ValueError("value does not fit the wire's int32 arrays")
+    return np.ascontiguousarray(a, dtype="<i4").tobytes()
 
 
 def _unpack_ints(b: bytes) -> np.ndarray:
-    if not isinstance(b, (bytes, bytearray)) or len(b) % 8:
-        raise ValueError("packed int array must be bytes of a multiple of 8")
-    return np.frombuffer(b, dtype="<i8").astype(np.int64)
+    if not isinstance(b, (bytes, bytearray)) or len(b) % 4:
+        raise ValueError("packed int array must be bytes of a multiple of 4")
+    return np.frombuffer(b, dtype="<i4").astype(np.int64)
 
 
 @dataclass

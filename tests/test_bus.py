@@ -1,0 +1,179 @@
+"""The bus over real ZeroMQ sockets: credit, policies, late joiners, faults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from actbus.bus import Batch, Event, Publisher, Subscriber, Subscription, SubscriptionRejected
+from actbus.wire import HELLO, SCHEMA_VERSION, Header, RowIndex
+from tests.conftest import ROOT
+from tests.procs import wait_for
+
+
+@pytest.fixture
+def address(tmp_path):
+    return f"ipc://{tmp_path}/bus.sock"
+
+
+@pytest.fixture
+def publisher(address):
+    pub = Publisher(address, info={"model": "test"}, queue_bytes=1 << 16, heartbeat_s=0.1,
+                    subscriber_timeout_s=30)
+    yield pub
+    pub.close(timeout=2)
+
+
+def _msg(step: int, layer: int = 0, rows: int = 4, hidden: int = 64):
+    ri = RowIndex(["r"], np.array([0, rows]), np.arange(rows), np.arange(rows))
+    hdr = Header(step, layer, "post_block", "float32", (rows, hidden), "test", ri)
+    return hdr, torch.full((rows, hidden), float(step))
+
+
+def _drain(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Batch]:
+    got: list[Batch] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        out = sub.recv(timeout=0.2)
+        if isinstance(out, Batch):
+            got.append(out)
+    return got
+
+
+def test_block_subscriber_receives_everything_in_order(publisher, address):
+    with Subscriber(address, Subscription(window=4, name="a")) as sub:
+        sub.wait_welcome(10)
+        feeder = threading.Thread(
+            target=lambda: [publisher.publish(*_msg(i)) for i in range(300)], daemon=True
+        )
+        feeder.start()
+        got = _drain(sub, 300)
+        feeder.join(timeout=10)
+    assert [b.step for b in got] == list(range(300))
+    assert [b.seq for b in got] == list(range(300)) and sub.stats.missed == 0
+    assert all(float(b.tensor[0, 0]) == b.step for b in got)
+
+
+def test_drop_newest_is_counted_and_does_not_slow_block(publisher, address):
+    fast = Subscriber(address, Subscription(policy="block", window=8, name="fast"))
+    slow = Subscriber(address, Subscription(policy="drop_newest", window=2, name="slow"))
+    fast.wait_welcome(10)
+    slow.wait_welcome(10)
+    feeder = threading.Thread(
+        target=lambda: [publisher.publish(*_msg(i)) for i in range(200)], daemon=True
+    )
+    feeder.start()
+    got = _drain(fast, 200)  # the slow one does not read at all meanwhile
+    feeder.join(timeout=10)
+    assert [b.step for b in got] == list(range(200))
+    st = publisher.stats()["subscribers"]["slow"]
+    assert st["sent"] + st["pending"] + sum(st["dropped"].values()) == 200
+    assert st["dropped"]["queue_full"] > 150
+    late = _drain(slow, st["sent"], timeout=5)
+    assert len(late) == st["sent"]
+    fast.close()
+    slow.close()
+
+
+def test_layer_filter(publisher, address):
+    with Subscriber(address, Subscription(layers=(1,), name="l1")) as sub:
+        sub.wait_welcome(10)
+        for i in range(10):
+            publisher.publish(*_msg(i, layer=i % 2))
+        got = _drain(sub, 5)
+    assert [b.layer for b in got] == [1] * 5 and [b.seq for b in got] == list(range(5))
+
+
+def test_late_joiner_starts_at_current_step(publisher, address):
+    for i in range(20):
+        publisher.publish(*_msg(i))
+    wait_for(lambda: publisher.stats()["published"] == 20, 10, "early messages to be published")
+    with Subscriber(address, Subscription(name="late")) as sub:
+        assert sub.wait_welcome(10)["step"] == 19
+        for i in range(20, 25):
+            publisher.publish(*_msg(i))
+        got = _drain(sub, 5)
+    assert [b.step for b in got] == list(range(20, 25))
+
+
+def test_schema_mismatch_is_refused_clearly(publisher, address):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send_multipart([HELLO, msgpack.packb({"schema": SCHEMA_VERSION + 1})])
+    assert sock.poll(5000)
+    tag, body = sock.recv_multipart()
+    assert tag == b"X" and "install the same actbus version" in msgpack.unpackb(body)["reason"]
+    sock.close(0)
+    with pytest.raises(SubscriptionRejected, match="policy 'newest' is unknown"):
+        Subscriber(address, Subscription(policy="newest")).wait_welcome(10)
+
+
+def test_malformed_control_messages_are_counted_not_fatal(publisher, address):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        frames = [bytes(rng.integers(0, 256, rng.integers(0, 40), dtype=np.uint8))
+                  for _ in range(1 + i % 4)]
+        sock.send_multipart(frames)
+    sock.close(0)
+    wait_for(lambda: publisher.stats().get("malformed_control", 0) > 0, 10, "garbage counted")
+    with Subscriber(address, Subscription(name="after")) as sub:
+        sub.wait_welcome(10)
+        publisher.publish(*_msg(0))
+        assert len(_drain(sub, 1)) == 1
+
+
+def test_killed_blocking_subscriber_stops_blocking(publisher, address):
+    stuck = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "stuck_subscriber.py"), address],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert stuck.stdout.readline().strip() == "ready"
+        done = threading.Event()
+
+        def feed():
+            for i in range(100):  # 100 KiB through a 64 KiB queue: must wait for "stuck"
+                publisher.publish(*_msg(i))
+            done.set()
+
+        threading.Thread(target=feed, daemon=True).start()
+        assert not done.wait(1.5), "publish did not block for a lossless subscriber"
+        t_kill = time.monotonic()
+        stuck.kill()
+        assert done.wait(10), "publisher still blocked after the subscriber died"
+        assert time.monotonic() - t_kill < 3.0
+        assert publisher.stats()["subscribers_disconnected"] == 1
+    finally:
+        stuck.kill()
+
+
+def test_end_and_resubscribe_after_publisher_restart(address):
+    pub = Publisher(address, info={"model": "a"}, heartbeat_s=0.1)
+    sub = Subscriber(address, Subscription(name="s"), silence_s=1.0)
+    try:
+        assert sub.wait_welcome(10)["model"] == "a"
+        pub.close(timeout=2)
+        ev = None
+        deadline = time.monotonic() + 10
+        while not (isinstance(ev, Event) and ev.kind == "end") and time.monotonic() < deadline:
+            ev = sub.recv(timeout=0.5)
+        assert isinstance(ev, Event) and ev.kind == "end"
+        pub = Publisher(address, info={"model": "b"}, heartbeat_s=0.1)
+        assert sub.wait_welcome(15)["model"] == "b"
+        pub.publish(*_msg(0))
+        assert len(_drain(sub, 1)) == 1
+    finally:
+        sub.close()
+        pub.close(timeout=2)

@@ -1,0 +1,55 @@
+"""The wire format round-trips exactly and rejects what does not follow the schema."""
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from actbus.wire import SCHEMA_VERSION, Header, RowIndex, WireError, frame_to_tensor, tensor_to_frame
+
+
+def _header(dtype="float32", rows=3, hidden=8):
+    ri = RowIndex(["a", "b"], np.array([0, 2, rows]), np.arange(rows), np.arange(rows) + 100)
+    return Header(step=5, layer=1, hook="post_block", dtype=dtype, shape=(rows, hidden),
+                  model="m", rows=ri, tags={"label": 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_is_exact(dtype):
+    h = _header(str(dtype).removeprefix("torch."))
+    t = torch.randn(3, 8).to(dtype)
+    h2 = Header.decode(h.encode())
+    assert h2.rows.row_request_ids() == ["a", "a", "b"]
+    assert h2.rows.token_ids.tolist() == [100, 101, 102] and h2.tags == {"label": 1}
+    back = frame_to_tensor(bytes(tensor_to_frame(t)), h2)
+    assert back.dtype == dtype and torch.equal(back, t)
+
+
+def test_header_is_small_for_many_rows():
+    ri = RowIndex([f"req-{i}" for i in range(256)], np.linspace(0, 8192, 257).astype(np.int64),
+                  np.arange(8192), np.arange(8192))
+    h = Header(0, 0, "post_block", "bfloat16", (8192, 4096), "m", ri)
+    assert len(h.encode()) < 8192 * 8 + 257 * 4 + 256 * 16  # two int32 arrays, offsets, ids
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b"\x93garbage", "undecodable"),
+        (msgpack.packb([1, 2]), "not a map"),
+        (msgpack.packb({"schema": SCHEMA_VERSION + 1}), "schema version"),
+        (msgpack.packb({"schema": SCHEMA_VERSION, "step": 1}), "bad header field"),
+    ],
+)
+def test_malformed_headers_raise_wire_error(raw, needle):
+    with pytest.raises(WireError, match=needle):
+        Header.decode(raw)
+
+
+def test_truncated_header_and_frame_are_rejected():
+    raw = _header().encode()
+    for cut in (1, len(raw) // 2, len(raw) - 1):
+        with pytest.raises(WireError):
+            Header.decode(raw[:cut])
+    with pytest.raises(WireError, match="tensor frame has"):
+        frame_to_tensor(b"\0" * 10, _header())
