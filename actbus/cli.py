@@ -1,7 +1,7 @@
 """The ``actbus`` command.
 
-    actbus run --list
-    actbus run NAME --connect ADDR [--policy P] [--window N] [consumer flags...]
+actbus run --list
+actbus run NAME --connect ADDR [--policy P] [--window N] [consumer flags...]
 """
 
 from __future__ import annotations
@@ -45,12 +45,15 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
         print(f"actbus run: {e.args[0]}", file=sys.stderr)
         return 2
     p = argparse.ArgumentParser(prog=f"actbus run {args.name}")
-    p.add_argument("--connect", required=True, help="publisher address, e.g. ipc:///tmp/actbus.sock")
+    p.add_argument(
+        "--connect", required=True, help="publisher address, e.g. ipc:///tmp/actbus.sock"
+    )
     p.add_argument(
         "--policy",
         choices=POLICIES,
         default=cls.default_policy,
-        help=f"what the publisher does when this consumer falls behind (default {cls.default_policy})",
+        help="what the publisher does when this consumer falls behind "
+        f"(default {cls.default_policy})",
     )
     p.add_argument("--window", type=int, default=32, help="credit: messages in flight")
     p.add_argument("--exit-on-end", action="store_true", help="exit when the publisher stops")

@@ -128,7 +128,9 @@ def check_address(addr: Any, *, field_name: str, allow_remote: bool = False) -> 
         if not path or path.startswith("@"):
             if path.startswith("@") and len(path) > 1:
                 return addr  # Linux abstract namespace
-            raise ConfigError(f"{field_name}={addr!r}: ipc address needs a path, e.g. ipc:///tmp/actbus.sock")
+            raise ConfigError(
+                f"{field_name}={addr!r}: ipc address needs a path, e.g. ipc:///tmp/actbus.sock"
+            )
         parent = os.path.dirname(os.path.abspath(path)) or "/"
         if not os.path.isdir(parent):
             raise ConfigError(f"{field_name}={addr!r}: directory {parent} does not exist")

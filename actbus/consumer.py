@@ -106,4 +106,3 @@ def run(
         finally:
             sub.close()
     return sub
-

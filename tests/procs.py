@@ -21,9 +21,20 @@ def start_sink(address: str, out: Path, *extra: str, policy: str = "block") -> s
     log = open(out.parent / f"{out.name}.log", "wb")  # noqa: SIM115 (lives with the process)
     return subprocess.Popen(
         [
-            sys.executable, "-m", "actbus.cli", "run", "fs-sink",
-            "--connect", address, "--out", str(out), "--policy", policy,
-            "--flush-s", "0.5", *extra,
+            sys.executable,
+            "-m",
+            "actbus.cli",
+            "run",
+            "fs-sink",
+            "--connect",
+            address,
+            "--out",
+            str(out),
+            "--policy",
+            policy,
+            "--flush-s",
+            "0.5",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -13,7 +13,10 @@ import pytest
 CASES = [
     ({"layers": [1], "lyers": [2]}, "actbus.lyers: unknown key"),
     ({"layers": [1, 9]}, "actbus.layers[1]: layer 9 is out of range"),
-    ({"layers": [1], "publish": "tcp:/127.0.0.1:5"}, "actbus.publish='tcp:/127.0.0.1:5': not a ZeroMQ address"),
+    (
+        {"layers": [1], "publish": "tcp:/127.0.0.1:5"},
+        "actbus.publish='tcp:/127.0.0.1:5': not a ZeroMQ address",
+    ),
 ]
 
 
@@ -23,8 +26,12 @@ def test_llm_raises_naming_the_field(tiny_models, cfg, needle):
 
     t0 = time.monotonic()
     with pytest.raises(ValueError) as e:
-        LLM(str(tiny_models["llama"]), dtype="float32", gpu_memory_utilization=0.3,
-            additional_config={"actbus": cfg})
+        LLM(
+            str(tiny_models["llama"]),
+            dtype="float32",
+            gpu_memory_utilization=0.3,
+            additional_config={"actbus": cfg},
+        )
     assert needle in str(e.value)
     assert time.monotonic() - t0 < 30, "the error came after an engine start"
 
@@ -34,10 +41,20 @@ def test_openai_server_exits_naming_the_field(tiny_models):
     # console script fails before parsing arguments (it asks for the version of a
     # distribution named "vllm"), so the server module is started directly.
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-         "--model", str(tiny_models["llama"]), "--dtype", "float32",
-         "--additional-config", json.dumps({"actbus": {"layers": [4]}})],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(tiny_models["llama"]),
+            "--dtype",
+            "float32",
+            "--additional-config",
+            json.dumps({"actbus": {"layers": [4]}}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
     )
     assert proc.returncode != 0

@@ -26,8 +26,13 @@ def address(tmp_path):
 
 @pytest.fixture
 def publisher(address):
-    pub = Publisher(address, info={"model": "test"}, queue_bytes=1 << 16, heartbeat_s=0.1,
-                    subscriber_timeout_s=30)
+    pub = Publisher(
+        address,
+        info={"model": "test"},
+        queue_bytes=1 << 16,
+        heartbeat_s=0.1,
+        subscriber_timeout_s=30,
+    )
     yield pub
     pub.close(timeout=2)
 
@@ -123,8 +128,10 @@ def test_malformed_control_messages_are_counted_not_fatal(publisher, address):
     sock.connect(address)
     rng = np.random.default_rng(0)
     for i in range(300):
-        frames = [bytes(rng.integers(0, 256, rng.integers(0, 40), dtype=np.uint8))
-                  for _ in range(1 + i % 4)]
+        frames = [
+            bytes(rng.integers(0, 256, rng.integers(0, 40), dtype=np.uint8))
+            for _ in range(1 + i % 4)
+        ]
         sock.send_multipart(frames)
     sock.close(0)
     wait_for(lambda: publisher.stats().get("malformed_control", 0) > 0, 10, "garbage counted")
@@ -137,7 +144,8 @@ def test_malformed_control_messages_are_counted_not_fatal(publisher, address):
 def test_killed_blocking_subscriber_stops_blocking(publisher, address):
     stuck = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "stuck_subscriber.py"), address],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert stuck.stdout.readline().strip() == "ready"

@@ -24,11 +24,17 @@ def test_valid_config_parses():
         ({"layers": [True]}, "actbus.layers[0]"),
         ({"layers": ["1"]}, "actbus.layers[0]"),
         ({"layers": [1], "hooks": ["mlp_in"]}, "actbus.hooks[0]: unknown hook 'mlp_in'"),
-        ({"layers": [1], "publish": "localhost:5555"}, "actbus.publish='localhost:5555': not a ZeroMQ address"),
+        (
+            {"layers": [1], "publish": "localhost:5555"},
+            "actbus.publish='localhost:5555': not a ZeroMQ address",
+        ),
         ({"layers": [1], "publish": "tcp://127.0.0.1"}, "not a ZeroMQ address"),
         ({"layers": [1], "publish": "tcp://127.0.0.1:70000"}, "port must be 1..65535"),
         ({"layers": [1], "publish": "tcp://0.0.0.0:5555"}, "non-loopback interface is refused"),
-        ({"layers": [1], "publish": "ipc:///no/such/dir/x.sock"}, "directory /no/such/dir does not exist"),
+        (
+            {"layers": [1], "publish": "ipc:///no/such/dir/x.sock"},
+            "directory /no/such/dir does not exist",
+        ),
         ({"layers": [1], "publish": 5555}, "actbus.publish: expected a string"),
         ({"layers": [1], "queue_mb": 0}, "actbus.queue_mb"),
         ([1, 2], "expected a mapping"),
@@ -42,7 +48,9 @@ def test_bad_config_names_the_field(raw, needle):
 
 def test_layer_out_of_range_names_model_and_range():
     cfg = CaptureConfig.from_dict({"layers": [1, 7]})
-    with pytest.raises(ConfigError, match=r"actbus.layers\[1\]: layer 7 is out of range; model m has 4"):
+    with pytest.raises(
+        ConfigError, match=r"actbus.layers\[1\]: layer 7 is out of range; model m has 4"
+    ):
         cfg.resolve_layers(4, "m")
 
 

@@ -52,7 +52,9 @@ def _params(kind: str, vocab: int, stop: str | None = None):
     if kind == "max_tokens_1":
         return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     if kind == "stop_string":
-        return SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop] if stop else None)
+        return SamplingParams(
+            temperature=0, max_tokens=16, ignore_eos=True, stop=[stop] if stop else None
+        )
     if kind == "empty_output":  # every token stops: the output text is empty
         return SamplingParams(temperature=0, max_tokens=16, stop_token_ids=list(range(vocab)))
     raise ValueError(kind)
@@ -94,12 +96,15 @@ def oracle_run(engine, tmp_path_factory) -> OracleRun:
     sink = start_sink(engine.address, out)
     try:
         wait_for(lambda: manifest(out), 60, "the sink to subscribe")
-        outs = llm.generate(
-            prompts, [_params(k, vocab, stop_str) for k in kinds], use_tqdm=False
-        )
+        outs = llm.generate(prompts, [_params(k, vocab, stop_str) for k in kinds], use_tqdm=False)
         reqs = [
-            Req(o.request_id, list(o.prompt_token_ids), list(o.outputs[0].token_ids),
-                o.outputs[0].finish_reason, k)
+            Req(
+                o.request_id,
+                list(o.prompt_token_ids),
+                list(o.outputs[0].token_ids),
+                o.outputs[0].finish_reason,
+                k,
+            )
             for o, k in zip(outs, kinds, strict=True)
         ]
         expected = sum(len(r.fed) for r in reqs)
@@ -146,10 +151,14 @@ def test_activations_match_hf_transformers(oracle_run):
     run = oracle_run.run
     worst = {layer: 0.0 for layer in CAPTURE_LAYERS}
     for r in oracle_run.reqs:
-        table = run.dataset(CAPTURE_LAYERS[0]).to_table(
-            columns=["position", "token_id"],
-            filter=pc.field("request_id") == r.rid,
-        ).sort_by("position")
+        table = (
+            run.dataset(CAPTURE_LAYERS[0])
+            .to_table(
+                columns=["position", "token_id"],
+                filter=pc.field("request_id") == r.rid,
+            )
+            .sort_by("position")
+        )
         captured_ids = table.column("token_id").to_pylist()
         n = len(r.fed)
         assert captured_ids[:n] == r.fed, f"request {r.rid}: token ids differ from prompt+output"
@@ -168,7 +177,9 @@ def test_batches_mixed_prefill_chunks_and_decode(oracle_run):
         columns=["request_id", "position", "step"]
     )
     prompt_len = {r.rid: len(r.prompt) for r in oracle_run.reqs}
-    rows = zip(*(table.column(c).to_pylist() for c in ("request_id", "position", "step")), strict=True)
+    rows = zip(
+        *(table.column(c).to_pylist() for c in ("request_id", "position", "step")), strict=True
+    )
     prefill_steps: dict[str, set[int]] = {}
     step_kinds: dict[int, set[str]] = {}
     for rid, pos, step in rows:
@@ -219,13 +230,16 @@ def test_dead_subscribers_do_not_stall_generation(engine, tmp_path):
         wait_for(lambda: manifest(keep) and manifest(doomed), 60, "sinks to subscribe")
         assert stuck.stdout.readline().strip() == "ready"
         rng = random.Random(7)
-        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, 400) for _ in range(100)])
-                   for _ in range(16)]
+        prompts = [
+            TokensPrompt(prompt_token_ids=[rng.randrange(3, 400) for _ in range(100)])
+            for _ in range(16)
+        ]
         result: dict[str, object] = {}
 
         def gen():
             result["outs"] = engine.llm.generate(
-                prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                prompts,
+                SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
                 use_tqdm=False,
             )
             result["done"] = time.monotonic()

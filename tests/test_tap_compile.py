@@ -34,8 +34,16 @@ class Model(nn.Module):
 def test_tap_is_compiled_in_place_and_exact():
     torch.manual_seed(0)
     model = Model()
-    taps = install_taps(model, layers=(0, 2), hooks=("post_block",), num_layers=3, hidden_size=32,
-                        max_rows=64, dtype=torch.float32, device=torch.device("cpu"))
+    taps = install_taps(
+        model,
+        layers=(0, 2),
+        hooks=("post_block",),
+        num_layers=3,
+        hidden_size=32,
+        max_rows=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     explain = torch._dynamo.explain(model)(torch.arange(5), torch.randn(5, 32))
     assert explain.graph_break_count == 0 and explain.graph_count == 1
     ops = [str(n.target) for g in explain.graphs for n in g.graph.nodes]

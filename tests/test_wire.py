@@ -5,13 +5,28 @@ import numpy as np
 import pytest
 import torch
 
-from actbus.wire import SCHEMA_VERSION, Header, RowIndex, WireError, frame_to_tensor, tensor_to_frame
+from actbus.wire import (
+    SCHEMA_VERSION,
+    Header,
+    RowIndex,
+    WireError,
+    frame_to_tensor,
+    tensor_to_frame,
+)
 
 
 def _header(dtype="float32", rows=3, hidden=8):
     ri = RowIndex(["a", "b"], np.array([0, 2, rows]), np.arange(rows), np.arange(rows) + 100)
-    return Header(step=5, layer=1, hook="post_block", dtype=dtype, shape=(rows, hidden),
-                  model="m", rows=ri, tags={"label": 1})
+    return Header(
+        step=5,
+        layer=1,
+        hook="post_block",
+        dtype=dtype,
+        shape=(rows, hidden),
+        model="m",
+        rows=ri,
+        tags={"label": 1},
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -26,8 +41,12 @@ def test_round_trip_is_exact(dtype):
 
 
 def test_header_is_small_for_many_rows():
-    ri = RowIndex([f"req-{i}" for i in range(256)], np.linspace(0, 8192, 257).astype(np.int64),
-                  np.arange(8192), np.arange(8192))
+    ri = RowIndex(
+        [f"req-{i}" for i in range(256)],
+        np.linspace(0, 8192, 257).astype(np.int64),
+        np.arange(8192),
+        np.arange(8192),
+    )
     h = Header(0, 0, "post_block", "bfloat16", (8192, 4096), "m", ri)
     assert len(h.encode()) < 8192 * 8 + 257 * 4 + 256 * 16  # two int32 arrays, offsets, ids
 

@@ -10,6 +10,7 @@ needs no help from its user.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -156,10 +157,8 @@ class Subscriber:
                 return
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self._sock.send_multipart([BYE, pack_map({})], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
         self._sock.close(linger=100)
         self._ctx.term()
 

@@ -62,14 +62,18 @@ class CaptureWorker:
             subscriber_timeout_s=cfg.subscriber_timeout_s,
         )
         atexit.register(self.close)
-        log.info("actbus: capturing layers %s hooks %s, publishing on %s", layers, hooks, cfg.publish)
+        log.info(
+            "actbus: capturing layers %s hooks %s, publishing on %s", layers, hooks, cfg.publish
+        )
 
     def on_step(self, view: StepView) -> None:
         n = view.num_tokens
         if n == 0:
             return
         if n > self.taps.max_rows:
-            raise RuntimeError(f"actbus: step has {n} tokens but tap buffers hold {self.taps.max_rows}")
+            raise RuntimeError(
+                f"actbus: step has {n} tokens but tap buffers hold {self.taps.max_rows}"
+            )
         rows = RowIndex(
             request_ids=[caller_request_id(r) for r in view.req_ids],
             offsets=np.asarray(view.offsets, dtype=np.int64),

@@ -87,7 +87,9 @@ class FsSink(Consumer):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FsSink:
-        return cls(args.out, shard_rows=args.shard_rows, shard_mb=args.shard_mb, flush_s=args.flush_s)
+        return cls(
+            args.out, shard_rows=args.shard_rows, shard_mb=args.shard_mb, flush_s=args.flush_s
+        )
 
     # ------------------------------------------------------------------ events
     def on_welcome(self, info: dict[str, Any]) -> None:
@@ -189,4 +191,6 @@ class FsSink(Consumer):
         self._write_manifest()
 
     def _write_manifest(self) -> None:
-        layout.write_atomic(self.out / layout.MANIFEST, json.dumps(self.manifest, indent=1).encode())
+        layout.write_atomic(
+            self.out / layout.MANIFEST, json.dumps(self.manifest, indent=1).encode()
+        )
