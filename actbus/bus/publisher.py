@@ -56,10 +56,19 @@ PENDING_LIMIT = 8
 @dataclass
 class _Item:
     header: Header
-    header_bytes: bytes
-    payload: memoryview
     tensor: torch.Tensor  # keeps the payload's memory alive until sent
     nbytes: int
+    ready: Any = None  # an event to wait on before the tensor and row index are readable
+    header_bytes: bytes = b""
+    payload: memoryview | None = None
+
+    def materialize(self) -> None:
+        """Wait for the device copy, then encode: done on the publisher thread."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        self.header_bytes = self.header.encode()
+        self.payload = tensor_to_frame(self.tensor)
 
 
 @dataclass
@@ -119,10 +128,13 @@ class Publisher:
         self._thread.start()
 
     # ---------------------------------------------------------------- engine side
-    def publish(self, header: Header, tensor: torch.Tensor) -> None:
-        """Queue one message; waits (lossless) only while the byte budget is spent."""
-        tensor = tensor.contiguous()
-        item = _Item(header, header.encode(), tensor_to_frame(tensor), tensor, header.nbytes)
+    def publish(self, header: Header, tensor: torch.Tensor, *, ready: Any = None) -> None:
+        """Queue one message; waits (lossless) only while the byte budget is spent.
+
+        ``ready``, if given, is an event (e.g. ``torch.cuda.Event``) that must complete
+        before ``tensor`` and the header's row index hold their data.
+        """
+        item = _Item(header, tensor.contiguous(), header.nbytes, ready)
         with self._cond:
             t0 = None
             while (
@@ -290,6 +302,7 @@ class Publisher:
                 item = self._queue.popleft()
                 self._queued_bytes -= item.nbytes
                 self._cond.notify_all()
+            item.materialize()
             h = item.header
             self.last_step = max(self.last_step, h.step)
             self._counters["published"] += 1

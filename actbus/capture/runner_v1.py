@@ -46,7 +46,11 @@ def _wrap_load_model(orig):
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, *args, **kwargs)
         self._actbus = attach_capture(
-            self.model, self.vllm_config, max_rows=self.max_num_tokens, device=self.device
+            self.model,
+            self.vllm_config,
+            max_rows=self.max_num_tokens,
+            device=self.device,
+            runner="v1",
         )
         return out
 

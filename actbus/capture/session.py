@@ -47,7 +47,7 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
 
 
 def attach_capture(
-    model: nn.Module, vllm_config: Any, *, max_rows: int, device: torch.device
+    model: nn.Module, vllm_config: Any, *, max_rows: int, device: torch.device, runner: str
 ) -> CaptureWorker | None:
     """Install taps on a freshly loaded model and start publishing."""
     cfg = capture_config(vllm_config)
@@ -59,6 +59,9 @@ def attach_capture(
     check_architecture(getattr(mc.hf_config, "architectures", None))
     num_layers = _num_layers(mc)
     layers = cfg.resolve_layers(num_layers, mc.model)
+    # CUDA-graph batches are padded up to a capture size; the taps write padded rows.
+    cc = vllm_config.compilation_config
+    max_rows = max(max_rows, int(getattr(cc, "max_cudagraph_capture_size", 0) or 0))
     taps = install_taps(
         model,
         layers=layers,
@@ -70,7 +73,13 @@ def attach_capture(
         device=device,
     )
     name = cfg.model_name or _served_name(mc)
-    return CaptureWorker(cfg, taps, name)
+    engine = {
+        "runner": runner,
+        "compile_mode": getattr(cc.mode, "name", str(cc.mode)),
+        "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
+        "device": str(device),
+    }
+    return CaptureWorker(cfg, taps, name, engine=engine)
 
 
 def _num_layers(mc: Any) -> int:

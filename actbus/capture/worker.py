@@ -41,11 +41,18 @@ class StepView:
 class CaptureWorker:
     """Owns the taps and the publisher for one engine."""
 
-    def __init__(self, cfg: CaptureConfig, taps: TapSet, model_name: str) -> None:
+    def __init__(
+        self,
+        cfg: CaptureConfig,
+        taps: TapSet,
+        model_name: str,
+        engine: dict[str, str] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.taps = taps
         self.model_name = model_name
         self.step = 0
+        self._side = None  # CUDA side stream for device-to-host copies, made on first use
         layers = sorted({k[0] for k in taps.keys})
         hooks = sorted({k[1] for k in taps.keys})
         self.publisher = Publisher(
@@ -56,6 +63,7 @@ class CaptureWorker:
                 "dtype": DTYPE_NAMES[taps.dtype],
                 "layers": layers,
                 "hooks": hooks,
+                "engine": engine or {},
             },
             queue_bytes=cfg.queue_mb << 20,
             heartbeat_s=cfg.heartbeat_s,
@@ -74,28 +82,59 @@ class CaptureWorker:
             raise RuntimeError(
                 f"actbus: step has {n} tokens but tap buffers hold {self.taps.max_rows}"
             )
+        ids = torch.stack((view.positions[:n], view.token_ids[:n].to(view.positions.dtype)))
+        if ids.is_cuda:
+            ids_host, acts, ready = self._to_host_async(
+                [ids, *(b[:n] for b in self.taps.buffers.values())]
+            )
+            acts = dict(zip(self.taps.buffers, acts, strict=True))
+        else:
+            ids_host = ids
+            acts = {key: buf[:n].clone() for key, buf in self.taps.buffers.items()}
+            ready = None
         rows = RowIndex(
             request_ids=[caller_request_id(r) for r in view.req_ids],
             offsets=np.asarray(view.offsets, dtype=np.int64),
-            positions=view.positions[:n].to("cpu", torch.int64).numpy(),
-            token_ids=view.token_ids[:n].to("cpu", torch.int64).numpy(),
+            positions=ids_host[0].numpy(),
+            token_ids=ids_host[1].numpy(),
         )
         dtype = DTYPE_NAMES[self.taps.dtype]
-        hidden = self.taps.hidden_size
-        for (layer, hook), buf in self.taps.buffers.items():
-            # A copy: the buffer is overwritten by the next step while this is queued.
-            act = buf[:n].to("cpu", copy=True)
+        for (layer, hook), act in acts.items():
             header = Header(
                 step=self.step,
                 layer=layer,
                 hook=hook,
                 dtype=dtype,
-                shape=(n, hidden),
+                shape=(n, self.taps.hidden_size),
                 model=self.model_name,
                 rows=rows,
             )
-            self.publisher.publish(header, act)
+            self.publisher.publish(header, act, ready=ready)
         self.step += 1
+
+    def _to_host_async(self, tensors: list[torch.Tensor]):
+        """Host copies that neither stall the engine nor slow its next step.
+
+        A device-side copy on the compute stream (fast) frees the tap buffers for the
+        next forward in stream order; the device-to-host copy into pinned memory then
+        runs on a side stream, overlapping the next step. Returns the host tensors and
+        an event the publisher thread waits on before reading them.
+        """
+        main = torch.cuda.current_stream()
+        staged = [t.clone() for t in tensors]
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(main)
+        hosts = []
+        with torch.cuda.stream(self._side):
+            for t in staged:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(self._side)  # keep the staging memory until copied
+                hosts.append(h)
+            ready = torch.cuda.Event()
+            ready.record(self._side)
+        return hosts[0], hosts[1:], ready
 
     def close(self) -> None:
         self.publisher.close()
