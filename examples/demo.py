@@ -110,9 +110,7 @@ def _serve_and_report(model: Path, address: str, out: Path, sink, args) -> int:
         f"{i}: a short note on {TOPICS[i % len(TOPICS)]}, " * (1 + i % 4)
         for i in range(args.prompts)
     ]
-    outs = llm.generate(
-        prompts, SamplingParams(temperature=0.8, max_tokens=args.max_tokens)
-    )
+    outs = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=args.max_tokens))
     expected = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
 
     print("[4/4] waiting for the sink to commit every row ...", flush=True)

@@ -1,0 +1,152 @@
+"""Bus throughput over ipc://: raw pyzmq zero-copy PUSH/PULL vs the actbus bus.
+
+For each message size, in one run:
+    raw       pyzmq PUSH (this process, copy=False) -> PULL (another process)
+    block     actbus Publisher -> one `null` subscriber process, policy block
+    +others   the same block subscriber beside a drop_newest one that never reads
+
+Rates are measured at the receiving block subscriber (first to last byte). The
+publisher's CPU time per GB sent is from this process's CPU clock. Prints a table,
+then one JSON line with every figure and ratio.
+
+    python benchmarks/bench_bus.py [--sizes 2,16] [--gib 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN = 4096
+
+_PULL = """
+import sys, time, zmq, json
+ctx = zmq.Context(); s = ctx.socket(zmq.PULL); s.connect(sys.argv[1])
+n = int(sys.argv[2]); got = 0; first = None
+for _ in range(n):
+    f = s.recv(copy=False); first = first or time.monotonic(); got += len(f.buffer)
+print(json.dumps({"bytes": got, "seconds": time.monotonic() - first}), flush=True)
+"""
+
+
+def raw(size: int, count: int) -> dict:
+    addr = f"ipc://{tempfile.mkdtemp()}/raw.sock"
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 8)
+    push.bind(addr)
+    recv = subprocess.Popen([sys.executable, "-c", _PULL, addr, str(count)], stdout=subprocess.PIPE)
+    payload = np.ones(size, dtype=np.uint8)
+    cpu0 = time.process_time()
+    for _ in range(count):
+        push.send(memoryview(payload), copy=False)
+    out, _ = recv.communicate(timeout=300)
+    cpu = time.process_time() - cpu0
+    push.close(linger=1000)
+    ctx.term()
+    r = json.loads(out)
+    return {"gbps": r["bytes"] / r["seconds"] / 1e9, "cpu_s_per_gb": cpu / (r["bytes"] / 1e9)}
+
+
+def actbus(size: int, count: int, with_others: bool) -> dict:
+    from actbus.bus import Publisher, Subscriber, Subscription
+    from actbus.wire import Header, RowIndex
+
+    addr = f"ipc://{tempfile.mkdtemp()}/bus.sock"
+    pub = Publisher(addr, info={"model": "bench"}, queue_bytes=8 * size, heartbeat_s=0.2)
+    sink = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "actbus.cli",
+            "run",
+            "null",
+            "--connect",
+            addr,
+            "--policy",
+            "block",
+            "--window",
+            "8",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    idle = (
+        Subscriber(addr, Subscription(policy="drop_newest", window=2, name="idle"))
+        if with_others
+        else None
+    )
+    rows = size // (HIDDEN * 4)
+    tensor = torch.ones(rows, HIDDEN)
+    ri = RowIndex(["r"], np.array([0, rows]), np.arange(rows), np.arange(rows))
+    deadline = time.monotonic() + 30
+    while len(pub.stats()["subscribers"]) < (2 if with_others else 1):
+        if idle is not None:
+            idle.recv(timeout=0.05)
+        if time.monotonic() > deadline:
+            raise TimeoutError("subscribers did not join")
+        time.sleep(0.05)
+    cpu0 = time.process_time()
+    for step in range(count):
+        pub.publish(Header(step, 0, "post_block", "float32", (rows, HIDDEN), "bench", ri), tensor)
+    while pub.stats()["subscribers"].get("null", {}).get("sent", 0) < count:
+        time.sleep(0.01)
+    cpu = time.process_time() - cpu0
+    time.sleep(0.5)
+    sink.terminate()
+    out, _ = sink.communicate(timeout=60)
+    stats = pub.stats()
+    pub.close(timeout=2)
+    if idle is not None:
+        idle.close()
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["messages"] == count, r
+    res = {"gbps": r["bytes"] / r["seconds"] / 1e9, "cpu_s_per_gb": cpu / (r["bytes"] / 1e9)}
+    if with_others:
+        res["idle_dropped"] = sum(stats["subscribers"]["idle"]["dropped"].values())
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="2,16", help="message sizes in MiB")
+    ap.add_argument("--gib", type=float, default=2.0, help="data per measurement, GiB")
+    args = ap.parse_args()
+    summary: dict = {}
+    print(f"{'size':>7s} {'mode':>8s} {'GB/s':>7s} {'ratio':>6s} {'pub CPU s/GB':>13s}")
+    for mib in (int(x) for x in args.sizes.split(",")):
+        size = mib << 20
+        count = max(8, int(args.gib * (1 << 30) / size))
+        base = raw(size, count)
+        block = actbus(size, count, with_others=False)
+        others = actbus(size, count, with_others=True)
+        for mode, r in (("raw", base), ("block", block), ("+others", others)):
+            ratio = r["gbps"] / base["gbps"]
+            print(
+                f"{mib:>5d}Mi {mode:>8s} {r['gbps']:>7.2f} {ratio:>6.2f} {r['cpu_s_per_gb']:>13.3f}"
+            )
+        summary[f"raw_gbps_{mib}mib"] = round(base["gbps"], 3)
+        summary[f"block_gbps_{mib}mib"] = round(block["gbps"], 3)
+        summary[f"ratio_block_{mib}mib"] = round(block["gbps"] / base["gbps"], 3)
+        summary[f"ratio_block_with_others_{mib}mib"] = round(others["gbps"] / block["gbps"], 3)
+        summary[f"pub_cpu_s_per_gb_{mib}mib"] = round(block["cpu_s_per_gb"], 3)
+        summary[f"idle_dropped_{mib}mib"] = others["idle_dropped"]
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
