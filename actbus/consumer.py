@@ -35,9 +35,16 @@ class Consumer(ABC):
     def from_args(cls, args: argparse.Namespace) -> Consumer:
         """Build the consumer from parsed flags."""
 
-    def subscription(self, policy: str | None = None, window: int = 32) -> Subscription:
+    def subscription(
+        self, policy: str | None = None, window: int = 16, window_bytes: int = 32 << 20
+    ) -> Subscription:
         """What to ask the publisher for; override to filter layers or hooks."""
-        return Subscription(policy=policy or self.default_policy, window=window, name=self.name)
+        return Subscription(
+            policy=policy or self.default_policy,
+            window=window,
+            window_bytes=window_bytes,
+            name=self.name,
+        )
 
     def on_welcome(self, info: dict[str, Any]) -> None:
         """The publisher accepted the subscription; ``info`` describes the stream."""

@@ -75,8 +75,6 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
                 address,
                 "--policy",
                 policy,
-                "--window",
-                "64",
                 "--log-level",
                 "WARNING",
             ],

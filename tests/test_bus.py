@@ -185,3 +185,26 @@ def test_end_and_resubscribe_after_publisher_restart(address):
     finally:
         sub.close()
         pub.close(timeout=2)
+
+
+def test_byte_credit_bounds_bytes_in_flight(publisher, address):
+    """With 1 KiB-row messages and 8 KiB of byte credit, at most 8 are ever unacknowledged."""
+    with Subscriber(address, Subscription(window=1000, window_bytes=8 * 1024, name="b")) as sub:
+        sub.wait_welcome(10)
+        for i in range(40):
+            publisher.publish(*_msg(i))  # 4 rows x 64 x 4 B = 1 KiB each
+        wait_for(lambda: publisher.stats()["subscribers"]["b"]["sent"] >= 8, 10, "first sends")
+        time.sleep(0.5)  # nothing read yet: sending must have stopped at the byte credit
+        st = publisher.stats()["subscribers"]["b"]
+        assert st["sent"] == 8 and st["credit_bytes"] == 0, st
+        got = _drain(sub, 40)
+    assert [b.step for b in got] == list(range(40))
+
+
+def test_oversized_message_goes_alone(publisher, address):
+    with Subscriber(address, Subscription(window_bytes=100, name="tiny")) as sub:
+        sub.wait_welcome(10)
+        for i in range(3):
+            publisher.publish(*_msg(i))  # 1 KiB each, 10x the byte window
+        got = _drain(sub, 3)
+    assert [b.step for b in got] == [0, 1, 2]

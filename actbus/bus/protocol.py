@@ -21,8 +21,13 @@ class Subscription:
     """A subscriber's request, sent in HELLO."""
 
     policy: str = "block"
-    window: int = 32
+    window: int = 16
     """Credit in messages: how many the publisher may send ahead of acknowledgements."""
+    window_bytes: int = 32 << 20
+    """Credit in bytes; whichever of the two runs out first holds sending back. A
+    message larger than this still goes when nothing else is in flight. Measured on
+    ipc (2 MiB messages): 16 messages / 32 MiB in flight sent 1.6-2.6 GB/s where 64
+    messages sent 0.2-0.5, so more in flight is not faster."""
     layers: tuple[int, ...] | None = None
     hooks: tuple[str, ...] | None = None
     name: str = ""
@@ -32,6 +37,7 @@ class Subscription:
             "schema": SCHEMA_VERSION,
             "policy": self.policy,
             "window": self.window,
+            "window_bytes": self.window_bytes,
             "layers": list(self.layers) if self.layers is not None else None,
             "hooks": list(self.hooks) if self.hooks is not None else None,
             "name": self.name,
@@ -48,9 +54,16 @@ class Subscription:
         policy = d.get("policy", "block")
         if policy not in POLICIES:
             raise WireError(f"policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
-        window = d.get("window", 32)
+        window = d.get("window", 16)
         if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
             raise WireError(f"window must be an int in 1..{MAX_WINDOW}, got {window!r}")
+        window_bytes = d.get("window_bytes", 32 << 20)
+        if (
+            not isinstance(window_bytes, int)
+            or isinstance(window_bytes, bool)
+            or not 1 <= window_bytes <= 1 << 40
+        ):
+            raise WireError(f"window_bytes must be an int in 1..2**40, got {window_bytes!r}")
         layers = d.get("layers")
         if layers is not None and (
             not isinstance(layers, list) or not all(isinstance(x, int) for x in layers)
@@ -65,6 +78,7 @@ class Subscription:
         return cls(
             policy=policy,
             window=window,
+            window_bytes=window_bytes,
             layers=tuple(layers) if layers is not None else None,
             hooks=tuple(hooks) if hooks is not None else None,
             name=str(name)[:200],

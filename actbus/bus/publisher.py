@@ -76,6 +76,7 @@ class _Sub:
     ident: bytes
     sub: Subscription
     credit: int
+    credit_bytes: int
     last_seen: float
     pending: deque[_Item] = field(default_factory=deque)
     seq: int = 0
@@ -157,17 +158,20 @@ class Publisher:
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
-            subs = {
-                s.sub.name or s.ident.hex(): {
+            subs: dict[str, dict[str, Any]] = {}
+            for s in list(self._subs.values()):
+                key = s.sub.name or s.ident.hex()
+                if key in subs:  # names need not be unique
+                    key = f"{key}#{s.ident.hex()[:8]}"
+                subs[key] = {
                     "policy": s.sub.policy,
                     "sent": s.sent,
                     "bytes_sent": s.bytes_sent,
                     "dropped": dict(s.dropped),
                     "pending": len(s.pending),
                     "credit": s.credit,
+                    "credit_bytes": s.credit_bytes,
                 }
-                for s in list(self._subs.values())
-            }
             return {
                 **dict(self._counters),
                 "last_step": self.last_step,
@@ -256,11 +260,12 @@ class Publisher:
             if tag == HELLO:
                 self._hello(ident, msg, now)
             elif tag == CREDIT:
-                n = msg.get("n", 0)
+                n, nbytes = msg.get("n", 0), msg.get("bytes", 0)
                 if sub is None:
                     self._send_control(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
-                elif isinstance(n, int) and 0 <= n <= 1 << 20:
+                elif _count(n, 1 << 20) and _count(nbytes, 1 << 40):
                     sub.credit = min(sub.credit + n, sub.sub.window)
+                    sub.credit_bytes = min(sub.credit_bytes + nbytes, sub.sub.window_bytes)
                     sub.last_seen = now
                 else:
                     self._counters["malformed_control"] += 1
@@ -281,7 +286,13 @@ class Publisher:
         if old is not None:
             self._drop_pending(old, "resubscribed")
         with self._cond:
-            self._subs[ident] = _Sub(ident=ident, sub=sub, credit=sub.window, last_seen=now)
+            self._subs[ident] = _Sub(
+                ident=ident,
+                sub=sub,
+                credit=sub.window,
+                credit_bytes=sub.window_bytes,
+                last_seen=now,
+            )
         log.info("subscriber %s joined (policy=%s)", sub.name or ident.hex(), sub.policy)
         self._send_control(
             ident,
@@ -320,7 +331,7 @@ class Publisher:
 
     def _send_pending(self) -> None:
         for s in list(self._subs.values()):
-            while s.credit > 0 and s.pending:
+            while s.pending and self._may_send(s, s.pending[0]):
                 item = s.pending[0]
                 try:
                     self._sock.send_multipart(
@@ -333,8 +344,17 @@ class Publisher:
                 s.pending.popleft()
                 s.seq += 1
                 s.credit -= 1
+                s.credit_bytes -= item.nbytes
                 s.sent += 1
                 s.bytes_sent += item.nbytes
+
+    @staticmethod
+    def _may_send(s: _Sub, item: _Item) -> bool:
+        """Within both credits; an oversized message goes alone when nothing is in flight."""
+        if s.credit <= 0:
+            return False
+        idle = s.credit >= s.sub.window and s.credit_bytes >= s.sub.window_bytes
+        return item.nbytes <= s.credit_bytes or idle
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -382,3 +402,7 @@ class Publisher:
         if s.pending:
             s.dropped[reason] += len(s.pending)
             s.pending.clear()
+
+
+def _count(v: object, limit: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit

@@ -110,6 +110,7 @@ class Subscriber:
         self._sock.connect(address)
         self._next_seq = 0
         self._owed = 0  # messages received but not yet credited back
+        self._owed_bytes = 0
         self._last_heard = 0.0
         self._last_hello = 0.0
         self._last_credit = time.monotonic()
@@ -172,6 +173,7 @@ class Subscriber:
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
         self._owed = 0
+        self._owed_bytes = 0
         self._sock.send_multipart([HELLO, pack_map(self.subscription.to_wire())])
 
     def _keepalive(self) -> None:
@@ -186,8 +188,9 @@ class Subscriber:
             self._grant()
 
     def _grant(self) -> None:
-        self._sock.send_multipart([CREDIT, pack_map({"n": self._owed})])
+        self._sock.send_multipart([CREDIT, pack_map({"n": self._owed, "bytes": self._owed_bytes})])
         self._owed = 0
+        self._owed_bytes = 0
         self._last_credit = time.monotonic()
 
     def _handle(self, frames: list[zmq.Frame]) -> Batch | Event | None:
@@ -195,8 +198,13 @@ class Subscriber:
         tag = frames[0].bytes if frames else b""
         try:
             if tag == DATA:
-                self._owed += 1  # credit comes back even for a message we cannot read
-                if self._owed >= max(1, self.subscription.window // 2):
+                # Credit comes back even for a message we cannot read.
+                self._owed += 1
+                self._owed_bytes += len(frames[-1].buffer) if len(frames) == 4 else 0
+                sub = self.subscription
+                if self._owed >= max(1, sub.window // 2) or (
+                    self._owed_bytes >= sub.window_bytes // 2
+                ):
                     self._grant()
                 if len(frames) != 4:
                     raise WireError(f"data message has {len(frames)} frames, expected 4")
