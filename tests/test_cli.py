@@ -1,0 +1,30 @@
+"""The actbus command, run as a user runs it."""
+
+import subprocess
+import sys
+
+
+def _actbus(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "actbus.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_run_list_shows_installed_consumers():
+    out = _actbus("run", "--list")
+    assert out.returncode == 0
+    names = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+    assert {"fs-sink", "null"} <= names
+
+
+def test_unknown_consumer_is_named_with_the_installed_ones():
+    out = _actbus("run", "no-such-consumer", "--connect", "ipc:///tmp/x.sock")
+    assert out.returncode == 2
+    assert "no consumer named 'no-such-consumer'" in out.stderr and "fs-sink" in out.stderr
+
+
+def test_consumer_flags_are_checked():
+    out = _actbus("run", "fs-sink", "--connect", "ipc:///tmp/x.sock")
+    assert out.returncode == 2 and "--out" in out.stderr
+    out = _actbus("run", "fs-sink", "--help")
+    assert out.returncode == 0 and "--shard-rows" in out.stdout and "--policy" in out.stdout
