@@ -64,6 +64,10 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
         p.print_help()
         return 0
     opts = p.parse_args(rest)
+    if opts.window < 1:
+        p.error(f"--window must be at least 1 (messages in flight), got {opts.window}")
+    if opts.window_mb <= 0:
+        p.error(f"--window-mb must be above 0 (MiB in flight), got {opts.window_mb}")
     logging.basicConfig(
         level=opts.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -37,8 +37,9 @@ class CaptureConfig:
     the engine waits (lossless) rather than dropping."""
     heartbeat_s: float = 0.5
     """How often the publisher tells subscribers it is alive."""
-    subscriber_timeout_s: float = 5.0
-    """A subscriber silent this long is dropped and no longer waited for."""
+    subscriber_timeout_s: float = 30.0
+    """A subscriber silent this long is dropped and no longer waited for. A killed
+    subscriber is noticed sooner, within a heartbeat, by its closed connection."""
     model_name: str | None = None
     """Name put in every message header; defaults to the served model name."""
     all_layers: bool = field(default=False, repr=False)
@@ -90,16 +91,22 @@ class CaptureConfig:
                         f"actbus.hooks[{i}]: unknown hook {h!r}; supported: {', '.join(HOOKS)}"
                     )
             kw["hooks"] = tuple(dict.fromkeys(hooks))
-        for name, kind, lo in (
-            ("queue_mb", int, 1),
-            ("heartbeat_s", (int, float), 0.01),
-            ("subscriber_timeout_s", (int, float), 0.1),
+        for name, kind, lo, what in (
+            ("queue_mb", int, 1, "an integer number of MiB >= 1"),
+            ("heartbeat_s", (int, float), 0.01, "seconds >= 0.01"),
+            ("subscriber_timeout_s", (int, float), 1.0, "seconds >= 1"),
         ):
             if name in raw:
                 v = raw[name]
                 if not isinstance(v, kind) or isinstance(v, bool) or v < lo:
-                    raise ConfigError(f"actbus.{name}: expected a number >= {lo}, got {v!r}")
+                    raise ConfigError(f"actbus.{name}: expected {what}, got {v!r}")
                 kw[name] = v
+        hb = kw.get("heartbeat_s", cls.heartbeat_s)
+        if kw.get("subscriber_timeout_s", cls.subscriber_timeout_s) < 4 * hb:
+            raise ConfigError(
+                "actbus.subscriber_timeout_s: must be at least 4 x heartbeat_s, or live "
+                "subscribers are dropped between heartbeats"
+            )
         if "model_name" in raw:
             if not isinstance(raw["model_name"], str):
                 raise ConfigError("actbus.model_name: expected a string")

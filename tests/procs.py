@@ -83,10 +83,11 @@ def wait_rows(out: Path, layer: int, at_least: int, timeout: float = 60.0) -> di
         return m if m and m["rows"].get(key, 0) >= at_least else None
 
     wait_for(enough, timeout, f"{at_least} rows of layer {layer} in {out}")
-    last = -1
-    while True:  # settle: extra rows would be a bug the caller should see
+    last, deadline = -1, time.monotonic() + timeout
+    while time.monotonic() < deadline:  # settle: extra rows are a bug the caller should see
         m = manifest(out)
         if m["total_rows"] == last:
             return m
         last = m["total_rows"]
         time.sleep(1.0)
+    raise TimeoutError(f"rows in {out} kept growing for {timeout}s")

@@ -196,7 +196,7 @@ def test_byte_credit_bounds_bytes_in_flight(publisher, address):
         wait_for(lambda: publisher.stats()["subscribers"]["b"]["sent"] >= 8, 10, "first sends")
         time.sleep(0.5)  # nothing read yet: sending must have stopped at the byte credit
         st = publisher.stats()["subscribers"]["b"]
-        assert st["sent"] == 8 and st["credit_bytes"] == 0, st
+        assert st["sent"] == 8 and st["inflight_bytes"] == 8 * 1024, st
         got = _drain(sub, 40)
     assert [b.step for b in got] == list(range(40))
 
@@ -208,3 +208,58 @@ def test_oversized_message_goes_alone(publisher, address):
             publisher.publish(*_msg(i))  # 1 KiB each, 10x the byte window
         got = _drain(sub, 3)
     assert [b.step for b in got] == [0, 1, 2]
+
+
+def test_drop_newest_sends_a_burst_it_has_credit_for(publisher, address):
+    with Subscriber(address, Subscription(policy="drop_newest", window=64, name="d")) as sub:
+        sub.wait_welcome(10)
+        for i in range(40):  # a burst, like many layers of one step
+            publisher.publish(*_msg(i))
+        got = _drain(sub, 40)
+        assert publisher.stats()["subscribers"]["d"]["dropped"] == {}
+    assert [b.step for b in got] == list(range(40))
+
+
+def test_every_drop_is_a_visible_gap(publisher, address):
+    with Subscriber(address, Subscription(policy="drop_newest", window=2, name="g")) as sub:
+        sub.wait_welcome(10)
+        for i in range(50):
+            publisher.publish(*_msg(i))
+        wait_for(lambda: publisher.stats()["published"] == 50, 10, "all published")
+        got = _drain(sub, 50, timeout=3)
+        dropped = publisher.stats()["subscribers"]["g"]["dropped"]["queue_full"]
+        deadline = time.monotonic() + 10  # trailing drops are learnt from a heartbeat
+        while len(got) + sub.stats.missed < 50 and time.monotonic() < deadline:
+            sub.recv(timeout=0.2)
+    assert dropped > 0 and sub.stats.missed == dropped, (len(got), sub.stats.missed, dropped)
+    assert len(got) + sub.stats.missed == 50
+    steps = [b.step for b in got]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+
+
+def test_a_consumer_pausing_longer_than_the_silence_limit_loses_nothing(publisher, address):
+    with Subscriber(
+        address, Subscription(policy="block", window=4, name="p"), silence_s=1.0
+    ) as sub:
+        sub.wait_welcome(10)
+        feeder = threading.Thread(
+            target=lambda: [publisher.publish(*_msg(i)) for i in range(60)], daemon=True
+        )
+        feeder.start()
+        got = _drain(sub, 5)
+        time.sleep(2.5)  # a slow step: well past silence_s, heartbeats pile up unread
+        got += _drain(sub, 55)
+        feeder.join(timeout=10)
+    assert [b.step for b in got] == list(range(60))
+    assert sub.stats.missed == 0 and sub.stats.welcomes == 1
+    assert publisher.stats().get("resubscribed", 0) == 0
+
+
+def test_subscriber_without_publisher_times_out_and_closes(tmp_path):
+    sub = Subscriber(f"ipc://{tmp_path}/nobody.sock", silence_s=0.5)
+    t0 = time.monotonic()
+    assert sub.recv(timeout=2.5) is None
+    with pytest.raises(TimeoutError, match="no publisher answered"):
+        sub.wait_welcome(0.5)
+    sub.close()
+    assert time.monotonic() - t0 < 6

@@ -2,10 +2,14 @@
 
 The engine thread hands each captured message to ``publish``, which only queues it
 (within a byte budget) and returns; a background thread owns the socket and does
-all sending. Each subscriber grants credit, and the publisher never sends it more
-data messages than granted. What happens when a subscriber has no credit is that
-subscriber's policy: ``block`` holds back the shared queue (the engine waits once
-the budget is spent), ``drop_newest`` counts and drops.
+all sending. What happens when a subscriber has no credit is that subscriber's
+policy: ``block`` holds back the shared queue (the engine waits once the budget is
+spent), ``drop_newest`` counts and drops.
+
+Sequence numbers are given per subscriber when a message is routed to it, so a
+dropped message leaves a gap the subscriber sees. Credit is cumulative: a
+subscriber acknowledges "everything below seq N", and the publisher derives what
+is in flight from that, so a lost acknowledgement or message never leaks credit.
 
 Dead subscribers are found two ways: ``ROUTER_MANDATORY`` makes a send to a peer
 whose connection closed fail at once (heartbeats go out every ``heartbeat_s``, so
@@ -20,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,14 +80,27 @@ class _Item:
 class _Sub:
     ident: bytes
     sub: Subscription
-    credit: int
-    credit_bytes: int
     last_seen: float
-    pending: deque[_Item] = field(default_factory=deque)
-    seq: int = 0
+    pending: deque[tuple[int, _Item]] = field(default_factory=deque)
+    next_seq: int = 0  # the seq the next routed message gets
+    inflight: deque[tuple[int, int]] = field(default_factory=deque)  # (seq, nbytes) unacked
+    inflight_bytes: int = 0
     sent: int = 0
     bytes_sent: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
+
+    def may_send(self, nbytes: int) -> bool:
+        """Within both credits; an oversized message goes alone when nothing is in flight."""
+        if not self.inflight:
+            return True
+        return (
+            len(self.inflight) < self.sub.window
+            and self.inflight_bytes + nbytes <= self.sub.window_bytes
+        )
+
+    def ack(self, acked: int) -> None:
+        while self.inflight and self.inflight[0][0] < acked:
+            self.inflight_bytes -= self.inflight.popleft()[1]
 
 
 class Publisher:
@@ -95,10 +113,11 @@ class Publisher:
         info: dict[str, Any],
         queue_bytes: int = 1 << 30,
         heartbeat_s: float = 0.5,
-        subscriber_timeout_s: float = 5.0,
+        subscriber_timeout_s: float = 30.0,
     ) -> None:
         self.address = address
-        self._info = dict(info)
+        self.id = uuid.uuid4().hex
+        self._info = {**info, "publisher_id": self.id, "heartbeat_s": heartbeat_s}
         self._queue_budget = queue_bytes
         self._heartbeat_s = heartbeat_s
         self._timeout_s = subscriber_timeout_s
@@ -121,6 +140,7 @@ class Publisher:
         os.set_blocking(self._wake_w, False)
         self._subs: dict[bytes, _Sub] = {}
         self._closing = False
+        self._closed = False
         self._stopped = threading.Event()
         self._counters: Counter[str] = Counter()
         self.last_step = -1
@@ -153,8 +173,8 @@ class Publisher:
             was_empty = not self._queue
             self._queue.append(item)
             self._queued_bytes += item.nbytes
-        if was_empty:
-            self._wake()
+            if was_empty:
+                self._wake()
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
@@ -169,8 +189,8 @@ class Publisher:
                     "bytes_sent": s.bytes_sent,
                     "dropped": dict(s.dropped),
                     "pending": len(s.pending),
-                    "credit": s.credit,
-                    "credit_bytes": s.credit_bytes,
+                    "inflight": len(s.inflight),
+                    "inflight_bytes": s.inflight_bytes,
                 }
             return {
                 **dict(self._counters),
@@ -182,19 +202,19 @@ class Publisher:
             }
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (up to ``timeout``), tell subscribers, stop."""
-        if self._stopped.is_set():
-            return
+        """Send what is queued (up to ``timeout``), tell subscribers, stop. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self._busy():
+        while time.monotonic() < deadline and self._busy() and not self._stopped.is_set():
             time.sleep(0.01)
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._wake()
+            self._wake()
         self._thread.join(timeout=max(0.5, deadline - time.monotonic() + 1.0))
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     # ------------------------------------------------------------ publisher thread
     def _busy(self) -> bool:
@@ -202,8 +222,10 @@ class Publisher:
             return bool(self._queue) or any(s.pending for s in self._subs.values())
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"x")
+        """Called with ``_cond`` held, so the pipe is never closed underneath."""
+        if not self._stopped.is_set():
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -214,10 +236,12 @@ class Publisher:
             while True:
                 with self._cond:
                     closing = self._closing
+                    more = bool(self._queue) and self._can_take()
                 if closing:
                     self._broadcast(END, {"last_step": self.last_step})
                     break
-                wait_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+                # Work left that needs no event: do not sleep (no lost wake-ups).
+                wait_ms = 0 if more else max(0, int((next_beat - time.monotonic()) * 1000))
                 events = dict(poller.poll(wait_ms))
                 if self._wake_r in events:
                     with contextlib.suppress(BlockingIOError):
@@ -225,7 +249,6 @@ class Publisher:
                 if self._sock in events:
                     self._read_control()
                 self._take_items()
-                self._send_pending()
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + self._heartbeat_s
@@ -234,11 +257,13 @@ class Publisher:
         finally:
             self._sock.close(linger=0)
             self._ctx.term()
-            self._stopped.set()
             with self._cond:
+                self._stopped.set()
                 self._closing = True
                 self._queue.clear()
                 self._cond.notify_all()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def _read_control(self) -> None:
         while True:
@@ -260,13 +285,13 @@ class Publisher:
             if tag == HELLO:
                 self._hello(ident, msg, now)
             elif tag == CREDIT:
-                n, nbytes = msg.get("n", 0), msg.get("bytes", 0)
+                acked = msg.get("acked")
                 if sub is None:
                     self._send_control(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
-                elif _count(n, 1 << 20) and _count(nbytes, 1 << 40):
-                    sub.credit = min(sub.credit + n, sub.sub.window)
-                    sub.credit_bytes = min(sub.credit_bytes + nbytes, sub.sub.window_bytes)
+                elif isinstance(acked, int) and not isinstance(acked, bool) and acked >= 0:
+                    sub.ack(acked)
                     sub.last_seen = now
+                    self._flush(sub)
                 else:
                     self._counters["malformed_control"] += 1
             elif tag == BYE:
@@ -282,23 +307,25 @@ class Publisher:
             self._counters["rejected"] += 1
             self._send_control(ident, REJECT, {"reason": str(e)})
             return
-        old = self._subs.pop(ident, None)
-        if old is not None:
-            self._drop_pending(old, "resubscribed")
         with self._cond:
-            self._subs[ident] = _Sub(
-                ident=ident,
-                sub=sub,
-                credit=sub.window,
-                credit_bytes=sub.window_bytes,
-                last_seen=now,
-            )
-        log.info("subscriber %s joined (policy=%s)", sub.name or ident.hex(), sub.policy)
+            s = self._subs.get(ident)
+            if s is None:
+                s = self._subs[ident] = _Sub(ident=ident, sub=sub, last_seen=now)
+                log.info("subscriber %s joined (policy=%s)", sub.name or ident.hex(), sub.policy)
+            else:
+                # The same subscriber again (it thought we went quiet): keep its
+                # queue and numbering, so nothing is lost or renumbered.
+                self._counters["resubscribed"] += 1
+                s.sub, s.last_seen = sub, now
+                s.inflight.clear()
+                s.inflight_bytes = 0
+        next_seq = s.pending[0][0] if s.pending else s.next_seq
         self._send_control(
             ident,
             WELCOME,
-            {**self._info, "schema": SCHEMA_VERSION, "step": self.last_step},
+            {**self._info, "schema": SCHEMA_VERSION, "step": self.last_step, "next_seq": next_seq},
         )
+        self._flush(s)
 
     def _can_take(self) -> bool:
         return all(
@@ -306,55 +333,57 @@ class Publisher:
         )
 
     def _take_items(self) -> None:
-        while self._can_take():
+        while True:
             with self._cond:
-                if not self._queue:
+                if not self._queue or not self._can_take():
                     return
                 item = self._queue.popleft()
                 self._queued_bytes -= item.nbytes
                 self._cond.notify_all()
-            item.materialize()
+            try:
+                item.materialize()
+            except Exception:  # one bad message must not end the bus
+                log.exception("actbus: could not encode a message; dropped")
+                self._counters["encode_errors"] += 1
+                continue
             h = item.header
             self.last_step = max(self.last_step, h.step)
             self._counters["published"] += 1
             routed = False
-            for s in self._subs.values():
+            for s in list(self._subs.values()):
                 if not s.sub.wants(h.layer, h.hook):
                     continue
                 routed = True
-                if s.sub.policy == "drop_newest" and len(s.pending) >= PENDING_LIMIT:
-                    s.dropped["queue_full"] += 1
+                seq = s.next_seq
+                s.next_seq += 1
+                if (
+                    s.sub.policy == "drop_newest"
+                    and len(s.pending) >= PENDING_LIMIT
+                    and not s.may_send(item.nbytes)
+                ):
+                    s.dropped["queue_full"] += 1  # its seq is skipped: a visible gap
                     continue
-                s.pending.append(item)
+                s.pending.append((seq, item))
+                self._flush(s)
             if not routed:
                 self._counters["unrouted"] += 1
 
-    def _send_pending(self) -> None:
-        for s in list(self._subs.values()):
-            while s.pending and self._may_send(s, s.pending[0]):
-                item = s.pending[0]
-                try:
-                    self._sock.send_multipart(
-                        [s.ident, DATA, pack_seq(s.seq), item.header_bytes, item.payload],
-                        copy=False,
-                    )
-                except zmq.ZMQError as e:
-                    self._lost(s, e)
-                    break
-                s.pending.popleft()
-                s.seq += 1
-                s.credit -= 1
-                s.credit_bytes -= item.nbytes
-                s.sent += 1
-                s.bytes_sent += item.nbytes
-
-    @staticmethod
-    def _may_send(s: _Sub, item: _Item) -> bool:
-        """Within both credits; an oversized message goes alone when nothing is in flight."""
-        if s.credit <= 0:
-            return False
-        idle = s.credit >= s.sub.window and s.credit_bytes >= s.sub.window_bytes
-        return item.nbytes <= s.credit_bytes or idle
+    def _flush(self, s: _Sub) -> None:
+        """Send what ``s``'s credit allows."""
+        while s.pending and s.may_send(s.pending[0][1].nbytes):
+            seq, item = s.pending[0]
+            try:
+                self._sock.send_multipart(
+                    [s.ident, DATA, pack_seq(seq), item.header_bytes, item.payload], copy=False
+                )
+            except zmq.ZMQError as e:
+                self._lost(s, e)
+                return
+            s.pending.popleft()
+            s.inflight.append((seq, item.nbytes))
+            s.inflight_bytes += item.nbytes
+            s.sent += 1
+            s.bytes_sent += item.nbytes
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -365,7 +394,7 @@ class Publisher:
                 continue
             beat = {
                 "step": self.last_step,
-                "seq": s.seq,
+                "seq": s.next_seq,
                 "pending": len(s.pending),
                 "queued": len(self._queue),
                 "sent": s.sent,
@@ -390,19 +419,13 @@ class Publisher:
             log.warning("subscriber %s disconnected; no longer waited for", s.sub.name)
             self._remove(s, "disconnected")
         else:
-            raise err
+            log.error("actbus: send to %s failed (%s); dropping it", s.sub.name, err)
+            self._remove(s, "send_error")
 
     def _remove(self, s: _Sub, reason: str) -> None:
-        self._drop_pending(s, reason)
-        with self._cond:
-            self._subs.pop(s.ident, None)
-        self._counters[f"subscribers_{reason}"] += 1
-
-    def _drop_pending(self, s: _Sub, reason: str) -> None:
         if s.pending:
             s.dropped[reason] += len(s.pending)
             s.pending.clear()
-
-
-def _count(v: object, limit: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit
+        with self._cond:
+            self._subs.pop(s.ident, None)
+        self._counters[f"subscribers_{reason}"] += 1

@@ -1,11 +1,13 @@
 """The subscriber: a DEALER that asks for a subscription and grants credit.
 
 Iterating a ``Subscriber`` yields ``Batch`` objects whose tensors are made
-zero-copy over the received frames. Credit is returned as messages arrive, in
-chunks of half the window, and doubles as the subscriber's heartbeat. If the
-publisher goes quiet (restart, not started yet), HELLO is sent again, so a
-subscriber started before the publisher, or surviving a publisher restart,
-needs no help from its user.
+zero-copy over the received frames. Credit is a cumulative acknowledgement ("all
+below seq N arrived or is known lost"), sent after half a window and at least
+every 0.5 s while ``recv`` is called; it doubles as the subscriber's heartbeat.
+If the publisher goes quiet (restart, not started yet), HELLO is sent again, so a
+subscriber started before the publisher, or surviving a publisher restart, needs
+no help from its user. Every message the publisher dropped for us shows up in
+``stats.missed``.
 """
 
 from __future__ import annotations
@@ -108,9 +110,10 @@ class Subscriber:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
         self._sock.connect(address)
-        self._next_seq = 0
-        self._owed = 0  # messages received but not yet credited back
+        self._next_seq = 0  # lowest seq not yet received (or known lost)
+        self._owed = 0  # messages received since the last acknowledgement
         self._owed_bytes = 0
+        self._publisher_id: str | None = None
         self._last_heard = 0.0
         self._last_hello = 0.0
         self._last_credit = time.monotonic()
@@ -170,16 +173,25 @@ class Subscriber:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _send(self, frames: list[bytes]) -> None:
+        """Control messages never block: with no publisher they would pile up forever."""
+        with contextlib.suppress(zmq.Again):
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
-        self._owed = 0
-        self._owed_bytes = 0
-        self._sock.send_multipart([HELLO, pack_map(self.subscription.to_wire())])
+        self._send([HELLO, pack_map(self.subscription.to_wire())])
+
+    def _silent(self, now: float) -> bool:
+        if self.welcome is None:
+            return True
+        limit = max(self.silence_s, 8 * float(self.welcome.get("heartbeat_s", 0.5)))
+        # Messages already waiting mean the publisher is alive, however long we were away.
+        return now - self._last_heard > limit and not self._sock.poll(0)
 
     def _keepalive(self) -> None:
         now = time.monotonic()
-        heard = self._last_heard
-        if (self.welcome is None or now - heard > self.silence_s) and now - self._last_hello > 1.0:
+        if self._silent(now) and now - self._last_hello > 1.0:
             if self.welcome is not None:
                 log.warning("publisher at %s went quiet; subscribing again", self.address)
                 self.welcome = None
@@ -188,7 +200,7 @@ class Subscriber:
             self._grant()
 
     def _grant(self) -> None:
-        self._sock.send_multipart([CREDIT, pack_map({"n": self._owed, "bytes": self._owed_bytes})])
+        self._send([CREDIT, pack_map({"acked": self._next_seq})])
         self._owed = 0
         self._owed_bytes = 0
         self._last_credit = time.monotonic()
@@ -198,17 +210,18 @@ class Subscriber:
         tag = frames[0].bytes if frames else b""
         try:
             if tag == DATA:
-                # Credit comes back even for a message we cannot read.
                 self._owed += 1
-                self._owed_bytes += len(frames[-1].buffer) if len(frames) == 4 else 0
-                sub = self.subscription
-                if self._owed >= max(1, sub.window // 2) or (
-                    self._owed_bytes >= sub.window_bytes // 2
-                ):
-                    self._grant()
-                if len(frames) != 4:
-                    raise WireError(f"data message has {len(frames)} frames, expected 4")
-                return self._data(frames)
+                self._owed_bytes += len(frames[-1].buffer)
+                try:
+                    if len(frames) != 4:
+                        raise WireError(f"data message has {len(frames)} frames, expected 4")
+                    return self._data(frames)
+                finally:  # acknowledged even when unreadable, so credit never leaks
+                    sub = self.subscription
+                    if self._owed >= max(1, sub.window // 2) or (
+                        self._owed_bytes >= sub.window_bytes // 2
+                    ):
+                        self._grant()
             if len(frames) != 2:
                 raise WireError(f"unexpected message shape ({len(frames)} frames)")
             body = unpack_map(frames[1].buffer)
@@ -219,11 +232,20 @@ class Subscriber:
         if tag == WELCOME:
             self.welcome = body
             self.stats.welcomes += 1
-            self._next_seq = 0
+            next_seq = int(body.get("next_seq", 0))
+            if body.get("publisher_id") != self._publisher_id:  # a new stream
+                self._publisher_id = body.get("publisher_id")
+                self._next_seq = next_seq
+            else:
+                self._skip_to(next_seq)
             return Event("welcome", body)
         if tag == HEARTBEAT:
             self.stats.publisher_step = int(body.get("step", -1))
             self.stats.dropped_by_publisher = dict(body.get("dropped") or {})
+            if not body.get("pending"):
+                # Nothing waits for us at the publisher, and everything it sent before
+                # this heartbeat has arrived: seqs below its counter that we lack were dropped.
+                self._skip_to(int(body.get("seq", 0)))
             return Event("heartbeat", body)
         if tag == END:
             self.welcome = None
@@ -237,13 +259,19 @@ class Subscriber:
         self.stats.malformed += 1
         return None
 
-    def _data(self, frames: list[zmq.Frame]) -> Batch:
-        seq = unpack_seq(frames[1].buffer)
-        header = Header.decode(frames[2].buffer)
-        tensor = frame_to_tensor(frames[3].buffer, header)
+    def _skip_to(self, seq: int) -> None:
         if seq > self._next_seq:
             self.stats.missed += seq - self._next_seq
-        self._next_seq = seq + 1
+            self._next_seq = seq
+            self._grant()
+
+    def _data(self, frames: list[zmq.Frame]) -> Batch:
+        seq = unpack_seq(frames[1].buffer)
+        if seq > self._next_seq:
+            self.stats.missed += seq - self._next_seq
+        self._next_seq = max(self._next_seq, seq + 1)
+        header = Header.decode(frames[2].buffer)
+        tensor = frame_to_tensor(frames[3].buffer, header)
         self.stats.received += 1
         self.stats.bytes_received += header.nbytes
         self.stats.last_step = max(self.stats.last_step, header.step)

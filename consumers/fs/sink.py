@@ -10,6 +10,7 @@ replaced atomically, so a reader never sees a partial shard.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -56,6 +57,15 @@ class FsSink(Consumer):
         self.shard_bytes = int(shard_mb * (1 << 20))
         self.flush_s = flush_s
         self.out.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.out / ".lock", "w")  # noqa: SIM115 (held for the sink's life)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(
+                f"--out {self.out}: another fs-sink is writing this run; give each sink its "
+                "own directory"
+            ) from None
         for stale in self.out.rglob("*.tmp"):  # left by a crash mid-write
             stale.unlink()
         self.manifest: dict[str, Any] = layout.read_manifest(self.out) or {
@@ -69,9 +79,11 @@ class FsSink(Consumer):
             "rows": {},
             "total_rows": 0,
         }
-        self._next_index = 1 + max(
-            (int(Path(s["path"]).stem.split("-")[1]) for s in self.manifest["shards"]), default=-1
-        )
+        # Shards on disk count too: a crash between a shard's rename and the manifest's
+        # update leaves one the manifest does not list, and it must not be overwritten.
+        on_disk = [p.name for p in self.out.glob("layer-*/*/shard-*.arrow")]
+        listed = [Path(s["path"]).name for s in self.manifest["shards"]]
+        self._next_index = 1 + max((int(n[6:12]) for n in on_disk + listed), default=-1)
         self._buffers: dict[tuple[int, str], _Buffer] = {}
         self._schemas: dict[tuple[str, int], pa.Schema] = {}
         self.rows_received = 0
@@ -143,7 +155,10 @@ class FsSink(Consumer):
         self.flush()
 
     def close(self) -> None:
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            self._lock.close()
 
     # ----------------------------------------------------------------- writing
     def flush(self) -> None:
@@ -171,6 +186,7 @@ class FsSink(Consumer):
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
+        _fsync_dir(d)
         steps = table.column("step")
         m = self.manifest
         m["shards"].append(
@@ -194,3 +210,12 @@ class FsSink(Consumer):
         layout.write_atomic(
             self.out / layout.MANIFEST, json.dumps(self.manifest, indent=1).encode()
         )
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,77 @@
+"""The filesystem sink on real files, fed real batches (no engine needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actbus.bus import Batch
+from actbus.wire import Header, RowIndex
+from consumers.fs import ActivationRun, FsSink
+
+INFO = {"model": "m", "hidden_size": 8, "dtype": "float32", "layers": [1], "hooks": ["post_block"]}
+
+
+def _batch(step: int, rid: str, positions: list[int], dtype=torch.float32) -> Batch:
+    n = len(positions)
+    ri = RowIndex([rid], np.array([0, n]), np.array(positions), np.array(positions) + 10)
+    name = str(dtype).removeprefix("torch.")
+    h = Header(step, 1, "post_block", name, (n, 8), "m", ri)
+    t = (torch.arange(n * 8, dtype=torch.float32).view(n, 8) + 100 * step).to(dtype)
+    return Batch(header=h, tensor=t, seq=step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_exact_and_ordered_by_position(tmp_path, dtype):
+    sink = FsSink(tmp_path / "run", shard_rows=3)
+    sink.on_welcome({**INFO, "dtype": str(dtype).removeprefix("torch.")})
+    sink.on_batch(_batch(1, "b", [2, 3], dtype))  # out of order on purpose
+    sink.on_batch(_batch(0, "b", [0, 1], dtype))
+    sink.on_batch(_batch(0, "a", [0], dtype))
+    sink.close()
+    run = ActivationRun(tmp_path / "run")
+    positions, x = run.request_rows("b", 1)
+    assert positions.tolist() == [0, 1, 2, 3] and x.dtype == dtype
+    expected = torch.cat(
+        [_batch(0, "b", [0, 1], dtype).tensor, _batch(1, "b", [2, 3], dtype).tensor]
+    )
+    assert torch.equal(x, expected)
+    assert run.manifest["rows"] == {"1/post_block": 5} and len(run.shards()) >= 2
+    assert not list((tmp_path / "run").rglob("*.tmp"))
+
+
+def test_restart_continues_without_overwriting(tmp_path):
+    out = tmp_path / "run"
+    sink = FsSink(out)
+    sink.on_welcome(INFO)
+    sink.on_batch(_batch(0, "a", [0, 1]))
+    sink.close()
+    # A crash after a shard's rename but before the manifest update: a stray shard.
+    stray = out / "layer-01" / "post_block" / "shard-000007.arrow"
+    stray.write_bytes(b"not listed")
+    sink = FsSink(out)
+    sink.on_welcome(INFO)
+    sink.on_batch(_batch(1, "a", [2]))
+    sink.close()
+    names = sorted(s["path"] for s in ActivationRun(out).manifest["shards"])
+    assert names[-1].endswith("shard-000008.arrow") and stray.read_bytes() == b"not listed"
+    assert ActivationRun(out).request_rows("a", 1)[0].tolist() == [0, 1, 2]
+
+
+def test_second_sink_on_same_directory_is_refused(tmp_path):
+    first = FsSink(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="another fs-sink is writing this run"):
+        FsSink(tmp_path / "run")
+    first.close()
+    FsSink(tmp_path / "run").close()  # free again once the first is gone
+
+
+def test_run_of_another_model_is_refused(tmp_path):
+    sink = FsSink(tmp_path / "run")
+    sink.on_welcome(INFO)
+    sink.close()
+    sink = FsSink(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="holds a run of hidden_size=8"):
+        sink.on_welcome({**INFO, "hidden_size": 16})
+    sink.close()
