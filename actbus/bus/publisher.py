@@ -193,6 +193,8 @@ class Publisher:
                     "inflight_bytes": s.inflight_bytes,
                 }
             return {
+                "published": 0,
+                "unrouted": 0,
                 **dict(self._counters),
                 "last_step": self.last_step,
                 "queued": len(self._queue),
