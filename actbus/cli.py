@@ -55,8 +55,8 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
         help="what the publisher does when this consumer falls behind "
         f"(default {cls.default_policy})",
     )
-    p.add_argument("--window", type=int, default=16, help="credit: messages in flight")
-    p.add_argument("--window-mb", type=float, default=32, help="credit: MiB in flight")
+    p.add_argument("--window", type=int, default=64, help="credit: messages in flight")
+    p.add_argument("--window-mb", type=float, default=128, help="credit: MiB in flight")
     p.add_argument("--exit-on-end", action="store_true", help="exit when the publisher stops")
     p.add_argument("--log-level", default="INFO")
     cls.add_arguments(p)

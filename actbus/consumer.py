@@ -36,7 +36,7 @@ class Consumer(ABC):
         """Build the consumer from parsed flags."""
 
     def subscription(
-        self, policy: str | None = None, window: int = 16, window_bytes: int = 32 << 20
+        self, policy: str | None = None, window: int = 64, window_bytes: int = 128 << 20
     ) -> Subscription:
         """What to ask the publisher for; override to filter layers or hooks."""
         return Subscription(

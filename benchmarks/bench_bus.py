@@ -6,8 +6,9 @@ For each message size, in one run:
     +others   the same block subscriber beside a drop_newest `null` subscriber
 
 Rates are measured at the receiving block subscriber (first to last byte). The
-publisher's CPU time per GB sent is from this process's CPU clock. Prints a table,
-then one JSON line with every figure and ratio.
+publisher's CPU time per GB sent is from this process's CPU clock. Each mode runs
+--reps times, interleaved, and the median is reported (a shared 2-core VM drifts).
+Prints a table, then one JSON line with every figure and ratio.
 
     python benchmarks/bench_bus.py [--sizes 2,16] [--gib 2]
 """
@@ -140,19 +141,28 @@ def actbus(size: int, count: int, with_others: bool) -> dict:
     return res
 
 
+def _median(rs: list[dict]) -> dict:
+    """The run with the median rate (its other figures come with it)."""
+    return sorted(rs, key=lambda r: r["gbps"])[len(rs) // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="2,16", help="message sizes in MiB")
-    ap.add_argument("--gib", type=float, default=2.0, help="data per measurement, GiB")
+    ap.add_argument("--gib", type=float, default=1.0, help="data per measurement, GiB")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
     args = ap.parse_args()
     summary: dict = {}
     print(f"{'size':>7s} {'mode':>8s} {'GB/s':>7s} {'ratio':>6s} {'pub CPU s/GB':>13s}")
     for mib in (int(x) for x in args.sizes.split(",")):
         size = mib << 20
         count = max(8, int(args.gib * (1 << 30) / size))
-        base = raw(size, count)
-        block = actbus(size, count, with_others=False)
-        others = actbus(size, count, with_others=True)
+        runs: dict[str, list[dict]] = {"raw": [], "block": [], "+others": []}
+        for _ in range(args.reps):  # interleaved, so drift in the machine hits all alike
+            runs["raw"].append(raw(size, count))
+            runs["block"].append(actbus(size, count, with_others=False))
+            runs["+others"].append(actbus(size, count, with_others=True))
+        base, block, others = (_median(runs[k]) for k in ("raw", "block", "+others"))
         for mode, r in (("raw", base), ("block", block), ("+others", others)):
             ratio = r["gbps"] / base["gbps"]
             print(
