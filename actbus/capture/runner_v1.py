@@ -12,7 +12,7 @@ import functools
 import logging
 from typing import Any
 
-from actbus.capture.session import attach_capture
+from actbus.capture.session import wrap_load_model
 from actbus.capture.worker import StepView
 
 log = logging.getLogger("actbus.capture")
@@ -35,26 +35,10 @@ def patch() -> bool:
         pass
     for cls in classes:
         if "load_model" in vars(cls):
-            cls.load_model = _wrap_load_model(vars(cls)["load_model"])
+            cls.load_model = wrap_load_model(vars(cls)["load_model"], "v1")
     GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
     GPUModelRunner._actbus_patched = True
     return True
-
-
-def _wrap_load_model(orig):
-    @functools.wraps(orig)
-    def load_model(self, *args: Any, **kwargs: Any) -> Any:
-        out = orig(self, *args, **kwargs)
-        self._actbus = attach_capture(
-            self.model,
-            self.vllm_config,
-            max_rows=self.max_num_tokens,
-            device=self.device,
-            runner="v1",
-        )
-        return out
-
-    return load_model
 
 
 def _wrap_execute_model(orig):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from actbus.capture.session import attach_capture
+from actbus.capture.session import wrap_load_model
 from actbus.capture.worker import StepView
 
 
@@ -23,26 +23,10 @@ def patch() -> bool:
         return False
     if getattr(GPUModelRunner, "_actbus_patched", False):
         return True
-    GPUModelRunner.load_model = _wrap_load_model(GPUModelRunner.load_model)
+    GPUModelRunner.load_model = wrap_load_model(GPUModelRunner.load_model, "v2")
     GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
     GPUModelRunner._actbus_patched = True
     return True
-
-
-def _wrap_load_model(orig):
-    @functools.wraps(orig)
-    def load_model(self, *args: Any, **kwargs: Any) -> Any:
-        out = orig(self, *args, **kwargs)
-        self._actbus = attach_capture(
-            self.model,
-            self.vllm_config,
-            max_rows=self.max_num_tokens,
-            device=self.device,
-            runner="v2",
-        )
-        return out
-
-    return load_model
 
 
 def _wrap_execute_model(orig):

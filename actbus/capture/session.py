@@ -7,7 +7,9 @@ the worker after the model loads.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,6 +82,28 @@ def attach_capture(
         "device": str(device),
     }
     return CaptureWorker(cfg, taps, name, engine=engine)
+
+
+def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]:
+    """Wrap a runner's ``load_model`` so taps go in after weights load, before compile.
+
+    Both runners keep ``model``, ``vllm_config``, ``max_num_tokens`` and ``device``
+    on themselves; the capture worker is kept as ``runner._actbus`` (None: inert).
+    """
+
+    @functools.wraps(orig)
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        self._actbus = attach_capture(
+            self.model,
+            self.vllm_config,
+            max_rows=self.max_num_tokens,
+            device=self.device,
+            runner=runner,
+        )
+        return out
+
+    return load_model
 
 
 def _num_layers(mc: Any) -> int:
