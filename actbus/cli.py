@@ -14,6 +14,7 @@ import threading
 
 from actbus import consumer as consumers
 from actbus.bus import POLICIES
+from actbus.bus.protocol import parse_policy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,10 +51,9 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
     )
     p.add_argument(
         "--policy",
-        choices=POLICIES,
         default=cls.default_policy,
-        help="what the publisher does when this consumer falls behind "
-        f"(default {cls.default_policy})",
+        help=f"what the publisher does when this consumer falls behind: {', '.join(POLICIES)} "
+        f"(as sample:N or sample:FRACTION); default {cls.default_policy}",
     )
     p.add_argument("--window", type=int, default=64, help="credit: messages in flight")
     p.add_argument("--window-mb", type=float, default=128, help="credit: MiB in flight")
@@ -64,6 +64,10 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
         p.print_help()
         return 0
     opts = p.parse_args(rest)
+    try:
+        parse_policy(opts.policy)
+    except ValueError as e:
+        p.error(f"--policy: {e}")
     if opts.window < 1:
         p.error(f"--window must be at least 1 (messages in flight), got {opts.window}")
     if opts.window_mb <= 0:

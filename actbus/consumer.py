@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from actbus.bus import Batch, Event, Subscriber, Subscription
+from actbus.bus.protocol import parse_policy
 
 log = logging.getLogger("actbus.consumer")
 GROUP = "actbus.consumers"
@@ -38,9 +39,14 @@ class Consumer(ABC):
     def subscription(
         self, policy: str | None = None, window: int = 64, window_bytes: int = 128 << 20
     ) -> Subscription:
-        """What to ask the publisher for; override to filter layers or hooks."""
+        """What to ask the publisher for; override to filter layers or hooks.
+
+        ``policy`` is a policy name or ``sample:N``.
+        """
+        name, every = parse_policy(policy or self.default_policy)
         return Subscription(
-            policy=policy or self.default_policy,
+            policy=name,
+            sample_every=every,
             window=window,
             window_bytes=window_bytes,
             name=self.name,

@@ -263,3 +263,51 @@ def test_subscriber_without_publisher_times_out_and_closes(tmp_path):
         sub.wait_welcome(0.5)
     sub.close()
     assert time.monotonic() - t0 < 6
+
+
+def test_drop_oldest_keeps_the_newest_and_counts_evictions(publisher, address):
+    with Subscriber(address, Subscription(policy="drop_oldest", window=2, name="o")) as sub:
+        sub.wait_welcome(10)
+        for i in range(50):  # the subscriber does not read meanwhile
+            publisher.publish(*_msg(i))
+        wait_for(lambda: publisher.stats()["published"] == 50, 10, "all published")
+        evicted = publisher.stats()["subscribers"]["o"]["dropped"]["evicted"]
+        got = _drain(sub, 10)
+    # Two went out on credit before the reader stalled; the 8 newest waited; the rest
+    # were evicted oldest-first, each a gap the subscriber counted.
+    assert [b.step for b in got] == [0, 1, *range(42, 50)]
+    assert evicted == 40 and sub.stats.missed == 40
+
+
+def test_sample_takes_every_nth_step(publisher, address):
+    with Subscriber(address, Subscription(policy="sample", sample_every=5, name="s")) as sub:
+        sub.wait_welcome(10)
+        for i in range(50):
+            publisher.publish(*_msg(i))
+        got = _drain(sub, 10)
+        st = publisher.stats()["subscribers"]["s"]
+    assert [b.step for b in got] == list(range(0, 50, 5))
+    assert st["sampled_out"] == 40 and st["dropped"] == {} and sub.stats.missed == 0
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("block", ("block", 1)),
+        ("drop_oldest", ("drop_oldest", 1)),
+        ("sample:10", ("sample", 10)),
+        ("sample:0.25", ("sample", 4)),
+    ],
+)
+def test_parse_policy(text, parsed):
+    from actbus.bus.protocol import parse_policy
+
+    assert parse_policy(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["newest", "block:2", "sample", "sample:x", "sample:-1"])
+def test_parse_policy_rejects_with_the_choices(text):
+    from actbus.bus.protocol import parse_policy
+
+    with pytest.raises(ValueError, match=r"policy|sample"):
+        parse_policy(text)

@@ -28,3 +28,9 @@ def test_consumer_flags_are_checked():
     assert out.returncode == 2 and "--out" in out.stderr
     out = _actbus("run", "fs-sink", "--help")
     assert out.returncode == 0 and "--shard-rows" in out.stdout and "--policy" in out.stdout
+
+
+def test_bad_policy_is_refused_with_the_choices():
+    out = _actbus("run", "null", "--connect", "ipc:///tmp/x.sock", "--policy", "newest")
+    assert out.returncode == 2
+    assert "--policy: unknown policy 'newest'; choose block, drop_newest, drop_oldest" in out.stderr

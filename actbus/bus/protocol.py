@@ -2,7 +2,9 @@
 
 The publisher enforces each subscriber's policy; the names follow Vector's
 ``when_full`` (``block``, ``drop_newest``): ``block`` is lossless and makes the
-publisher, and so the engine, wait for that subscriber.
+publisher, and so the engine, wait for that subscriber. ``drop_oldest`` evicts the
+oldest waiting message instead (fresh data for trainers); ``sample`` takes every
+N-th step and drops the newest when full (dashboards).
 """
 
 from __future__ import annotations
@@ -12,7 +14,28 @@ from typing import Any
 
 from actbus.wire import SCHEMA_VERSION, WireError
 
-POLICIES = ("block", "drop_newest")
+POLICIES = ("block", "drop_newest", "drop_oldest", "sample")
+
+
+def parse_policy(text: str) -> tuple[str, int]:
+    """``"sample:10"`` or ``"sample:0.1"`` -> ``("sample", 10)``; others -> ``(name, 1)``."""
+    name, _, arg = text.partition(":")
+    if name not in POLICIES or (arg and name != "sample"):
+        raise ValueError(
+            f"unknown policy {text!r}; choose block, drop_newest, drop_oldest or sample:N"
+        )
+    if name != "sample":
+        return name, 1
+    try:
+        value = float(arg)
+    except ValueError:
+        raise ValueError(f"sample needs N (every N-th step) or a fraction, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"sample needs a positive N or fraction, got {text!r}")
+    every = round(1 / value) if value < 1 else round(value)
+    return name, max(1, every)
+
+
 MAX_WINDOW = 1 << 20
 
 
@@ -21,6 +44,8 @@ class Subscription:
     """A subscriber's request, sent in HELLO."""
 
     policy: str = "block"
+    sample_every: int = 1
+    """With ``policy="sample"``: take steps whose number is a multiple of this."""
     window: int = 64
     """Credit in messages: how many the publisher may send ahead of acknowledgements."""
     window_bytes: int = 128 << 20
@@ -34,6 +59,7 @@ class Subscription:
         return {
             "schema": SCHEMA_VERSION,
             "policy": self.policy,
+            "sample_every": self.sample_every,
             "window": self.window,
             "window_bytes": self.window_bytes,
             "layers": list(self.layers) if self.layers is not None else None,
@@ -52,6 +78,9 @@ class Subscription:
         policy = d.get("policy", "block")
         if policy not in POLICIES:
             raise WireError(f"policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+        every = d.get("sample_every", 1)
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise WireError(f"sample_every must be an int >= 1, got {every!r}")
         window = d.get("window", 64)
         if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
             raise WireError(f"window must be an int in 1..{MAX_WINDOW}, got {window!r}")
@@ -75,6 +104,7 @@ class Subscription:
         name = d.get("name", "")
         return cls(
             policy=policy,
+            sample_every=every,
             window=window,
             window_bytes=window_bytes,
             layers=tuple(layers) if layers is not None else None,

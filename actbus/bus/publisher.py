@@ -87,6 +87,7 @@ class _Sub:
     inflight_bytes: int = 0
     sent: int = 0
     bytes_sent: int = 0
+    sampled_out: int = 0  # steps a ``sample`` subscriber did not ask for
     dropped: Counter[str] = field(default_factory=Counter)
 
     def may_send(self, nbytes: int) -> bool:
@@ -188,6 +189,7 @@ class Publisher:
                     "sent": s.sent,
                     "bytes_sent": s.bytes_sent,
                     "dropped": dict(s.dropped),
+                    "sampled_out": s.sampled_out,
                     "pending": len(s.pending),
                     "inflight": len(s.inflight),
                     "inflight_bytes": s.inflight_bytes,
@@ -356,15 +358,19 @@ class Publisher:
                 if not s.sub.wants(h.layer, h.hook):
                     continue
                 routed = True
+                policy = s.sub.policy
+                if policy == "sample" and h.step % s.sub.sample_every:
+                    s.sampled_out += 1  # not wanted: neither a drop nor a gap
+                    continue
                 seq = s.next_seq
                 s.next_seq += 1
-                if (
-                    s.sub.policy == "drop_newest"
-                    and len(s.pending) >= PENDING_LIMIT
-                    and not s.may_send(item.nbytes)
-                ):
-                    s.dropped["queue_full"] += 1  # its seq is skipped: a visible gap
-                    continue
+                if len(s.pending) >= PENDING_LIMIT and not s.may_send(item.nbytes):
+                    if policy in ("drop_newest", "sample"):
+                        s.dropped["queue_full"] += 1  # its seq is skipped: a visible gap
+                        continue
+                    if policy == "drop_oldest":
+                        s.pending.popleft()  # the oldest unsent one leaves a gap instead
+                        s.dropped["evicted"] += 1
                 s.pending.append((seq, item))
                 self._flush(s)
             if not routed:
