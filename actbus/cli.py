@@ -17,6 +17,11 @@ from actbus.bus import POLICIES
 from actbus.bus.protocol import parse_policy
 
 
+def consumer_command(name: str, address: str, *flags: str) -> list[str]:
+    """The argv that starts consumer ``name`` as its own process, as a user would."""
+    return [sys.executable, "-m", "actbus.cli", "run", name, "--connect", address, *flags]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="actbus", description=__doc__.split("\n")[0])

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import zmq
 
+from actbus.cli import consumer_command
+
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN = 4096
 
@@ -66,19 +68,7 @@ def actbus(size: int, count: int, with_others: bool) -> dict:
     addr = f"ipc://{tempfile.mkdtemp()}/bus.sock"
     pub = Publisher(addr, info={"model": "bench"}, queue_bytes=8 * size, heartbeat_s=0.2)
     sink = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "actbus.cli",
-            "run",
-            "null",
-            "--connect",
-            addr,
-            "--policy",
-            "block",
-            "--log-level",
-            "WARNING",
-        ],
+        consumer_command("null", addr, "--policy", "block", "--log-level", "WARNING"),
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -86,19 +76,7 @@ def actbus(size: int, count: int, with_others: bool) -> dict:
     # Beside the lossless one: a trainer-like and a dashboard-like subscriber.
     others = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "actbus.cli",
-                "run",
-                "null",
-                "--connect",
-                addr,
-                "--policy",
-                policy,
-                "--log-level",
-                "WARNING",
-            ],
+            consumer_command("null", addr, "--policy", policy, "--log-level", "WARNING"),
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from actbus.cli import consumer_command
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -65,19 +67,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
         extra = {"actbus": {"publish": address, "layers": layers, "queue_mb": 4096}}
         sub = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "actbus.cli",
-                "run",
-                "null",
-                "--connect",
-                address,
-                "--policy",
-                policy,
-                "--log-level",
-                "WARNING",
-            ],
+            consumer_command("null", address, "--policy", policy, "--log-level", "WARNING"),
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from actbus.cli import consumer_command
+
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -62,21 +64,9 @@ def main() -> int:
     address = f"ipc://{tempfile.mkdtemp(prefix='actbus-demo-')}/bus.sock"
     print(f"[2/4] fs-sink subscriber -> {out}", flush=True)
     sink = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "actbus.cli",
-            "run",
-            "fs-sink",
-            "--connect",
-            address,
-            "--out",
-            str(out),
-            "--flush-s",
-            "1",
-            "--log-level",
-            "WARNING",
-        ],
+        consumer_command(
+            "fs-sink", address, "--out", str(out), "--flush-s", "1", "--log-level", "WARNING"
+        ),
         cwd=ROOT,
     )
     try:

@@ -6,11 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from actbus.cli import consumer_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,22 +21,9 @@ def start_sink(address: str, out: Path, *extra: str, policy: str = "block") -> s
     out.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "wb")  # noqa: SIM115 (lives with the process)
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "actbus.cli",
-            "run",
-            "fs-sink",
-            "--connect",
-            address,
-            "--out",
-            str(out),
-            "--policy",
-            policy,
-            "--flush-s",
-            "0.5",
-            *extra,
-        ],
+        consumer_command(
+            "fs-sink", address, "--out", str(out), "--policy", policy, "--flush-s", "0.5", *extra
+        ),
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=ROOT,

@@ -36,31 +36,34 @@ def capture_config(vllm_config: Any) -> CaptureConfig | None:
     return CaptureConfig.from_dict(raw)
 
 
-def validate(vllm_config: Any) -> CaptureConfig | None:
-    """Check everything that can be checked without loading weights."""
+def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
+    """The config and its layers, checked against the model (no weights needed)."""
     cfg = capture_config(vllm_config)
     if cfg is None:
         return None
     mc = vllm_config.model_config
     check_architecture(getattr(mc.hf_config, "architectures", None))
-    cfg.resolve_layers(_num_layers(mc), mc.model)
+    return cfg, cfg.resolve_layers(_num_layers(mc), mc.model)
+
+
+def validate(vllm_config: Any) -> CaptureConfig | None:
+    """Check everything that can be checked without loading weights."""
+    checked = _checked(vllm_config)
+    if checked is None:
+        return None
     vllm_config.additional_config["actbus"]["_graph_version"] = GRAPH_VERSION
-    return cfg
+    return checked[0]
 
 
 def attach_capture(
     model: nn.Module, vllm_config: Any, *, max_rows: int, device: torch.device, runner: str
 ) -> CaptureWorker | None:
     """Install taps on a freshly loaded model and start publishing."""
-    cfg = capture_config(vllm_config)
-    if cfg is None:
+    checked = _checked(vllm_config)
+    if checked is None or _tp_rank() != 0:  # TP ranks hold the same residual stream
         return None
-    if _tp_rank() != 0:
-        return None  # the residual stream is replicated across TP ranks
+    cfg, layers = checked
     mc = vllm_config.model_config
-    check_architecture(getattr(mc.hf_config, "architectures", None))
-    num_layers = _num_layers(mc)
-    layers = cfg.resolve_layers(num_layers, mc.model)
     # CUDA-graph batches are padded up to a capture size; the taps write padded rows.
     cc = vllm_config.compilation_config
     max_rows = max(max_rows, int(getattr(cc, "max_cudagraph_capture_size", 0) or 0))
@@ -68,7 +71,7 @@ def attach_capture(
         model,
         layers=layers,
         hooks=cfg.hooks,
-        num_layers=num_layers,
+        num_layers=_num_layers(mc),
         hidden_size=mc.get_hidden_size(),
         max_rows=max_rows,
         dtype=mc.dtype,

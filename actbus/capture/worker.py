@@ -85,7 +85,7 @@ class CaptureWorker:
         ids = torch.stack((view.positions[:n], view.token_ids[:n].to(view.positions.dtype)))
         if ids.is_cuda:
             ids_host, acts, ready = self._to_host_async(
-                [ids, *(b[:n] for b in self.taps.buffers.values())]
+                ids, [b[:n] for b in self.taps.buffers.values()]
             )
             acts = dict(zip(self.taps.buffers, acts, strict=True))
         else:
@@ -112,16 +112,17 @@ class CaptureWorker:
             self.publisher.publish(header, act, ready=ready)
         self.step += 1
 
-    def _to_host_async(self, tensors: list[torch.Tensor]):
+    def _to_host_async(self, ids: torch.Tensor, taps: list[torch.Tensor]):
         """Host copies that neither stall the engine nor slow its next step.
 
         A device-side copy on the compute stream (fast) frees the tap buffers for the
         next forward in stream order; the device-to-host copy into pinned memory then
-        runs on a side stream, overlapping the next step. Returns the host tensors and
-        an event the publisher thread waits on before reading them.
+        runs on a side stream, overlapping the next step. ``ids`` is already a fresh
+        tensor and needs no such copy. Returns the host tensors and an event the
+        publisher thread waits on before reading them.
         """
         main = torch.cuda.current_stream()
-        staged = [t.clone() for t in tensors]
+        staged = [ids, *(t.clone() for t in taps)]
         if self._side is None:
             self._side = torch.cuda.Stream()
         self._side.wait_stream(main)
