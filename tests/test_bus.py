@@ -79,6 +79,7 @@ def test_drop_newest_is_counted_and_does_not_slow_block(publisher, address):
     got = _drain(fast, 200)  # the slow one does not read at all meanwhile
     feeder.join(timeout=10)
     assert [b.step for b in got] == list(range(200))
+    wait_for(lambda: publisher.stats()["published"] == 200, 10, "all routed")
     st = publisher.stats()["subscribers"]["slow"]
     assert st["sent"] + st["pending"] + sum(st["dropped"].values()) == 200
     assert st["dropped"]["queue_full"] > 150
@@ -285,6 +286,8 @@ def test_sample_takes_every_nth_step(publisher, address):
         for i in range(50):
             publisher.publish(*_msg(i))
         got = _drain(sub, 10)
+        # Steps 46-49 are sampled out after step 45 arrives: wait until all are routed.
+        wait_for(lambda: publisher.stats()["published"] == 50, 10, "all published")
         st = publisher.stats()["subscribers"]["s"]
     assert [b.step for b in got] == list(range(0, 50, 5))
     assert st["sampled_out"] == 40 and st["dropped"] == {} and sub.stats.missed == 0

@@ -351,8 +351,6 @@ class Publisher:
                 self._counters["encode_errors"] += 1
                 continue
             h = item.header
-            self.last_step = max(self.last_step, h.step)
-            self._counters["published"] += 1
             routed = False
             for s in list(self._subs.values()):
                 if not s.sub.wants(h.layer, h.hook):
@@ -375,6 +373,10 @@ class Publisher:
                 self._flush(s)
             if not routed:
                 self._counters["unrouted"] += 1
+            # Counted once routed to every subscriber, so stats never show a message as
+            # published that a subscriber's counters do not yet include.
+            self.last_step = max(self.last_step, h.step)
+            self._counters["published"] += 1
 
     def _flush(self, s: _Sub) -> None:
         """Send what ``s``'s credit allows."""
