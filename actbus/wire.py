@@ -53,7 +53,36 @@ class RowIndex:
     offsets: np.ndarray  # int64 [n_requests + 1]
     positions: np.ndarray  # int64 [n_rows]
     token_ids: np.ndarray  # int64 [n_rows]
-    sample_index: list[int] = field(default_factory=list)  # n>1: child index, else 0
+    sample_index: list[int] = field(default_factory=list)
+    """Per request: the child index of an ``n > 1`` request, else 0 (empty: all 0)."""
+    tags: list[dict[str, Any]] = field(default_factory=list)
+    """Per request: the free-form tags of its selection (empty: no tags)."""
+
+    def request_tags(self, i: int) -> dict[str, Any]:
+        return self.tags[i] if self.tags else {}
+
+    def request_sample_index(self, i: int) -> int:
+        return self.sample_index[i] if self.sample_index else 0
+
+    def select(self, keep: list[int]) -> tuple[RowIndex, np.ndarray]:
+        """The index of requests ``keep`` only, and the row numbers it keeps (for
+        slicing the tensor): how a subscriber's filter cuts a message down."""
+        counts = np.diff(self.offsets)
+        starts = self.offsets[:-1]
+        rows = (
+            np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in keep])
+            if keep
+            else np.zeros(0, dtype=np.int64)
+        ).astype(np.int64)
+        sub = RowIndex(
+            request_ids=[self.request_ids[i] for i in keep],
+            offsets=np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64),
+            positions=self.positions[rows],
+            token_ids=self.token_ids[rows],
+            sample_index=[self.sample_index[i] for i in keep] if self.sample_index else [],
+            tags=[self.tags[i] for i in keep] if self.tags else [],
+        )
+        return sub, rows
 
     @property
     def num_rows(self) -> int:
@@ -71,6 +100,7 @@ class RowIndex:
         return {
             "request_ids": self.request_ids,
             "sample_index": self.sample_index,
+            "tags": self.tags,
             "offsets": _pack_ints(self.offsets),
             "positions": _pack_ints(self.positions),
             "token_ids": _pack_ints(self.token_ids),
@@ -84,13 +114,17 @@ class RowIndex:
                 offsets=_unpack_ints(d["offsets"]),
                 positions=_unpack_ints(d["positions"]),
                 token_ids=_unpack_ints(d["token_ids"]),
-                sample_index=[int(i) for i in d.get("sample_index", [])],
+                sample_index=[int(i) for i in d.get("sample_index") or []],
+                tags=[dict(t) for t in d.get("tags") or []],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"bad row index in header: {e}") from e
         n = rows.num_rows
         if len(rows.offsets) != len(rows.request_ids) + 1:
             raise WireError("row index: offsets must have one more entry than request_ids")
+        for name in ("sample_index", "tags"):
+            if getattr(rows, name) and len(getattr(rows, name)) != len(rows.request_ids):
+                raise WireError(f"row index: {name} must have one entry per request")
         if len(rows.positions) != n or len(rows.token_ids) != n:
             raise WireError("row index: positions/token_ids length differs from the row count")
         if len(rows.offsets) and (rows.offsets[0] != 0 or np.any(np.diff(rows.offsets) < 0)):
@@ -112,6 +146,20 @@ def _unpack_ints(b: bytes) -> np.ndarray:
     return np.frombuffer(b, dtype="<i4").astype(np.int64)
 
 
+@dataclass(frozen=True)
+class RequestEnd:
+    """A request that finished or was aborted; its rows so far are all it will get."""
+
+    request_id: str
+    sample_index: int
+    reason: str  # "stop" | "length" | "abort" | "error" | "unknown"
+
+    @property
+    def complete(self) -> bool:
+        """False when the request was cut short: its data is partial."""
+        return self.reason in ("stop", "length")
+
+
 @dataclass
 class Header:
     """Everything about one data message except the tensor bytes."""
@@ -124,6 +172,9 @@ class Header:
     model: str
     rows: RowIndex
     tags: dict[str, Any] = field(default_factory=dict)
+    ended: list[RequestEnd] = field(default_factory=list)
+    """Requests that left the engine since the previous step, with the reason; sent
+    on every (layer, hook) message of the step (a step with no rows still sends it)."""
     schema: int = SCHEMA_VERSION
 
     def encode(self) -> bytes:
@@ -137,6 +188,7 @@ class Header:
                 "shape": list(self.shape),
                 "model": self.model,
                 "tags": self.tags,
+                "ended": [[e.request_id, e.sample_index, e.reason] for e in self.ended],
                 "rows": self.rows.to_wire(),
             },
             use_bin_type=True,
@@ -160,6 +212,7 @@ class Header:
                 shape=tuple(int(s) for s in d["shape"]),
                 model=str(d["model"]),
                 tags=dict(d.get("tags") or {}),
+                ended=[RequestEnd(str(r), int(i), str(w)) for r, i, w in d.get("ended") or []],
                 rows=RowIndex.from_wire(d["rows"]),
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -72,3 +72,30 @@ def test_truncated_header_and_frame_are_rejected():
             Header.decode(raw[:cut])
     with pytest.raises(WireError, match="tensor frame has"):
         frame_to_tensor(b"\0" * 10, _header())
+
+
+def test_request_tags_ends_and_selection_round_trip():
+    from actbus.wire import RequestEnd
+
+    ri = RowIndex(
+        ["a", "b", "c"],
+        np.array([0, 2, 2, 5]),
+        np.array([0, 1, 7, 8, 9]),
+        np.arange(5) + 100,
+        sample_index=[0, 1, 0],
+        tags=[{"label": 1}, {}, {"label": 0, "split": "train"}],
+    )
+    h = Header(3, 1, "post_block", "float32", (5, 4), "m", ri, ended=[RequestEnd("z", 0, "abort")])
+    h2 = Header.decode(h.encode())
+    assert h2.rows.tags == ri.tags and h2.rows.sample_index == [0, 1, 0]
+    assert h2.ended == [RequestEnd("z", 0, "abort")] and not h2.ended[0].complete
+    sub, rows = h2.rows.select([0, 2])
+    assert sub.request_ids == ["a", "c"] and sub.offsets.tolist() == [0, 2, 5]
+    assert rows.tolist() == [0, 1, 2, 3, 4] and sub.positions.tolist() == [0, 1, 7, 8, 9]
+    assert sub.request_tags(1) == {"label": 0, "split": "train"}
+    sub, rows = h2.rows.select([2])
+    assert rows.tolist() == [2, 3, 4] and sub.token_ids.tolist() == [102, 103, 104]
+    bad = msgpack.unpackb(h.encode())
+    bad["rows"]["tags"] = [{}]
+    with pytest.raises(WireError, match="tags must have one entry per request"):
+        Header.decode(msgpack.packb(bad))
