@@ -13,7 +13,10 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-HOOKS = ("post_block",)
+HOOKS = ("pre_attn", "post_attn", "mlp_out", "post_block")
+"""Per decoder layer: the residual stream entering it, after attention is added,
+what the MLP block adds, and the stream leaving it (``post_attn + mlp_out``)."""
+REQUESTS = ("all", "selected")
 DEFAULT_ADDRESS = "ipc:///tmp/actbus.sock"
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+|\*)$")
 
@@ -22,7 +25,7 @@ class ConfigError(ValueError):
     """Bad actbus configuration; the message names the field and the fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CaptureConfig:
     """What to capture and where to publish it."""
 
@@ -31,7 +34,15 @@ class CaptureConfig:
     layers: tuple[int, ...] = ()
     """0-based decoder layer indices; ``"all"`` in the input means every layer."""
     hooks: tuple[str, ...] = ("post_block",)
-    """Hook points per layer; ``post_block`` is the residual stream leaving the layer."""
+    """Hook points per layer (see ``HOOKS``); ``post_block`` is the stream leaving it."""
+    requests: str = "all"
+    """``all``: every request is captured with this config's selection; ``selected``:
+    only requests whose ``extra_args["actbus"]`` asks (the others cost only the
+    in-graph copy). A request's own selection replaces the engine's either way."""
+    positions: str | tuple[int, ...] = "all"
+    """Default token positions: all, prompt, generated, last_prompt, last, or a list."""
+    tags: dict[str, Any] = field(default_factory=dict)
+    """Tags put on every captured request (a request's own tags are merged over them)."""
     queue_mb: int = 1024
     """Byte budget of captured data waiting for the publisher thread. When full,
     the engine waits (lossless) rather than dropping."""
@@ -107,6 +118,20 @@ class CaptureConfig:
                 "actbus.subscriber_timeout_s: must be at least 4 x heartbeat_s, or live "
                 "subscribers are dropped between heartbeats"
             )
+        if "requests" in raw:
+            if raw["requests"] not in REQUESTS:
+                raise ConfigError(
+                    f"actbus.requests: expected 'all' (capture every request) or 'selected' "
+                    f"(only requests that set extra_args['actbus']), got {raw['requests']!r}"
+                )
+            kw["requests"] = raw["requests"]
+        if "positions" in raw or "tags" in raw:
+            from actbus.capture.selection import parse_positions, parse_tags
+
+            if "positions" in raw:
+                kw["positions"] = parse_positions(raw["positions"], "actbus.positions")
+            if "tags" in raw:
+                kw["tags"] = parse_tags(raw["tags"], "actbus.tags")
         if "model_name" in raw:
             if not isinstance(raw["model_name"], str):
                 raise ConfigError("actbus.model_name: expected a string")

@@ -19,11 +19,14 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from actbus.capture import runner_v1, runner_v2
+    from actbus.capture import frontend, runner_v1, runner_v2, scheduler
 
     patched = [name for name, mod in (("v1", runner_v1), ("v2", runner_v2)) if mod.patch()]
     if not patched:
         log.warning("actbus: no supported vLLM model runner found; capture is disabled")
+    if not frontend.patch():
+        log.warning("actbus: vLLM's InputProcessor not found; per-request selections are off")
+    scheduler.patch()
     _patch_engine_args()
 
 

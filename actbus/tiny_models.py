@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
 _CORPUS = """\
 The residual stream carries every layer's contribution forward, one token at a time.
@@ -107,13 +107,33 @@ def _write_model(path: Path, cfg: dict[str, Any]) -> None:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     extra: dict[str, Any] = {}
-    if arch in ("qwen3",):
+    if arch in ("qwen3", "gemma2", "gemma3"):
         extra["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if arch in ("gemma2", "gemma3"):
+        head_dim = extra["head_dim"]
+        extra.update(
+            query_pre_attn_scalar=head_dim,
+            hidden_activation="gelu_pytorch_tanh",
+            # Every other layer uses a sliding window shorter than the test prompts.
+            sliding_window=cfg.get("sliding_window", 64),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+    if arch == "gemma3":  # alternate, so both attention kinds are exercised
+        n = cfg["num_hidden_layers"]
+        extra["layer_types"] = ["sliding_attention", "full_attention"] * (n // 2) + [
+            "sliding_attention"
+        ] * (n % 2)
     config = conf_cls(**common, **extra)
-    if hasattr(config, "rope_parameters"):
-        config.rope_parameters = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    if arch == "gemma3":  # one rope per attention kind
+        config.rope_parameters = {"full_attention": rope, "sliding_attention": dict(rope)}
+    elif hasattr(config, "rope_parameters"):
+        config.rope_parameters = rope
     else:
         config.rope_theta = cfg["rope_theta"]
     torch.manual_seed(cfg["seed"])

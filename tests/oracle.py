@@ -7,6 +7,16 @@ from pathlib import Path
 
 import torch
 
+# Where each hook point is in HF's decoder layers: (module, "in" | "out").
+# ``pre_attn``/``post_block`` are the layer's own input/output.
+_HF_POINTS = {
+    "llama": {"post_attn": ("post_attention_layernorm", "in"), "mlp_out": ("mlp", "out")},
+    "gemma": {
+        "post_attn": ("pre_feedforward_layernorm", "in"),
+        "mlp_out": ("post_feedforward_layernorm", "out"),
+    },
+}
+
 
 @functools.lru_cache(maxsize=2)
 def hf_model(path: str):
@@ -15,22 +25,59 @@ def hf_model(path: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def hf_post_block(path: Path, token_ids: list[int], layers: list[int]) -> dict[int, torch.Tensor]:
-    """Residual stream leaving each layer: ``[len(token_ids), hidden]`` per layer.
+def _first(x):
+    return (x[0] if isinstance(x, tuple) else x)[0].detach().clone()
 
-    Read with forward hooks on the decoder layers so the last layer is pre-final-norm,
-    and cross-checked against ``output_hidden_states`` for every other layer.
+
+def hf_activations(
+    path: Path, token_ids: list[int], layers: list[int], hooks: list[str]
+) -> dict[tuple[int, str], torch.Tensor]:
+    """``[len(token_ids), hidden]`` per (layer, hook), read with module hooks.
+
+    ``post_block`` of the last layer is pre-final-norm (a forward hook on the layer,
+    not ``hidden_states[-1]``). Cross-checks: ``post_block`` equals
+    ``hidden_states[layer + 1]`` below the last layer, ``pre_attn`` equals
+    ``hidden_states[layer]``, and ``post_block == post_attn + mlp_out``.
     """
     model = hf_model(str(path))
-    outs: dict[int, torch.Tensor] = {}
-    handles = [
-        model.model.layers[layer].register_forward_hook(
-            lambda _m, _i, out, layer=layer: outs.__setitem__(
-                layer, (out[0] if isinstance(out, tuple) else out)[0].detach().clone()
+    family = "gemma" if "Gemma" in type(model).__name__ else "llama"
+    outs: dict[tuple[int, str], torch.Tensor] = {}
+    handles = []
+
+    def save(key):
+        return lambda _m, args, out=None: outs.__setitem__(
+            key, _first(out if out is not None else args)
+        )
+
+    for layer in layers:
+        mod = model.model.layers[layer]
+        handles.append(
+            mod.register_forward_pre_hook(
+                lambda _m, args, kwargs, key=(layer, "pre_attn"): outs.__setitem__(
+                    key, _first(args[0] if args else kwargs["hidden_states"])
+                ),
+                with_kwargs=True,
             )
         )
-        for layer in layers
-    ]
+        handles.append(
+            mod.register_forward_hook(
+                lambda _m, _i, out, key=(layer, "post_block"): outs.__setitem__(key, _first(out))
+            )
+        )
+        for hook, (name, where) in _HF_POINTS[family].items():
+            sub = getattr(mod, name)
+            if where == "in":
+                handles.append(
+                    sub.register_forward_pre_hook(
+                        lambda _m, args, key=(layer, hook): outs.__setitem__(key, _first(args[0]))
+                    )
+                )
+            else:
+                handles.append(
+                    sub.register_forward_hook(
+                        lambda _m, _i, out, key=(layer, hook): outs.__setitem__(key, _first(out))
+                    )
+                )
     try:
         with torch.no_grad():
             res = model(torch.tensor([token_ids]), output_hidden_states=True)
@@ -39,11 +86,13 @@ def hf_post_block(path: Path, token_ids: list[int], layers: list[int]) -> dict[i
             h.remove()
     n_layers = model.config.num_hidden_layers
     for layer in layers:
+        torch.testing.assert_close(outs[(layer, "pre_attn")], res.hidden_states[layer][0])
         if layer < n_layers - 1:
-            assert torch.equal(outs[layer], res.hidden_states[layer + 1][0]), (
-                f"hook output of layer {layer} differs from hidden_states[{layer + 1}]"
-            )
-    return outs
+            torch.testing.assert_close(outs[(layer, "post_block")], res.hidden_states[layer + 1][0])
+        torch.testing.assert_close(
+            outs[(layer, "post_block")], outs[(layer, "post_attn")] + outs[(layer, "mlp_out")]
+        )
+    return {k: v for k, v in outs.items() if k[1] in hooks}
 
 
 def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:

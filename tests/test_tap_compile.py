@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from actbus.capture.taps import install_taps
+from actbus.config import HOOKS
 
 
 class Layer(nn.Module):
@@ -37,7 +38,7 @@ def test_tap_is_compiled_in_place_and_exact():
     taps = install_taps(
         model,
         layers=(0, 2),
-        hooks=("post_block",),
+        hooks=HOOKS,
         num_layers=3,
         hidden_size=32,
         max_rows=64,
@@ -47,7 +48,8 @@ def test_tap_is_compiled_in_place_and_exact():
     explain = torch._dynamo.explain(model)(torch.arange(5), torch.randn(5, 32))
     assert explain.graph_break_count == 0 and explain.graph_count == 1
     ops = [str(n.target) for g in explain.graphs for n in g.graph.nodes]
-    assert ops.count("actbus.tap_sum") == 2, ops
+    # per tapped layer: pre_attn (a copy on layer 0, a sum later), post_attn, mlp_out, post_block
+    assert ops.count("actbus.tap_sum") == 3 and ops.count("actbus.tap_copy") == 5, ops
     compiled = torch.compile(model, backend="inductor", dynamic=True)
     ptrs = {k: b.data_ptr() for k, b in taps.buffers.items()}
     for n in (7, 13, 40):
@@ -56,7 +58,16 @@ def test_tap_is_compiled_in_place_and_exact():
             compiled(torch.arange(n), x)
             residual, h = None, x
             for i, layer in enumerate(model.model.layers):
+                stream_in = h if residual is None else h + residual
                 h, residual = layer(None, h, residual)
-                if (i, "post_block") in taps.buffers:
-                    torch.testing.assert_close(taps.buffers[(i, "post_block")][:n], h + residual)
+                if i not in (0, 2):
+                    continue
+                want = {
+                    "pre_attn": stream_in,
+                    "post_attn": residual,
+                    "mlp_out": h,
+                    "post_block": h + residual,
+                }
+                for hook, ref in want.items():
+                    torch.testing.assert_close(taps.buffers[(i, hook)][:n], ref, msg=hook)
     assert ptrs == {k: b.data_ptr() for k, b in taps.buffers.items()}, "buffers must stay put"

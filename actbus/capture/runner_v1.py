@@ -12,10 +12,15 @@ import functools
 import logging
 from typing import Any
 
+import numpy as np
+import torch
+
+from actbus.capture.scheduler import read_step
 from actbus.capture.session import wrap_load_model
 from actbus.capture.worker import StepView
 
 log = logging.getLogger("actbus.capture")
+_EMPTY = torch.zeros(0, dtype=torch.int64)
 
 
 def patch() -> bool:
@@ -46,8 +51,13 @@ def _wrap_execute_model(orig):
     def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, scheduler_output, *args, **kwargs)
         cap = getattr(self, "_actbus", None)
+        if cap is None:
+            return out
         n = scheduler_output.total_num_scheduled_tokens
-        if cap is None or not n:
+        requests = read_step(scheduler_output)
+        if not n:  # a step that only tells workers which requests ended
+            if requests.finished:
+                cap.on_step(StepView([], np.zeros(1, np.int64), _EMPTY, _EMPTY, requests))
             return out
         num_reqs = self.input_batch.num_reqs
         offsets = self.query_start_loc.cpu[: num_reqs + 1].numpy().copy()
@@ -59,6 +69,7 @@ def _wrap_execute_model(orig):
                 offsets=offsets,
                 positions=self.positions[:n],
                 token_ids=self.input_ids.gpu[:n],
+                requests=requests,
             )
         )
         return out

@@ -11,8 +11,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
+import torch
+
+from actbus.capture.scheduler import read_step
 from actbus.capture.session import wrap_load_model
 from actbus.capture.worker import StepView
+
+_EMPTY = torch.zeros(0, dtype=torch.int64)
 
 
 def patch() -> bool:
@@ -36,9 +42,12 @@ def _wrap_execute_model(orig):
         cap = getattr(self, "_actbus", None)
         if cap is None or kwargs.get("dummy_run") or (len(args) >= 2 and args[1]):
             return out
+        requests = read_step(scheduler_output)
         state = getattr(self, "execute_model_state", None)
         ib = getattr(state, "input_batch", None)
-        if ib is None or not ib.num_tokens:
+        if ib is None or not ib.num_tokens:  # nothing ran; maybe requests ended
+            if requests.finished:
+                cap.on_step(StepView([], np.zeros(1, np.int64), _EMPTY, _EMPTY, requests))
             return out
         n = int(ib.num_tokens)
         cap.on_step(
@@ -47,6 +56,7 @@ def _wrap_execute_model(orig):
                 offsets=ib.query_start_loc_np[: ib.num_reqs + 1].astype("int64").copy(),
                 positions=ib.positions[:n],
                 token_ids=ib.input_ids[:n],
+                requests=requests,
             )
         )
         return out

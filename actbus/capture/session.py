@@ -22,7 +22,7 @@ from actbus.config import CaptureConfig
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's
 # compile cache (keyed on additional_config) never reuses a graph of another shape.
-GRAPH_VERSION = 1
+GRAPH_VERSION = 2
 
 
 def capture_config(vllm_config: Any) -> CaptureConfig | None:

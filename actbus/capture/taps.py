@@ -14,15 +14,22 @@ import torch
 from torch import nn
 
 from actbus.capture import ops  # noqa: F401  (registers torch.ops.actbus.*)
-from actbus.config import ConfigError
+from actbus.config import HOOKS, ConfigError
 
-# Architectures whose vLLM decoder layers return ``(hidden_states, residual)`` with
-# the residual stream equal to their sum: what the post_block tap reads.
+# Architectures whose vLLM decoder layers take ``(positions, hidden_states,
+# residual)`` and return ``(hidden_states, residual)`` where, on the way out,
+# ``residual`` is the stream after attention was added and ``hidden_states`` is what
+# the MLP block adds (Gemma: after its post-feedforward norm). On the way in the
+# stream is ``hidden_states + residual`` (the first layer gets ``residual=None``
+# and the embeddings). Every hook point is read off the layer's own inputs and
+# outputs, so no attention or MLP module is touched.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 
@@ -79,21 +86,33 @@ def install_taps(
     for layer_idx in layers:
         layer = decoder[layer_idx]
         for hook in hooks:
-            if hook != "post_block":
+            if hook not in HOOKS:
                 raise ConfigError(f"actbus.hooks: hook {hook!r} is not supported")
             buf = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
-            layer.register_buffer("_actbus_post_block", buf, persistent=False)
-            _wrap_post_block(layer)
+            layer.register_buffer(f"_actbus_{hook}", buf, persistent=False)
             buffers[(layer_idx, hook)] = buf
+        _wrap_layer(layer, tuple(h for h in HOOKS if h in hooks))
     return TapSet(buffers=buffers, hidden_size=hidden_size, dtype=dtype, max_rows=max_rows)
 
 
-def _wrap_post_block(layer: nn.Module) -> None:
+def _wrap_layer(layer: nn.Module, hooks: tuple[str, ...]) -> None:
+    """Call the tap ops on the layer's inputs and outputs, inside the traced graph."""
     inner = layer.forward
+    tap_sum, tap_copy = torch.ops.actbus.tap_sum, torch.ops.actbus.tap_copy
 
-    def forward(*args, **kwargs):
-        hidden, residual = inner(*args, **kwargs)
-        torch.ops.actbus.tap_sum(layer._actbus_post_block, hidden, residual)
-        return hidden, residual
+    def forward(positions, hidden_states, residual=None, *args, **kwargs):
+        if "pre_attn" in hooks:
+            if residual is None:
+                tap_copy(layer._actbus_pre_attn, hidden_states)
+            else:
+                tap_sum(layer._actbus_pre_attn, hidden_states, residual)
+        hidden, resid = inner(positions, hidden_states, residual, *args, **kwargs)
+        if "post_attn" in hooks:
+            tap_copy(layer._actbus_post_attn, resid)
+        if "mlp_out" in hooks:
+            tap_copy(layer._actbus_mlp_out, hidden)
+        if "post_block" in hooks:
+            tap_sum(layer._actbus_post_block, hidden, resid)
+        return hidden, resid
 
     layer.forward = forward

@@ -4,24 +4,36 @@ It lives in the vLLM worker process (tensor-parallel rank 0 only: the residual
 stream is replicated across TP ranks). Runner adapters call ``on_step`` with a
 ``StepView`` built from the runner's own batch, so rows map to requests exactly
 as the model saw them under continuous batching and chunked prefill.
+
+Per request it keeps the selection and a watermark, the next position not yet
+published: a request preempted and recomputed from scratch re-runs positions
+it already published, and those rows are skipped, so every position goes out
+exactly once. Selected rows are gathered on the device, so only they are copied.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from actbus.bus.publisher import Publisher
 from actbus.capture.requests import caller_request_id
+from actbus.capture.scheduler import StepRequests
+from actbus.capture.selection import Selection
 from actbus.capture.taps import TapSet
 from actbus.config import CaptureConfig
-from actbus.wire import DTYPE_NAMES, Header, RowIndex
+from actbus.wire import DTYPE_NAMES, Header, RequestEnd, RowIndex
 
 log = logging.getLogger("actbus.capture")
+_CHILD = re.compile(r"^(\d+)_")
+# Tests set this to check host-derived positions against the device's every step.
+_CHECK = os.environ.get("ACTBUS_CHECK_POSITIONS", "") not in ("", "0")
 
 
 @dataclass
@@ -32,10 +44,30 @@ class StepView:
     offsets: np.ndarray  # [num_reqs + 1] row offsets per request
     positions: torch.Tensor  # [num_tokens] (any device)
     token_ids: torch.Tensor  # [num_tokens] (any device)
+    requests: StepRequests
 
     @property
     def num_tokens(self) -> int:
-        return int(self.offsets[-1])
+        return int(self.offsets[-1]) if len(self.offsets) else 0
+
+
+@dataclass
+class _Request:
+    caller_id: str
+    sample_index: int
+    prompt_len: int
+    sel: Selection
+    sig: tuple  # what decides its rows: (layers, hooks, positions)
+    next_pos: int = 0
+    last: dict | None = None  # positions="last": the newest row, held until the end
+
+
+@dataclass
+class _Part:
+    """Rows of some requests for one tap, in request order."""
+
+    entries: list[tuple[_Request, np.ndarray]] = field(default_factory=list)  # positions
+    index: list[np.ndarray] = field(default_factory=list)  # step-local row numbers
 
 
 class CaptureWorker:
@@ -53,6 +85,14 @@ class CaptureWorker:
         self.model_name = model_name
         self.step = 0
         self._side = None  # CUDA side stream for device-to-host copies, made on first use
+        self._reqs: dict[str, _Request] = {}
+        device = next(iter(taps.buffers.values())).device
+        self._no_tokens = torch.zeros(0, dtype=torch.int64, device=device)
+        self._full_sig = (
+            tuple(sorted({k[0] for k in taps.keys})),
+            tuple(dict.fromkeys(k[1] for k in taps.keys)),
+            "all",
+        )
         layers = sorted({k[0] for k in taps.keys})
         hooks = sorted({k[1] for k in taps.keys})
         self.publisher = Publisher(
@@ -63,6 +103,7 @@ class CaptureWorker:
                 "dtype": DTYPE_NAMES[taps.dtype],
                 "layers": layers,
                 "hooks": hooks,
+                "requests": cfg.requests,
                 "engine": engine or {},
             },
             queue_bytes=cfg.queue_mb << 20,
@@ -74,55 +115,179 @@ class CaptureWorker:
             "actbus: capturing layers %s hooks %s, publishing on %s", layers, hooks, cfg.publish
         )
 
+    # ------------------------------------------------------------------ requests
+    def _admit(self, sr: StepRequests) -> None:
+        for rid, prompt_len, wire in sr.new:
+            if rid in self._reqs:  # resumed after preemption: keep the watermark
+                self._reqs[rid].prompt_len = prompt_len
+                continue
+            if wire is None:
+                continue  # not captured: costs only the in-graph copy
+            sel = Selection.from_wire(wire)
+            child = _CHILD.match(rid) if int(wire.get("n", 1)) > 1 else None
+            self._reqs[rid] = _Request(
+                caller_id=str(wire.get("caller_id") or caller_request_id(rid)),
+                sample_index=int(child.group(1)) if child else 0,
+                prompt_len=prompt_len,
+                sel=sel,
+                sig=(sel.layers, sel.hooks, sel.positions),
+            )
+
+    def _retire(self, sr: StepRequests) -> tuple[list[RequestEnd], list[_Request]]:
+        ended, lasts = [], []
+        for rid in sr.finished:
+            st = self._reqs.pop(rid, None)
+            if st is None:
+                continue
+            ended.append(RequestEnd(st.caller_id, st.sample_index, sr.reasons.get(rid, "unknown")))
+            if st.last is not None:
+                lasts.append(st)
+        return ended, lasts
+
+    # ---------------------------------------------------------------------- step
     def on_step(self, view: StepView) -> None:
+        sr = view.requests
+        self._admit(sr)
+        ended, lasts = self._retire(sr)
         n = view.num_tokens
         if n == 0:
-            return
+            view.token_ids = self._no_tokens
         if n > self.taps.max_rows:
             raise RuntimeError(
                 f"actbus: step has {n} tokens but tap buffers hold {self.taps.max_rows}"
             )
-        ids = torch.stack((view.positions[:n], view.token_ids[:n].to(view.positions.dtype)))
-        if ids.is_cuda:
-            ids_host, acts, ready = self._to_host_async(
-                ids, [b[:n] for b in self.taps.buffers.values()]
-            )
-            acts = dict(zip(self.taps.buffers, acts, strict=True))
-        else:
-            ids_host = ids
-            acts = {key: buf[:n].clone() for key, buf in self.taps.buffers.items()}
-            ready = None
-        rows = RowIndex(
-            request_ids=[caller_request_id(r) for r in view.req_ids],
-            offsets=np.asarray(view.offsets, dtype=np.int64),
-            positions=ids_host[0].numpy(),
-            token_ids=ids_host[1].numpy(),
-        )
-        dtype = DTYPE_NAMES[self.taps.dtype]
-        for (layer, hook), act in acts.items():
-            header = Header(
-                step=self.step,
-                layer=layer,
-                hook=hook,
-                dtype=dtype,
-                shape=(n, self.taps.hidden_size),
-                model=self.model_name,
-                rows=rows,
-            )
-            self.publisher.publish(header, act, ready=ready)
+        parts, full, host_pos = self._plan(view) if n else ({}, False, None)
+        if not parts and not ended and not lasts:
+            return
+        if n and _CHECK:
+            dev = view.positions[:n].cpu().numpy()
+            if not np.array_equal(dev, host_pos):
+                raise RuntimeError("actbus: host-derived positions differ from the device's")
+        self._emit(view, parts, full, host_pos, ended, lasts)
         self.step += 1
 
-    def _to_host_async(self, ids: torch.Tensor, taps: list[torch.Tensor]):
+    def _plan(self, view: StepView) -> tuple[dict, bool, np.ndarray]:
+        """Which rows each tap publishes this step, from host-side facts only."""
+        sr = view.requests
+        offsets = np.asarray(view.offsets, dtype=np.int64)
+        counts = np.diff(offsets)
+        starts = np.fromiter(
+            (sr.starts.get(r, 0) for r in view.req_ids), dtype=np.int64, count=len(view.req_ids)
+        )
+        # Positions run on within a request: start, start+1, ... (no speculative tokens).
+        host_pos = np.repeat(starts - offsets[:-1], counts) + np.arange(offsets[-1])
+        states = [self._reqs.get(r) for r in view.req_ids]
+        fast = all(
+            st is not None and st.sig == self._full_sig and st.next_pos <= s
+            for st, s in zip(states, starts, strict=True)
+        )
+        if fast:  # every request wants every tap at every position: no gather
+            entries = []
+            for i, st in enumerate(states):
+                st.next_pos = int(starts[i] + counts[i])
+                entries.append((st, host_pos[offsets[i] : offsets[i + 1]]))
+            whole = _Part(entries=entries, index=[np.arange(int(offsets[-1]))])
+            return {key: whole for key in self.taps.keys}, True, host_pos
+        parts: dict[tuple[int, str], _Part] = {}
+        for i, st in enumerate(states):
+            if st is None or counts[i] == 0:
+                continue
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
+            pos = host_pos[lo:hi]
+            keep = pos >= st.next_pos  # recomputed after preemption: already published
+            st.next_pos = max(st.next_pos, int(pos[-1]) + 1)
+            if not keep.any():
+                continue
+            if st.sel.positions == "last":
+                row = lo + int(np.flatnonzero(keep)[-1])
+                self._hold_last(st, view, row, int(host_pos[row]))
+                continue
+            mask = st.sel.row_mask(pos, st.prompt_len)
+            if mask is not None:
+                keep &= mask
+                if not keep.any():
+                    continue
+            rows = np.flatnonzero(keep) + lo
+            for key in st.sel.keys:
+                p = parts.setdefault(key, _Part())
+                p.entries.append((st, pos[keep]))
+                p.index.append(rows)
+        return parts, False, host_pos
+
+    def _hold_last(self, st: _Request, view: StepView, row: int, pos: int) -> None:
+        """Keep a device copy of a ``last`` request's newest row until it ends."""
+        st.last = {
+            "pos": pos,
+            "acts": {key: self.taps.buffers[key][row : row + 1].clone() for key in st.sel.keys},
+            "token": view.token_ids[row : row + 1].clone(),
+        }
+
+    def _emit(self, view, parts, full, host_pos, ended, lasts) -> None:
+        n = view.num_tokens
+        tok = view.token_ids[:n]
+        # Rows of requests that ended with positions="last".
+        for st in lasts:
+            for key in st.sel.keys:
+                old = parts.get(key, _Part())
+                p = parts[key] = _Part(list(old.entries), list(old.index))  # parts share
+                p.entries.append((st, np.array([st.last["pos"]], dtype=np.int64)))
+                p.index.append(None)  # marks a held row
+        keys = [k for k in self.taps.keys if k in parts or ended]
+        jobs = []
+        for key in keys:
+            p = parts.get(key, _Part())
+            if full and not lasts:  # views of the tap buffers and the runner's inputs: copy them
+                acts, toks = self.taps.buffers[key][:n].clone(), tok.clone()
+            else:  # gathered: already fresh tensors
+                acts, toks = self._gather(key, p, tok, lasts)
+            jobs.append((key, p, acts, toks))
+        ready = None
+        if self._no_tokens.is_cuda:
+            host, ready = self._to_host_async([t for j in jobs for t in (j[2], j[3])])
+            jobs = [(k, p, host[2 * i], host[2 * i + 1]) for i, (k, p, _, _) in enumerate(jobs)]
+        dtype = DTYPE_NAMES[self.taps.dtype]
+        for key, p, acts, toks in jobs:
+            header = Header(
+                step=self.step,
+                layer=key[0],
+                hook=key[1],
+                dtype=dtype,
+                shape=(int(acts.shape[0]), self.taps.hidden_size),
+                model=self.model_name,
+                rows=_row_index(p, toks),
+                ended=ended,
+            )
+            self.publisher.publish(header, acts, ready=ready)
+
+    def _gather(self, key, p: _Part, tok: torch.Tensor, lasts) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self.taps.buffers[key]
+        step_rows = [ix for ix in p.index if ix is not None]
+        chunks_a, chunks_t = [], []
+        if step_rows:
+            idx = torch.from_numpy(np.concatenate(step_rows)).to(buf.device, non_blocking=True)
+            chunks_a.append(buf.index_select(0, idx))
+            chunks_t.append(tok.index_select(0, idx))
+        for st in lasts:
+            if key in st.last["acts"]:
+                chunks_a.append(st.last["acts"][key])
+                chunks_t.append(st.last["token"])
+        if not chunks_a:
+            return buf[:0].clone(), tok[:0].clone()
+        if len(chunks_a) == 1:
+            return chunks_a[0], chunks_t[0]
+        return torch.cat(chunks_a), torch.cat(chunks_t)
+
+    def _to_host_async(self, tensors: list[torch.Tensor]):
         """Host copies that neither stall the engine nor slow its next step.
 
-        A device-side copy on the compute stream (fast) frees the tap buffers for the
-        next forward in stream order; the device-to-host copy into pinned memory then
-        runs on a side stream, overlapping the next step. ``ids`` is already a fresh
-        tensor and needs no such copy. Returns the host tensors and an event the
-        publisher thread waits on before reading them.
+        ``tensors`` are fresh device tensors (copies or gathers made on the compute
+        stream, so the tap buffers are free for the next forward in stream order);
+        the device-to-host copy into pinned memory runs on a side stream, overlapping
+        the next step. Returns the host tensors and an event the publisher thread
+        waits on before reading them.
         """
         main = torch.cuda.current_stream()
-        staged = [ids, *(t.clone() for t in taps)]
+        staged = tensors
         if self._side is None:
             self._side = torch.cuda.Stream()
         self._side.wait_stream(main)
@@ -135,7 +300,23 @@ class CaptureWorker:
                 hosts.append(h)
             ready = torch.cuda.Event()
             ready.record(self._side)
-        return hosts[0], hosts[1:], ready
+        return hosts, ready
 
     def close(self) -> None:
         self.publisher.close()
+
+
+def _row_index(p: _Part, toks: torch.Tensor) -> RowIndex:
+    counts = [len(pos) for _, pos in p.entries]
+    return RowIndex(
+        request_ids=[st.caller_id for st, _ in p.entries],
+        offsets=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
+        positions=(
+            np.concatenate([pos for _, pos in p.entries])
+            if p.entries
+            else np.zeros(0, dtype=np.int64)
+        ),
+        token_ids=toks.numpy(),
+        sample_index=[st.sample_index for st, _ in p.entries],
+        tags=[st.sel.tags for st, _ in p.entries],
+    )

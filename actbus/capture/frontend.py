@@ -1,0 +1,106 @@
+"""Front-end side of capture: check each request's selection before it is queued.
+
+vLLM turns every request into an engine request in ``InputProcessor.process_inputs``
+(offline ``LLM``, ``AsyncLLM`` and the OpenAI server alike). Wrapping it gives one
+place to fail a bad ``extra_args["actbus"]`` for that request alone (a ValueError,
+which the OpenAI server answers with HTTP 400), and to write the normalized
+selection into the engine's private copy of the params, with what the worker
+cannot know by itself: the caller's request id and ``n``. Requests whose
+selection needs prompt positions skip *reading* the prefix cache, so those
+positions are computed, not silently missing; other requests keep the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from actbus.capture.selection import Selection, parse_selection
+
+KEY = "actbus"
+
+
+def patch() -> bool:
+    try:
+        from vllm.v1.engine.input_processor import InputProcessor
+    except ImportError:
+        return False
+    if getattr(InputProcessor, "_actbus_patched", False):
+        return True
+    InputProcessor.process_inputs = _wrap_process_inputs(InputProcessor.process_inputs)
+    InputProcessor._actbus_patched = True
+    return True
+
+
+class _Frontend:
+    """What the front end needs of the engine's capture config, parsed once."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        from actbus.capture.session import _checked, _num_layers
+
+        checked = _checked(vllm_config)
+        self.active = checked is not None
+        if not self.active:
+            return
+        cfg, layers = checked
+        self.requests = cfg.requests
+        self.num_layers = _num_layers(vllm_config.model_config)
+        self.base = Selection(layers, cfg.hooks, cfg.positions, cfg.tags)
+
+    def selection(self, params: Any) -> Selection | None:
+        extra = getattr(params, "extra_args", None) or {}
+        raw = extra.get(KEY) if isinstance(extra, dict) else None
+        if raw is False:  # opts this request out of ``requests: all``
+            return None
+        if raw is None:
+            return self.base if self.requests == "all" else None
+        return parse_selection(
+            raw,
+            engine_layers=self.base.layers,
+            engine_hooks=self.base.hooks,
+            num_layers=self.num_layers,
+            base=self.base,
+        )
+
+
+def _wrap_process_inputs(orig):
+    @functools.wraps(orig)
+    def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
+        fe = getattr(self, "_actbus_frontend", None)
+        if fe is None:
+            fe = self._actbus_frontend = _Frontend(self.vllm_config)
+        sel = fe.selection(params) if fe.active and _is_sampling(params) else None
+        request = orig(self, request_id, prompt, params, *args, **kwargs)
+        sp = getattr(request, "sampling_params", None)
+        if sel is None or sp is None:
+            if sp is not None and fe.active:
+                _strip(sp)
+            return request
+        wire = sel.to_wire()
+        wire["caller_id"] = str(getattr(request, "external_req_id", None) or request_id)
+        wire["n"] = int(getattr(sp, "n", 1) or 1)
+        # The engine owns this copy; the caller's params are never mutated.
+        sp.extra_args = {**(sp.extra_args or {}), KEY: wire}
+        if sel.bypasses_prefix_cache(_prompt_len(request)):
+            sp.skip_reading_prefix_cache = True
+        return request
+
+    return process_inputs
+
+
+def _is_sampling(params: Any) -> bool:
+    return type(params).__name__ == "SamplingParams"
+
+
+def _strip(sp: Any) -> None:
+    """Drop an opt-out marker (``actbus: false``) so the worker sees no selection."""
+    if isinstance(sp.extra_args, dict) and KEY in sp.extra_args:
+        sp.extra_args = {k: v for k, v in sp.extra_args.items() if k != KEY} or None
+
+
+def _prompt_len(request: Any) -> int:
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    embeds = getattr(request, "prompt_embeds", None)
+    return int(embeds.shape[0]) if embeds is not None else 0

@@ -1,0 +1,110 @@
+"""Engine-core side of capture: why each request ended.
+
+The worker learns that a request left the batch (``finished_req_ids``) but not
+why. The scheduler knows: it wrapped here to note each freed request's status
+and to hand the reasons to the workers on the next ``SchedulerOutput`` (an extra
+attribute; the output travels to workers pickled or in-process, both keep it).
+An aborted request's rows are then marked partial downstream.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+ATTR = "_actbus_end_reasons"
+_REASONS = {
+    "FINISHED_STOPPED": "stop",
+    "FINISHED_LENGTH_CAPPED": "length",
+    "FINISHED_ABORTED": "abort",
+    "FINISHED_IGNORED": "ignored",
+    "FINISHED_ERROR": "error",
+    "FINISHED_REPETITION": "stop",
+}
+
+
+def patch() -> bool:
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        return False
+    if getattr(Scheduler, "_actbus_patched", False):
+        return True
+    Scheduler._free_request = _wrap_free_request(Scheduler._free_request)
+    Scheduler.schedule = _wrap_schedule(Scheduler.schedule)
+    Scheduler._actbus_patched = True
+    return True
+
+
+def end_reasons(scheduler_output: Any) -> dict[str, str]:
+    """Internal request id -> reason, for the requests that ended before this step."""
+    return getattr(scheduler_output, ATTR, None) or {}
+
+
+def _active(scheduler: Any) -> bool:
+    cached = getattr(scheduler, "_actbus_active", None)
+    if cached is None:
+        extra = getattr(getattr(scheduler, "vllm_config", None), "additional_config", None)
+        cached = scheduler._actbus_active = isinstance(extra, dict) and "actbus" in extra
+    return cached
+
+
+def _wrap_free_request(orig):
+    @functools.wraps(orig)
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if _active(self):
+            status = getattr(request.status, "name", str(request.status))
+            self.__dict__.setdefault("_actbus_ended", {})[request.request_id] = _REASONS.get(
+                status, "unknown"
+            )
+        return orig(self, request, *args, **kwargs)
+
+    return _free_request
+
+
+def _wrap_schedule(orig):
+    @functools.wraps(orig)
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        ended = self.__dict__.get("_actbus_ended")
+        if ended:
+            setattr(out, ATTR, {r: ended.pop(r) for r in out.finished_req_ids if r in ended})
+        return out
+
+    return schedule
+
+
+@dataclass
+class StepRequests:
+    """What the scheduler told the workers about requests for one step."""
+
+    new: list[tuple[str, int, dict[str, Any] | None]]
+    """(internal id, prompt length, normalized ``extra_args["actbus"]`` or None)."""
+    starts: dict[str, int]
+    """Internal id -> position of its first token computed in this step."""
+    finished: set[str]
+    reasons: dict[str, str]
+
+
+def read_step(scheduler_output: Any) -> StepRequests:
+    """The request facts of a ``SchedulerOutput`` (the same class for both runners)."""
+    new = []
+    starts: dict[str, int] = {}
+    for r in scheduler_output.scheduled_new_reqs:
+        sp = r.sampling_params
+        extra = getattr(sp, "extra_args", None) if sp is not None else None
+        wire = extra.get("actbus") if isinstance(extra, dict) else None
+        prompt = r.prompt_token_ids
+        n_prompt = len(prompt) if prompt is not None else int(r.prompt_embeds.shape[0])
+        new.append((r.req_id, n_prompt, wire if isinstance(wire, dict) else None))
+        starts[r.req_id] = int(r.num_computed_tokens)
+    cached = scheduler_output.scheduled_cached_reqs
+    for rid, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+        starts[rid] = int(n)
+    return StepRequests(
+        new=new,
+        starts=starts,
+        finished=set(scheduler_output.finished_req_ids),
+        reasons=end_reasons(scheduler_output),
+    )
