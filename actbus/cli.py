@@ -2,6 +2,7 @@
 
 actbus run --list
 actbus run NAME --connect ADDR [--policy P] [--window N] [consumer flags...]
+actbus serve MODEL [--layers L] [--hooks H] [--publish ADDR] [vllm serve args...]
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ def consumer_command(name: str, address: str, *flags: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # everything after the model goes to vLLM untouched
+        from actbus.serve import main as serve_main
+
+        return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="actbus", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="run a consumer plugin against a publisher", add_help=False)
     run_p.add_argument("name", nargs="?", help="consumer name (see --list)")
     run_p.add_argument("--list", action="store_true", help="list installed consumers")
     run_p.add_argument("-h", "--help", action="store_true")
+    sub.add_parser("serve", help="start vLLM's OpenAI server with capture (see serve -h)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "run":
         return _run(args, rest, run_p)

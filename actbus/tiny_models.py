@@ -46,6 +46,7 @@ def default_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "initializer_range": 0.2,
+        "tie_word_embeddings": arch.startswith("gemma"),  # vLLM's Gemma always ties them
         "seed": 0,
     }
     cfg.update(overrides)
@@ -96,7 +97,7 @@ def _write_model(path: Path, cfg: dict[str, Any]) -> None:
         max_position_embeddings=cfg["max_position_embeddings"],
         rms_norm_eps=cfg["rms_norm_eps"],
         initializer_range=cfg["initializer_range"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=cfg["tie_word_embeddings"],
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

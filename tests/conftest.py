@@ -2,7 +2,10 @@
 
 Engine start costs about a minute on CPU, so each architecture's engine is
 session-scoped and shared; pytest finishes every test of one before starting
-the next, so two engines never hold memory at once.
+the next, so two engines never hold memory at once. The Llama engine is the
+hard one: prefix caching on, a KV cache far too small for its batches (so the
+scheduler preempts and recomputes), and small prefill chunks; the tests of
+selections, aborts, n>1 and faults run on it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,18 @@ import pytest
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The capture worker then checks its host-side positions against the device's.
+os.environ.setdefault("ACTBUS_CHECK_POSITIONS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHS = ("llama", "qwen2")
-CAPTURE_LAYERS = [1, 3]  # 3 is the last layer of the tiny models: pre-final-norm case
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+SCHED_ARCH = "llama"
+# 0: the first layer gets residual=None (pre_attn is the embeddings);
+# 3: the last layer of the tiny models (post_block before the final norm).
+CAPTURE_LAYERS = [0, 3]
+HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
 MAX_BATCHED_TOKENS = 64  # small, so longer prompts are split by chunked prefill
+SCHED_BLOCKS = 24  # x 32 tokens: a third of what the oracle batch needs at once
 
 
 @dataclass
@@ -49,6 +59,7 @@ def engine(request, tiny_models, tmp_path_factory) -> Iterator[Engine]:
     sock_dir = tmp_path_factory.mktemp(f"bus-{arch}")
     address = f"ipc://{sock_dir}/bus.sock"
     t0 = time.monotonic()
+    sched = arch == SCHED_ARCH
     llm = LLM(
         str(tiny_models[arch]),
         dtype="float32",
@@ -56,12 +67,16 @@ def engine(request, tiny_models, tmp_path_factory) -> Iterator[Engine]:
         max_model_len=512,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         max_num_seqs=16,
-        enable_prefix_caching=False,
+        enable_prefix_caching=True,
+        block_size=32 if sched else None,
+        num_gpu_blocks_override=SCHED_BLOCKS if sched else 64,
+        disable_log_stats=not sched,  # the Llama engine counts preemptions
         seed=0,
         additional_config={
             "actbus": {
                 "publish": address,
                 "layers": CAPTURE_LAYERS,
+                "hooks": HOOKS,
                 # Small, so a subscriber that blocks visibly holds generation back.
                 "queue_mb": 1,
                 "heartbeat_s": 0.25,
@@ -75,3 +90,20 @@ def engine(request, tiny_models, tmp_path_factory) -> Iterator[Engine]:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+@pytest.fixture
+def sched_engine(engine) -> Engine:
+    """The Llama engine (tiny KV cache, prefix caching): scheduling and selection tests."""
+    if engine.arch != SCHED_ARCH:
+        pytest.skip(f"runs on the {SCHED_ARCH} engine only")
+    return engine
+
+
+def preemptions(llm) -> int:
+    """How many times the engine preempted a request so far (vLLM's own counter)."""
+    total = 0
+    for m in llm.get_metrics():
+        if m.name == "vllm:num_preemptions":
+            total += int(getattr(m, "value", 0))
+    return total

@@ -1,6 +1,8 @@
-"""End to end on the real vLLM engine: capture -> ZeroMQ -> fs-sink process -> HF oracle.
+"""End to end on the real vLLM engine: capture -> ZeroMQ -> subscribers -> HF oracle.
 
-Every test here runs once per tiny architecture (Llama, Qwen2) on a shared engine.
+The oracle tests run once per tiny architecture on a shared engine, for every
+hook point; on the Llama engine the same batch is also preempted (tiny KV cache)
+and served with prefix caching on. Sink and fault tests run on the Llama engine.
 """
 
 from __future__ import annotations
@@ -14,12 +16,20 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.compute as pc
 import pytest
+import torch
 
 from consumers.fs import ActivationRun
-from tests.conftest import CAPTURE_LAYERS, MAX_BATCHED_TOKENS, ROOT
-from tests.oracle import hf_post_block, max_rel_error
+from tests.collector import Collector
+from tests.conftest import (
+    CAPTURE_LAYERS,
+    HOOKS,
+    MAX_BATCHED_TOKENS,
+    ROOT,
+    SCHED_ARCH,
+    preemptions,
+)
+from tests.oracle import hf_activations, max_rel_error
 from tests.procs import manifest, start_sink, stop, wait_for, wait_rows
 
 pytestmark = pytest.mark.engine
@@ -64,9 +74,13 @@ def _oracle_batch(vocab: int):
     from vllm.inputs import TokensPrompt
 
     rng = random.Random(1234)
+    shared = [rng.randrange(3, vocab) for _ in range(48)]  # prefix-cache hits across prompts
     prompts, kinds = [], []
     for i, n in enumerate(LENGTHS):
-        prompts.append(TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(n)]))
+        ids = [rng.randrange(3, vocab) for _ in range(n)]
+        if i % 2:
+            ids = shared[: n // 2] + ids[n // 2 :]
+        prompts.append(TokensPrompt(prompt_token_ids=ids))
         kinds.append("long" if i % 3 == 0 else "normal")
     for kind, n in (("max_tokens_1", 70), ("stop_string", 25), ("empty_output", 12)):
         prompts.append(TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(n)]))
@@ -77,12 +91,13 @@ def _oracle_batch(vocab: int):
 @dataclass
 class OracleRun:
     reqs: list[Req]
-    run: ActivationRun
+    col: Collector
     model_path: Path
+    preemptions: int
 
 
 @pytest.fixture(scope="session")
-def oracle_run(engine, tmp_path_factory) -> OracleRun:
+def oracle_run(engine) -> OracleRun:
     llm = engine.llm
     vocab = llm.get_tokenizer().vocab_size
     prompts, kinds = _oracle_batch(vocab)
@@ -91,11 +106,9 @@ def oracle_run(engine, tmp_path_factory) -> OracleRun:
     text = probe[kinds.index("stop_string")].outputs[0].text
     assert len(text) >= 6, f"probe output too short to pick a stop string from: {text!r}"
     stop_str = text[len(text) // 2 : len(text) // 2 + 3]
-
-    out = tmp_path_factory.mktemp(f"oracle-{engine.arch}") / "run"
-    sink = start_sink(engine.address, out)
+    before = preemptions(llm) if engine.arch == SCHED_ARCH else 0
+    col = Collector(engine.address)
     try:
-        wait_for(lambda: manifest(out), 60, "the sink to subscribe")
         outs = llm.generate(prompts, [_params(k, vocab, stop_str) for k in kinds], use_tqdm=False)
         reqs = [
             Req(
@@ -107,15 +120,14 @@ def oracle_run(engine, tmp_path_factory) -> OracleRun:
             )
             for o, k in zip(outs, kinds, strict=True)
         ]
-        expected = sum(len(r.fed) for r in reqs)
-        for layer in CAPTURE_LAYERS:
-            wait_rows(out, layer, expected)
+        col.wait_ended([(r.rid, 0) for r in reqs])
     finally:
-        assert stop(sink) == 0, (out.parent / "run.log").read_text()[-3000:]
-    return OracleRun(reqs=reqs, run=ActivationRun(out), model_path=engine.model_path)
+        col.close()
+    after = preemptions(llm) if engine.arch == SCHED_ARCH else 0
+    return OracleRun(reqs=reqs, col=col, model_path=engine.model_path, preemptions=after - before)
 
 
-def test_special_cases_were_exercised(oracle_run):
+def test_special_cases_were_exercised(oracle_run, engine):
     by_kind = {r.kind: r for r in oracle_run.reqs}
     assert len(by_kind["max_tokens_1"].output) == 1
     ss = by_kind["stop_string"]
@@ -123,76 +135,109 @@ def test_special_cases_were_exercised(oracle_run):
     eo = by_kind["empty_output"]
     assert eo.finish_reason == "stop" and len(eo.output) == 1, eo
     assert sum(len(r.prompt) > MAX_BATCHED_TOKENS for r in oracle_run.reqs) >= 4
+    if engine.arch == SCHED_ARCH:
+        assert oracle_run.preemptions > 0, "the tiny KV cache did not force any preemption"
 
 
-def test_every_position_stored_exactly_once(oracle_run):
-    run = oracle_run.run
-    total = 0
+def test_every_position_published_exactly_once(oracle_run):
+    col = oracle_run.col
     for layer in CAPTURE_LAYERS:
-        for r in oracle_run.reqs:
-            positions, acts = run.request_rows(r.rid, layer)
-            n = len(r.fed)
-            dup = [p for p, c in Counter(positions.tolist()).items() if c > 1]
-            assert not dup, f"request {r.rid} layer {layer}: duplicated positions {dup[:10]}"
-            # A stop string is detected after the engine may have computed a step or two
-            # more; those rows are real and contiguous, never missing in the middle.
-            k = len(positions)
-            assert positions.tolist() == list(range(k)), f"request {r.rid}: gaps in positions"
-            if r.kind == "stop_string":
-                assert k >= n
-            else:
-                assert k == n, f"request {r.rid} ({r.kind}): {k} rows, expected {n}"
-            assert acts.shape == (k, run.hidden_size)
-            total += k
-    assert sum(run.manifest["rows"].values()) == total, "rows stored for unknown requests"
+        for hook in HOOKS:
+            for r in oracle_run.reqs:
+                positions, token_ids, acts = col.get(r.rid, layer, hook)
+                n = len(r.fed)
+                where = f"request {r.rid} ({r.kind}) layer {layer} {hook}"
+                dup = [p for p, c in Counter(positions.tolist()).items() if c > 1]
+                assert not dup, f"{where}: duplicated positions {dup[:10]}"
+                # A stop string is detected after the engine may have computed a step or
+                # two more; those rows are real and contiguous, never missing in the middle.
+                k = len(positions)
+                assert positions.tolist() == list(range(k)), f"{where}: gaps in positions"
+                if r.kind == "stop_string":
+                    assert k >= n
+                else:
+                    assert k == n, f"{where}: {k} rows, expected {n}"
+                assert token_ids[:n].tolist() == r.fed, f"{where}: token ids differ"
+                assert acts.shape == (k, engine_hidden(oracle_run))
 
 
-def test_activations_match_hf_transformers(oracle_run):
-    run = oracle_run.run
-    worst = {layer: 0.0 for layer in CAPTURE_LAYERS}
+def engine_hidden(oracle_run) -> int:
+    from tests.oracle import hf_model
+
+    return hf_model(str(oracle_run.model_path)).config.hidden_size
+
+
+def test_every_hook_matches_hf_transformers(oracle_run):
+    col = oracle_run.col
+    worst = {(layer, hook): 0.0 for layer in CAPTURE_LAYERS for hook in HOOKS}
     for r in oracle_run.reqs:
-        table = (
-            run.dataset(CAPTURE_LAYERS[0])
-            .to_table(
-                columns=["position", "token_id"],
-                filter=pc.field("request_id") == r.rid,
-            )
-            .sort_by("position")
-        )
-        captured_ids = table.column("token_id").to_pylist()
-        n = len(r.fed)
-        assert captured_ids[:n] == r.fed, f"request {r.rid}: token ids differ from prompt+output"
-        ref = hf_post_block(oracle_run.model_path, captured_ids, CAPTURE_LAYERS)
-        for layer in CAPTURE_LAYERS:
-            got = run.request(r.rid, layer)
-            worst[layer] = max(worst[layer], max_rel_error(got, ref[layer]))
-    print(f"max relative error per layer: {worst}")
-    for layer, err in worst.items():
-        assert err <= 1e-3, f"layer {layer}: max relative error {err:.2e} > 1e-3"
+        ref = hf_activations(oracle_run.model_path, r.fed, CAPTURE_LAYERS, HOOKS)
+        for key in worst:
+            _, _, acts = col.get(r.rid, *key)
+            worst[key] = max(worst[key], max_rel_error(acts[: len(r.fed)], ref[key]))
+    print(f"max relative error per (layer, hook): {worst}")
+    for key, err in worst.items():
+        assert err <= 1e-3, f"{key}: max relative error {err:.2e} > 1e-3"
+
+
+def test_request_ends_carry_the_reason(oracle_run):
+    for r in oracle_run.reqs:
+        # vLLM's front end finds stop strings and ends such requests by aborting them in
+        # the engine, which is all the engine (and so the capture) sees.
+        want = "abort" if r.kind == "stop_string" else r.finish_reason
+        assert oracle_run.col.ended[(r.rid, 0)] == want, r
 
 
 def test_batches_mixed_prefill_chunks_and_decode(oracle_run):
     """The oracle is only meaningful if the scheduler really split and mixed batches."""
-    table = oracle_run.run.dataset(CAPTURE_LAYERS[0]).to_table(
-        columns=["request_id", "position", "step"]
-    )
     prompt_len = {r.rid: len(r.prompt) for r in oracle_run.reqs}
-    rows = zip(
-        *(table.column(c).to_pylist() for c in ("request_id", "position", "step")), strict=True
-    )
     prefill_steps: dict[str, set[int]] = {}
     step_kinds: dict[int, set[str]] = {}
-    for rid, pos, step in rows:
-        kind = "prefill" if pos < prompt_len[rid] else "decode"
-        step_kinds.setdefault(step, set()).add(kind)
-        if kind == "prefill":
-            prefill_steps.setdefault(rid, set()).add(step)
+    for r in oracle_run.reqs:
+        rows = oracle_run.col.rows[(r.rid, 0, CAPTURE_LAYERS[0], "post_block")]
+        for pos, step in zip(rows.positions, rows.steps, strict=True):
+            kind = "prefill" if pos < prompt_len[r.rid] else "decode"
+            step_kinds.setdefault(step, set()).add(kind)
+            if kind == "prefill":
+                prefill_steps.setdefault(r.rid, set()).add(step)
     assert any(len(s) > 1 for s in prefill_steps.values()), "no prompt was split across steps"
     assert any(k == {"prefill", "decode"} for k in step_kinds.values()), "no mixed step"
-    assert pc.max(table.column("step")).as_py() > 10
+    assert max(step_kinds) > 10
 
 
-def test_late_subscriber_receives_later_steps(engine, tmp_path):
+def test_fs_sink_stores_what_was_published(sched_engine, tmp_path):
+    """The sink process, fed by the real engine, stores exactly the published rows."""
+    from vllm import SamplingParams
+
+    out = tmp_path / "run"
+    sink = start_sink(sched_engine.address, out)
+    col = Collector(sched_engine.address)
+    try:
+        wait_for(lambda: manifest(out), 60, "the sink to subscribe")
+        outs = sched_engine.llm.generate(
+            ["the residual stream", "quick brown foxes jump over lazy dogs"],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+        col.wait_ended([(o.request_id, 0) for o in outs])
+        expected = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+        for layer in CAPTURE_LAYERS:
+            wait_rows(out, layer, expected)
+    finally:
+        col.close()
+        assert stop(sink) == 0, (out.parent / "run.log").read_text()[-3000:]
+    run = ActivationRun(out)
+    for o in outs:
+        for layer in CAPTURE_LAYERS:
+            for hook in HOOKS:
+                positions, acts = run.request_rows(o.request_id, layer, hook)
+                want_pos, _, want = col.get(o.request_id, layer, hook)
+                assert positions.tolist() == want_pos.tolist()
+                assert torch.equal(acts, want), (o.request_id, layer, hook)
+
+
+def test_late_subscriber_receives_later_steps(sched_engine, tmp_path):
+    engine = sched_engine
     from vllm import SamplingParams
 
     out = tmp_path / "late"
@@ -213,8 +258,9 @@ def test_late_subscriber_receives_later_steps(engine, tmp_path):
     assert run.manifest["rows"][f"{CAPTURE_LAYERS[0]}/post_block"] == expected
 
 
-def test_dead_subscribers_do_not_stall_generation(engine, tmp_path):
+def test_dead_subscribers_do_not_stall_generation(sched_engine, tmp_path):
     """kill -9 of a sink, and of a subscriber that never grants credit, mid-run."""
+    engine = sched_engine
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

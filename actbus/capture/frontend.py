@@ -13,9 +13,11 @@ positions are computed, not silently missing; other requests keep the cache.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 from actbus.capture.selection import Selection, parse_selection
+from actbus.config import ConfigError
 
 KEY = "actbus"
 
@@ -50,6 +52,14 @@ class _Frontend:
     def selection(self, params: Any) -> Selection | None:
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
+        if isinstance(raw, str):  # over HTTP: vllm_xargs={"actbus": "<json>"}
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"extra_args.actbus: not valid JSON ({e.msg} at column {e.colno}); over "
+                    "HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
+                ) from None
         if raw is False:  # opts this request out of ``requests: all``
             return None
         if raw is None:

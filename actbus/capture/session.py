@@ -17,7 +17,7 @@ from torch import nn
 
 from actbus.capture.taps import check_architecture, install_taps
 from actbus.capture.worker import CaptureWorker
-from actbus.config import CaptureConfig
+from actbus.config import CaptureConfig, ConfigError
 
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's
@@ -43,6 +43,17 @@ def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
         return None
     mc = vllm_config.model_config
     check_architecture(getattr(mc.hf_config, "architectures", None))
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ConfigError(
+            "actbus: speculative decoding is not supported with capture (draft tokens that "
+            "are rejected would be captured as if generated); remove speculative_config"
+        )
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    if pp > 1:
+        raise ConfigError(
+            f"actbus: pipeline_parallel_size={pp} is not supported yet; capture runs with "
+            "tensor parallelism (rank 0 publishes) or on one device"
+        )
     return cfg, cfg.resolve_layers(_num_layers(mc), mc.model)
 
 
