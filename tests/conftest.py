@@ -33,7 +33,7 @@ SCHED_ARCH = "llama"
 CAPTURE_LAYERS = [0, 3]
 HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
 MAX_BATCHED_TOKENS = 64  # small, so longer prompts are split by chunked prefill
-SCHED_BLOCKS = 24  # x 32 tokens: a third of what the oracle batch needs at once
+SCHED_BLOCKS = 17  # x 32 tokens: one max_model_len request (+ the null block), no more
 
 
 @dataclass

@@ -57,8 +57,8 @@ def _params(kind: str, vocab: int, stop: str | None = None):
 
     if kind == "normal":
         return SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    if kind == "long":
-        return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    if kind == "long":  # decode growth that the Llama engine's KV cache cannot hold
+        return SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     if kind == "max_tokens_1":
         return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     if kind == "stop_string":
