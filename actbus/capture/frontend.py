@@ -79,7 +79,10 @@ def _wrap_process_inputs(orig):
         fe = getattr(self, "_actbus_frontend", None)
         if fe is None:
             fe = self._actbus_frontend = _Frontend(self.vllm_config)
-        sel = fe.selection(params) if fe.active and _is_sampling(params) else None
+        try:
+            sel = fe.selection(params) if fe.active and _is_sampling(params) else None
+        except ConfigError as e:
+            raise _client_error(e) from None
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         sp = getattr(request, "sampling_params", None)
         if sel is None or sp is None:
@@ -96,6 +99,29 @@ def _wrap_process_inputs(orig):
         return request
 
     return process_inputs
+
+
+@functools.cache
+def _error_class() -> type[ConfigError]:
+    """A ConfigError that vLLM also knows as its own validation error.
+
+    vLLM's servers answer ``VLLMValidationError`` with HTTP 400 and name the
+    parameter; offline callers can still catch ValueError/ConfigError.
+    """
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return ConfigError
+
+    class SelectionError(VLLMValidationError, ConfigError):
+        pass
+
+    return SelectionError
+
+
+def _client_error(e: ConfigError) -> ConfigError:
+    msg = str(e)
+    return _error_class()(msg, parameter=msg.split(":", 1)[0])
 
 
 def _is_sampling(params: Any) -> bool:
