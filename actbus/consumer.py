@@ -37,18 +37,25 @@ class Consumer(ABC):
         """Build the consumer from parsed flags."""
 
     def subscription(
-        self, policy: str | None = None, window: int = 64, window_bytes: int = 128 << 20
+        self,
+        policy: str | None = None,
+        window: int = 64,
+        window_bytes: int = 128 << 20,
+        tags: dict[str, Any] | None = None,
+        group: str = "",
     ) -> Subscription:
         """What to ask the publisher for; override to filter layers or hooks.
 
-        ``policy`` is a policy name or ``sample:N``.
+        ``policy`` is a policy string (``sample:N``, ``spill:MB:FALLBACK``...);
+        ``tags`` keeps only matching requests; ``group`` shares the stream with the
+        group's other members (load-balanced) instead of receiving all of it.
         """
-        name, every = parse_policy(policy or self.default_policy)
         return Subscription(
-            policy=name,
-            sample_every=every,
+            **parse_policy(policy or self.default_policy),
             window=window,
             window_bytes=window_bytes,
+            tags=tags,
+            group=group,
             name=self.name,
         )
 

@@ -28,6 +28,8 @@ REJECT = b"X"  # publisher -> subscriber: the HELLO was refused (reason in heade
 HELLO = b"O"  # subscriber -> publisher: subscription request
 CREDIT = b"C"  # subscriber -> publisher: grant more messages (also a heartbeat)
 BYE = b"B"  # subscriber -> publisher: leaving
+STATS = b"S"  # subscriber -> publisher: ask for the publisher's counters; and the reply
+KEEPALIVE = b"K"  # subscriber side socket -> publisher: {"of": subscriber identity}, alive
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

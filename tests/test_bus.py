@@ -135,7 +135,7 @@ def test_malformed_control_messages_are_counted_not_fatal(publisher, address):
         ]
         sock.send_multipart(frames)
     sock.close(0)
-    wait_for(lambda: publisher.stats().get("malformed_control", 0) > 0, 10, "garbage counted")
+    wait_for(lambda: publisher.stats()["rejected"] > 0, 10, "garbage counted")
     with Subscriber(address, Subscription(name="after")) as sub:
         sub.wait_welcome(10)
         publisher.publish(*_msg(0))
@@ -296,10 +296,12 @@ def test_sample_takes_every_nth_step(publisher, address):
 @pytest.mark.parametrize(
     "text, parsed",
     [
-        ("block", ("block", 1)),
-        ("drop_oldest", ("drop_oldest", 1)),
-        ("sample:10", ("sample", 10)),
-        ("sample:0.25", ("sample", 4)),
+        ("block", {"policy": "block"}),
+        ("drop_oldest", {"policy": "drop_oldest"}),
+        ("sample:10", {"policy": "sample", "sample_every": 10}),
+        ("sample:0.25", {"policy": "sample", "sample_every": 4}),
+        ("spill", {"policy": "spill", "spill_mb": 1024.0, "spill_fallback": "drop_newest"}),
+        ("spill:0.5:block", {"policy": "spill", "spill_mb": 0.5, "spill_fallback": "block"}),
     ],
 )
 def test_parse_policy(text, parsed):
@@ -308,9 +310,12 @@ def test_parse_policy(text, parsed):
     assert parse_policy(text) == parsed
 
 
-@pytest.mark.parametrize("text", ["newest", "block:2", "sample", "sample:x", "sample:-1"])
+@pytest.mark.parametrize(
+    "text",
+    ["newest", "block:2", "sample", "sample:x", "sample:-1", "spill:x", "spill:0", "spill:4:oops"],
+)
 def test_parse_policy_rejects_with_the_choices(text):
     from actbus.bus.protocol import parse_policy
 
-    with pytest.raises(ValueError, match=r"policy|sample"):
+    with pytest.raises(ValueError, match=r"policy|sample|spill"):
         parse_policy(text)

@@ -4,39 +4,69 @@ The publisher enforces each subscriber's policy; the names follow Vector's
 ``when_full`` (``block``, ``drop_newest``): ``block`` is lossless and makes the
 publisher, and so the engine, wait for that subscriber. ``drop_oldest`` evicts the
 oldest waiting message instead (fresh data for trainers); ``sample`` takes every
-N-th step and drops the newest when full (dashboards).
+N-th step and drops the newest when full (dashboards); ``spill`` writes what does
+not fit to local disk and replays it in order, up to a byte cap, after which its
+fallback policy applies.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from actbus.wire import SCHEMA_VERSION, WireError
 
-POLICIES = ("block", "drop_newest", "drop_oldest", "sample")
-
-
-def parse_policy(text: str) -> tuple[str, int]:
-    """``"sample:10"`` or ``"sample:0.1"`` -> ``("sample", 10)``; others -> ``(name, 1)``."""
-    name, _, arg = text.partition(":")
-    if name not in POLICIES or (arg and name != "sample"):
-        raise ValueError(
-            f"unknown policy {text!r}; choose block, drop_newest, drop_oldest or sample:N"
-        )
-    if name != "sample":
-        return name, 1
-    try:
-        value = float(arg)
-    except ValueError:
-        raise ValueError(f"sample needs N (every N-th step) or a fraction, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"sample needs a positive N or fraction, got {text!r}")
-    every = round(1 / value) if value < 1 else round(value)
-    return name, max(1, every)
-
-
+POLICIES = ("block", "drop_newest", "drop_oldest", "sample", "spill")
+SPILL_FALLBACKS = ("drop_newest", "drop_oldest", "block")
+DEFAULT_SPILL_MB = 1024.0
+MAX_SPILL_MB = float(1 << 20)  # 1 TiB
 MAX_WINDOW = 1 << 20
+MAX_NAME = 200
+MAX_TAGS = 64
+_SCALARS = (str, int, float, bool)
+_USAGE = "choose block, drop_newest, drop_oldest, sample:N or spill[:MB[:FALLBACK]]"
+
+
+def parse_policy(text: str) -> dict[str, Any]:
+    """A policy string -> the ``Subscription`` fields it sets.
+
+    ``"sample:10"`` / ``"sample:0.1"`` -> every 10th step; ``"spill:512:drop_oldest"``
+    -> spill up to 512 MiB, then evict the oldest spilled (``spill`` alone: 1024 MiB,
+    then ``drop_newest``).
+    """
+    name, _, arg = text.partition(":")
+    if name not in POLICIES or (arg and name not in ("sample", "spill")):
+        raise ValueError(f"unknown policy {text!r}; {_USAGE}")
+    if name == "sample":
+        try:
+            value = float(arg)
+        except ValueError:
+            raise ValueError(
+                f"sample needs N (every N-th step) or a fraction, got {text!r}"
+            ) from None
+        if not value > 0 or math.isinf(value):
+            raise ValueError(f"sample needs a positive N or fraction, got {text!r}")
+        every = round(1 / value) if value < 1 else round(value)
+        return {"policy": "sample", "sample_every": max(1, every)}
+    if name == "spill":
+        mb_text, _, fallback = arg.partition(":")
+        try:
+            mb = float(mb_text) if mb_text else DEFAULT_SPILL_MB
+        except ValueError:
+            raise ValueError(
+                f"spill needs a cap in MiB, as spill:MB[:FALLBACK], got {text!r}"
+            ) from None
+        if not 0 < mb <= MAX_SPILL_MB:
+            raise ValueError(f"spill cap must be in (0, {MAX_SPILL_MB:.0f}] MiB, got {text!r}")
+        fallback = fallback or "drop_newest"
+        if fallback not in SPILL_FALLBACKS:
+            raise ValueError(
+                f"spill fallback {fallback!r} is unknown; choose {', '.join(SPILL_FALLBACKS)}"
+            )
+        return {"policy": "spill", "spill_mb": mb, "spill_fallback": fallback}
+    return {"policy": name}
 
 
 @dataclass(frozen=True)
@@ -52,7 +82,19 @@ class Subscription:
     """Credit in bytes; whichever of the two runs out first holds sending back. A
     message larger than this still goes when nothing else is in flight."""
     layers: tuple[int, ...] | None = None
+    """Layers wanted (None: all; ``()``: none, e.g. a stats client)."""
     hooks: tuple[str, ...] | None = None
+    tags: dict[str, Any] | None = None
+    """Keep only requests whose tags match every key: ``{"split": "train"}``; a list
+    value accepts any of its values: ``{"lang": ["en", "fr"]}``. Other rows are cut
+    out at the publisher (a filtered message is a copy; unfiltered ones are not)."""
+    group: str = ""
+    """Load-balancing group: each message for the group goes to exactly one live
+    member (the least loaded one with credit). Empty: this subscriber gets everything."""
+    spill_mb: float = DEFAULT_SPILL_MB
+    """With ``policy="spill"``: MiB of backlog kept on the publisher's disk."""
+    spill_fallback: str = "drop_newest"
+    """With ``policy="spill"``: what happens once ``spill_mb`` is full."""
     name: str = ""
 
     def to_wire(self) -> dict[str, Any]:
@@ -64,11 +106,16 @@ class Subscription:
             "window_bytes": self.window_bytes,
             "layers": list(self.layers) if self.layers is not None else None,
             "hooks": list(self.hooks) if self.hooks is not None else None,
+            "tags": dict(self.tags) if self.tags else None,
+            "group": self.group,
+            "spill_mb": self.spill_mb,
+            "spill_fallback": self.spill_fallback,
             "name": self.name,
         }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Subscription:
+        """Check every field; a bad one is refused with its name and the fix."""
         schema = d.get("schema")
         if schema != SCHEMA_VERSION:
             raise WireError(
@@ -78,29 +125,40 @@ class Subscription:
         policy = d.get("policy", "block")
         if policy not in POLICIES:
             raise WireError(f"policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
-        every = d.get("sample_every", 1)
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise WireError(f"sample_every must be an int >= 1, got {every!r}")
-        window = d.get("window", 64)
-        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= MAX_WINDOW:
-            raise WireError(f"window must be an int in 1..{MAX_WINDOW}, got {window!r}")
-        window_bytes = d.get("window_bytes", 128 << 20)
-        if (
-            not isinstance(window_bytes, int)
-            or isinstance(window_bytes, bool)
-            or not 1 <= window_bytes <= 1 << 40
-        ):
-            raise WireError(f"window_bytes must be an int in 1..2**40, got {window_bytes!r}")
+        every = _int(d, "sample_every", 1, 1, 1 << 30)
+        window = _int(d, "window", 64, 1, MAX_WINDOW)
+        window_bytes = _int(d, "window_bytes", 128 << 20, 1, 1 << 40)
         layers = d.get("layers")
         if layers is not None and (
-            not isinstance(layers, list) or not all(isinstance(x, int) for x in layers)
+            not isinstance(layers, list)
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
         ):
-            raise WireError(f"layers must be a list of ints or null, got {layers!r}")
+            raise WireError(f"layers must be a list of ints or null, got {layers!r:.200}")
         hooks = d.get("hooks")
         if hooks is not None and (
             not isinstance(hooks, list) or not all(isinstance(x, str) for x in hooks)
         ):
-            raise WireError(f"hooks must be a list of strings or null, got {hooks!r}")
+            raise WireError(f"hooks must be a list of strings or null, got {hooks!r:.200}")
+        tags = d.get("tags")
+        if tags is not None:
+            _check_tags(tags)
+        group = d.get("group", "")
+        if not isinstance(group, str) or len(group) > MAX_NAME:
+            raise WireError(f"group must be a string of at most {MAX_NAME} characters")
+        spill_mb = d.get("spill_mb", DEFAULT_SPILL_MB)
+        if (
+            not isinstance(spill_mb, (int, float))
+            or isinstance(spill_mb, bool)
+            or not 0 < spill_mb <= MAX_SPILL_MB
+        ):
+            raise WireError(
+                f"spill_mb must be a number in (0, {MAX_SPILL_MB:.0f}] (MiB), got {spill_mb!r:.50}"
+            )
+        fallback = d.get("spill_fallback", "drop_newest")
+        if fallback not in SPILL_FALLBACKS:
+            raise WireError(
+                f"spill_fallback {fallback!r} is unknown; choose {', '.join(SPILL_FALLBACKS)}"
+            )
         name = d.get("name", "")
         return cls(
             policy=policy,
@@ -109,10 +167,69 @@ class Subscription:
             window_bytes=window_bytes,
             layers=tuple(layers) if layers is not None else None,
             hooks=tuple(hooks) if hooks is not None else None,
-            name=str(name)[:200],
+            tags=dict(tags) if tags else None,
+            group=group,
+            spill_mb=float(spill_mb),
+            spill_fallback=fallback,
+            name=str(name)[:MAX_NAME],
         )
 
     def wants(self, layer: int, hook: str) -> bool:
         return (self.layers is None or layer in self.layers) and (
             self.hooks is None or hook in self.hooks
         )
+
+    def wants_request(self, tags: dict[str, Any]) -> bool:
+        """True when a request's tags match every key of the tag filter."""
+        if not self.tags:
+            return True
+        for key, want in self.tags.items():
+            have = tags.get(key, _MISSING)
+            if isinstance(want, list):
+                if not any(_same(have, w) for w in want):
+                    return False
+            elif not _same(have, want):
+                return False
+        return True
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality that keeps ``True`` and ``1`` apart (tags come from JSON users)."""
+    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+
+def _int(d: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = d.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise WireError(f"{key} must be an int in {lo}..{hi}, got {v!r:.100}")
+    return v
+
+
+def _check_tags(tags: Any) -> None:
+    if not isinstance(tags, dict) or len(tags) > MAX_TAGS:
+        raise WireError(f"tags must be a map of at most {MAX_TAGS} keys, e.g. {{'split': 'train'}}")
+    for k, v in tags.items():
+        ok = isinstance(v, _SCALARS) or (
+            isinstance(v, list) and 0 < len(v) <= 1024 and all(isinstance(x, _SCALARS) for x in v)
+        )
+        if not isinstance(k, str) or not ok:
+            raise WireError(
+                f"tags[{k!r:.50}] must be a string key with a scalar or a non-empty list of "
+                "scalars (accepted values)"
+            )
+
+
+def parse_tags(text: str) -> dict[str, Any]:
+    """A tag filter from JSON text, e.g. ``'{"split": "train", "lang": ["en", "fr"]}'``."""
+    try:
+        tags = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f'tags must be a JSON object such as {{"split": "train"}}: {e}') from None
+    try:
+        _check_tags(tags)
+    except WireError as e:
+        raise ValueError(str(e)) from None
+    return tags

@@ -4,7 +4,15 @@ The engine thread hands each captured message to ``publish``, which only queues 
 (within a byte budget) and returns; a background thread owns the socket and does
 all sending. What happens when a subscriber has no credit is that subscriber's
 policy: ``block`` holds back the shared queue (the engine waits once the budget is
-spent), ``drop_newest`` counts and drops.
+spent), ``drop_newest``/``sample`` drop the new message, ``drop_oldest`` evicts the
+oldest waiting one, ``spill`` writes it to local disk (``spill.py``) and replays it
+in order later, up to a cap after which its fallback applies.
+
+Routing: a subscriber gets the messages of the layers and hooks it asked for, cut
+down to the requests its tag filter matches (a copy, made once per distinct
+filter; unfiltered subscribers get the captured buffer itself). Subscribers that
+name the same ``group`` share one copy of the stream: each message goes to exactly
+one member, the least loaded one with credit.
 
 Sequence numbers are given per subscriber when a message is routed to it, so a
 dropped message leaves a gap the subscriber sees. Credit is cumulative: a
@@ -14,25 +22,39 @@ is in flight from that, so a lost acknowledgement or message never leaks credit.
 Dead subscribers are found two ways: ``ROUTER_MANDATORY`` makes a send to a peer
 whose connection closed fail at once (heartbeats go out every ``heartbeat_s``, so
 a killed process is noticed within that), and a subscriber silent for
-``subscriber_timeout_s`` is dropped. Either way it is no longer waited for.
+``subscriber_timeout_s`` is dropped. A subscriber keeps itself alive while its
+consumer is busy through a keepalive socket of its own (``KEEPALIVE`` names the
+subscriber it speaks for). Either way a dead one is no longer waited for.
+
+Every control message that breaks the schema is counted in ``rejected`` and
+dropped; frames above ``MAX_CONTROL_BYTES`` are refused by libzmq before they are
+allocated (the sender's connection is closed; counted in ``connections_closed``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from actbus.bus.accounting import LatencyWindow, SubCounters
 from actbus.bus.protocol import Subscription
+from actbus.bus.security import ServerAuth
+from actbus.bus.spill import SpillLog
 from actbus.wire import (
     BYE,
     CREDIT,
@@ -40,8 +62,10 @@ from actbus.wire import (
     END,
     HEARTBEAT,
     HELLO,
+    KEEPALIVE,
     REJECT,
     SCHEMA_VERSION,
+    STATS,
     WELCOME,
     Header,
     WireError,
@@ -54,8 +78,13 @@ from actbus.wire import (
 log = logging.getLogger("actbus.publisher")
 
 # How many messages a subscriber may have waiting beyond its credit before its
-# policy applies (block: hold the shared queue; drop_newest: drop).
+# policy applies (block: hold the shared queue; drop_newest: drop; spill: to disk).
 PENDING_LIMIT = 8
+# Largest control frame accepted; control messages are small maps.
+MAX_CONTROL_BYTES = 256 << 10
+# Control messages handled per loop turn, so a flood cannot starve sending.
+CONTROL_BATCH = 256
+DEPARTED_KEPT = 32
 
 
 @dataclass
@@ -64,8 +93,12 @@ class _Item:
     tensor: torch.Tensor  # keeps the payload's memory alive until sent
     nbytes: int
     ready: Any = None  # an event to wait on before the tensor and row index are readable
+    t_published: float = 0.0
     header_bytes: bytes = b""
     payload: memoryview | None = None
+    root: _Item | None = None  # a filtered copy: the message it was cut from
+    sent_once: bool = False
+    variants: dict[str, _Item | None] | None = None  # per tag filter, made once
 
     def materialize(self) -> None:
         """Wait for the device copy, then encode: done on the publisher thread."""
@@ -75,20 +108,23 @@ class _Item:
         self.header_bytes = self.header.encode()
         self.payload = tensor_to_frame(self.tensor)
 
+    @property
+    def wire_bytes(self) -> int:
+        return len(self.header_bytes) + self.nbytes
+
 
 @dataclass
 class _Sub:
     ident: bytes
     sub: Subscription
     last_seen: float
+    acked_step: int  # the step of the newest acknowledged message (lag is measured from it)
     pending: deque[tuple[int, _Item]] = field(default_factory=deque)
     next_seq: int = 0  # the seq the next routed message gets
-    inflight: deque[tuple[int, int]] = field(default_factory=deque)  # (seq, nbytes) unacked
+    inflight: deque[tuple[int, int, int]] = field(default_factory=deque)  # seq, nbytes, step
     inflight_bytes: int = 0
-    sent: int = 0
-    bytes_sent: int = 0
-    sampled_out: int = 0  # steps a ``sample`` subscriber did not ask for
-    dropped: Counter[str] = field(default_factory=Counter)
+    spill: SpillLog | None = None
+    c: SubCounters = field(default_factory=SubCounters)
 
     def may_send(self, nbytes: int) -> bool:
         """Within both credits; an oversized message goes alone when nothing is in flight."""
@@ -101,7 +137,45 @@ class _Sub:
 
     def ack(self, acked: int) -> None:
         while self.inflight and self.inflight[0][0] < acked:
-            self.inflight_bytes -= self.inflight.popleft()[1]
+            _, nbytes, step = self.inflight.popleft()
+            self.inflight_bytes -= nbytes
+            self.acked_step = max(self.acked_step, step)
+
+    @property
+    def spilled_now(self) -> int:
+        return len(self.spill) if self.spill is not None else 0
+
+    @property
+    def queued(self) -> int:
+        """Routed to it, not yet sent: in memory or on disk."""
+        return len(self.pending) + self.spilled_now
+
+    @property
+    def spill_cap(self) -> int:
+        return int(self.sub.spill_mb * (1 << 20))
+
+    def overflowing(self, nbytes: int) -> bool:
+        """A new message cannot join ``pending``: spill is in use (order) or no room."""
+        return self.spilled_now > 0 or (
+            len(self.pending) >= PENDING_LIMIT and not self.may_send(nbytes)
+        )
+
+    def blocks(self, item: _Item) -> bool:
+        """True when taking ``item`` now would break this subscriber's lossless promise."""
+        if self.sub.policy == "block":
+            return len(self.pending) >= PENDING_LIMIT
+        if self.sub.policy == "spill" and self.sub.spill_fallback == "block":
+            held = self.spill.nbytes if self.spill is not None else 0
+            return self.overflowing(item.nbytes) and held + item.wire_bytes > self.spill_cap
+        return False
+
+    def policy_text(self) -> str:
+        p = self.sub
+        if p.policy == "sample":
+            return f"sample:{p.sample_every}"
+        if p.policy == "spill":
+            return f"spill:{p.spill_mb:g}:{p.spill_fallback}"
+        return p.policy
 
 
 class Publisher:
@@ -115,6 +189,10 @@ class Publisher:
         queue_bytes: int = 1 << 30,
         heartbeat_s: float = 0.5,
         subscriber_timeout_s: float = 30.0,
+        spill_dir: str | Path | None = None,
+        server_secret_key: str | None = None,
+        authorized_keys: str | None = None,
+        insecure_allow_any_interface: bool = False,
     ) -> None:
         self.address = address
         self.id = uuid.uuid4().hex
@@ -122,17 +200,30 @@ class Publisher:
         self._queue_budget = queue_bytes
         self._heartbeat_s = heartbeat_s
         self._timeout_s = subscriber_timeout_s
+        self._spill_parent = spill_dir  # None: the system temp dir
+        self._spill_root: Path | None = None
+        # Refuses a non-loopback bind without CURVE keys (ConfigError), before any socket.
+        self._auth = ServerAuth(
+            address,
+            server_secret_key=server_secret_key,
+            authorized_keys=authorized_keys,
+            insecure_allow_any_interface=insecure_allow_any_interface,
+        )
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # credit bounds what is in flight
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         try:
+            self._auth.apply(self._ctx, self._sock)  # CURVE + authenticator, before bind
             self._sock.bind(address)
         except zmq.ZMQError as e:
             self._sock.close()
+            self._auth.close()
             self._ctx.term()
             raise OSError(f"actbus.publish={address!r}: cannot bind: {e}") from e
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._queue: deque[_Item] = deque()
         self._queued_bytes = 0
         self._cond = threading.Condition()
@@ -140,6 +231,9 @@ class Publisher:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._subs: dict[bytes, _Sub] = {}
+        self._departed: deque[dict[str, Any]] = deque(maxlen=DEPARTED_KEPT)
+        self._group_departed: dict[str, Counter[str]] = {}
+        self._latency = LatencyWindow()
         self._closing = False
         self._closed = False
         self._stopped = threading.Event()
@@ -156,7 +250,7 @@ class Publisher:
         ``ready``, if given, is an event (e.g. ``torch.cuda.Event``) that must complete
         before ``tensor`` and the header's row index hold their data.
         """
-        item = _Item(header, tensor.contiguous(), header.nbytes, ready)
+        item = _Item(header, tensor.contiguous(), header.nbytes, ready, time.monotonic())
         with self._cond:
             t0 = None
             while (
@@ -178,31 +272,37 @@ class Publisher:
                 self._wake()
 
     def stats(self) -> dict[str, Any]:
+        """Every counter: global, per subscriber, per group, and recent departures."""
         with self._cond:
             subs: dict[str, dict[str, Any]] = {}
             for s in list(self._subs.values()):
                 key = s.sub.name or s.ident.hex()
                 if key in subs:  # names need not be unique
                     key = f"{key}#{s.ident.hex()[:8]}"
-                subs[key] = {
-                    "policy": s.sub.policy,
-                    "sent": s.sent,
-                    "bytes_sent": s.bytes_sent,
-                    "dropped": dict(s.dropped),
-                    "sampled_out": s.sampled_out,
-                    "pending": len(s.pending),
-                    "inflight": len(s.inflight),
-                    "inflight_bytes": s.inflight_bytes,
-                }
+                subs[key] = self._sub_stats(s)
+            groups: dict[str, dict[str, Any]] = {}
+            for name, gone in self._group_departed.items():
+                groups[name] = {"members": 0, **gone}
+            for s in self._subs.values():
+                if s.sub.group:
+                    g = groups.setdefault(s.sub.group, {"members": 0})
+                    g["members"] += 1
+                    for k in ("routed", "sent", "replayed"):
+                        g[k] = g.get(k, 0) + getattr(s.c, k)
+                    g["dropped"] = g.get("dropped", 0) + sum(s.c.dropped.values())
             return {
                 "published": 0,
                 "unrouted": 0,
+                "rejected": 0,
                 **dict(self._counters),
                 "last_step": self.last_step,
                 "queued": len(self._queue),
                 "queued_bytes": self._queued_bytes,
                 "stall_s": round(self.stall_s, 3),
+                "latency": self._latency.summary(),
                 "subscribers": subs,
+                "groups": groups,
+                "departed": list(self._departed),
             }
 
     def close(self, timeout: float = 5.0) -> None:
@@ -223,7 +323,7 @@ class Publisher:
     # ------------------------------------------------------------ publisher thread
     def _busy(self) -> bool:
         with self._cond:
-            return bool(self._queue) or any(s.pending for s in self._subs.values())
+            return bool(self._queue) or any(s.queued for s in self._subs.values())
 
     def _wake(self) -> None:
         """Called with ``_cond`` held, so the pipe is never closed underneath."""
@@ -235,12 +335,13 @@ class Publisher:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_beat = time.monotonic()
+        more = False
         try:
             while True:
                 with self._cond:
                     closing = self._closing
-                    more = bool(self._queue) and self._can_take()
                 if closing:
                     self._broadcast(END, {"last_step": self.last_step})
                     break
@@ -250,16 +351,26 @@ class Publisher:
                 if self._wake_r in events:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
+                if self._monitor in events:
+                    self._read_monitor()
+                more = False
                 if self._sock in events:
-                    self._read_control()
-                self._take_items()
+                    more = self._read_control()
+                more = self._take_items() or more
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + self._heartbeat_s
         except Exception:  # the engine must never die of the bus
             log.exception("actbus publisher thread failed; capture data is no longer sent")
         finally:
+            for s in list(self._subs.values()):
+                if s.spill is not None:
+                    s.spill.close()
+            if self._spill_root is not None:
+                shutil.rmtree(self._spill_root, ignore_errors=True)
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
+            self._auth.close()  # only now: without it, a CURVE socket admits anyone
             self._ctx.term()
             with self._cond:
                 self._stopped.set()
@@ -269,53 +380,87 @@ class Publisher:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
 
-    def _read_control(self) -> None:
+    def _read_monitor(self) -> None:
         while True:
+            try:
+                msg = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if msg["event"] == zmq.EVENT_DISCONNECTED:
+                self._counters["connections_closed"] += 1
+
+    def _read_control(self) -> bool:
+        """Handle up to ``CONTROL_BATCH`` messages; True if more may be waiting."""
+        for _ in range(CONTROL_BATCH):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return False
             if len(frames) != 3:
-                self._counters["malformed_control"] += 1
+                self._reject(f"{len(frames) - 1} frames after the identity, expected 2")
                 continue
-            ident, tag, body = frames
             try:
-                msg = unpack_map(body)
-            except WireError:
-                self._counters["malformed_control"] += 1
-                continue
-            now = time.monotonic()
-            sub = self._subs.get(ident)
-            if tag == HELLO:
-                self._hello(ident, msg, now)
-            elif tag == CREDIT:
-                acked = msg.get("acked")
-                if sub is None:
-                    self._send_control(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
-                elif isinstance(acked, int) and not isinstance(acked, bool) and acked >= 0:
-                    sub.ack(acked)
-                    sub.last_seen = now
-                    self._flush(sub)
-                else:
-                    self._counters["malformed_control"] += 1
-            elif tag == BYE:
-                if sub is not None:
-                    self._remove(sub, "left")
-            else:
-                self._counters["malformed_control"] += 1
+                self._control(*frames)
+            except Exception as e:  # one bad message must never end the bus
+                self._reject(f"{type(e).__name__}: {e}")
+        return True
+
+    def _reject(self, why: str) -> None:
+        self._counters["rejected"] += 1
+        log.debug("rejected a control message: %s", why)
+
+    def _control(self, ident: bytes, tag: bytes, body: bytes) -> None:
+        msg = unpack_map(body)
+        now = time.monotonic()
+        sub = self._subs.get(ident)
+        if tag == HELLO:
+            self._hello(ident, msg, now)
+        elif tag == CREDIT:
+            acked = msg.get("acked")
+            if not isinstance(acked, int) or isinstance(acked, bool) or acked < 0:
+                raise WireError(f"CREDIT acked must be an int >= 0, got {acked!r:.50}")
+            if sub is None:
+                self._send_control(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
+                return
+            sub.ack(acked)
+            sub.last_seen = now
+            self._flush(sub)
+        elif tag == KEEPALIVE:
+            of = msg.get("of")
+            if not isinstance(of, bytes):
+                raise WireError("KEEPALIVE needs 'of': the subscriber's identity bytes")
+            target = self._subs.get(of)
+            if target is not None:
+                target.last_seen = now
+        elif tag == STATS:
+            if sub is not None:
+                sub.last_seen = now
+                self._send_control(ident, STATS, self.stats())
+        elif tag == BYE:
+            if sub is not None:
+                self._remove(sub, "left")
+        else:
+            raise WireError(f"unknown control tag {tag[:8]!r}")
 
     def _hello(self, ident: bytes, msg: dict[str, Any], now: float) -> None:
         try:
             sub = Subscription.from_wire(msg)
         except WireError as e:
-            self._counters["rejected"] += 1
+            self._reject(f"HELLO refused: {e}")
             self._send_control(ident, REJECT, {"reason": str(e)})
             return
         with self._cond:
             s = self._subs.get(ident)
             if s is None:
-                s = self._subs[ident] = _Sub(ident=ident, sub=sub, last_seen=now)
-                log.info("subscriber %s joined (policy=%s)", sub.name or ident.hex(), sub.policy)
+                s = self._subs[ident] = _Sub(
+                    ident=ident, sub=sub, last_seen=now, acked_step=self.last_step
+                )
+                log.info(
+                    "subscriber %s joined (policy=%s%s)",
+                    sub.name or ident.hex(),
+                    s.policy_text(),
+                    f", group={sub.group}" if sub.group else "",
+                )
             else:
                 # The same subscriber again (it thought we went quiet): keep its
                 # queue and numbering, so nothing is lost or renumbered.
@@ -323,7 +468,12 @@ class Publisher:
                 s.sub, s.last_seen = sub, now
                 s.inflight.clear()
                 s.inflight_bytes = 0
-        next_seq = s.pending[0][0] if s.pending else s.next_seq
+        if s.pending:
+            next_seq = s.pending[0][0]
+        elif s.spill:
+            next_seq = s.spill.head().seq
+        else:
+            next_seq = s.next_seq
         self._send_control(
             ident,
             WELCOME,
@@ -331,72 +481,227 @@ class Publisher:
         )
         self._flush(s)
 
-    def _can_take(self) -> bool:
-        return all(
-            len(s.pending) < PENDING_LIMIT for s in self._subs.values() if s.sub.policy == "block"
+    # -------------------------------------------------------------------- routing
+    def _can_take(self, item: _Item) -> bool:
+        """No lossless subscriber (or every member of a lossless group) is full."""
+        h = item.header
+        group_ok: dict[str, bool] = {}
+        for s in self._subs.values():
+            if not s.sub.wants(h.layer, h.hook):
+                continue
+            if s.sub.group:
+                group_ok[s.sub.group] = group_ok.get(s.sub.group, False) or not s.blocks(item)
+            elif s.blocks(item):
+                return False
+        return all(group_ok.values())
+
+    def _take_items(self) -> bool:
+        """Route queued messages; True if it stopped with work left that needs no event."""
+        for _ in range(CONTROL_BATCH):
+            with self._cond:
+                if not self._queue:
+                    return False
+                item = self._queue[0]
+            if item.payload is None:
+                try:
+                    item.materialize()
+                except Exception:  # one bad message must not end the bus
+                    log.exception("actbus: could not encode a message; dropped")
+                    self._counters["encode_errors"] += 1
+                    self._pop_item()
+                    continue
+            if not self._can_take(item):
+                return False  # credit (a control message) or a departure unblocks
+            self._pop_item()
+            self._route_all(item)
+        return True
+
+    def _pop_item(self) -> None:
+        with self._cond:
+            item = self._queue.popleft()
+            self._queued_bytes -= item.nbytes
+            self._cond.notify_all()
+
+    def _route_all(self, item: _Item) -> None:
+        h = item.header
+        routed = False
+        groups: dict[str, list[_Sub]] = {}
+        for s in list(self._subs.values()):
+            if not s.sub.wants(h.layer, h.hook):
+                continue
+            routed = True
+            if s.sub.group:
+                groups.setdefault(s.sub.group, []).append(s)
+            else:
+                self._route(s, item)
+        for members in groups.values():
+            self._route(self._pick(members, item), item)
+        if not routed:
+            self._counters["unrouted"] += 1
+        # Counted once routed to every subscriber, so stats never show a message as
+        # published that a subscriber's counters do not yet include.
+        self.last_step = max(self.last_step, h.step)
+        self._counters["published"] += 1
+
+    @staticmethod
+    def _pick(members: list[_Sub], item: _Item) -> _Sub:
+        """The group member to take ``item``: not full, with credit, least loaded."""
+        return min(
+            members,
+            key=lambda s: (
+                s.blocks(item),
+                not s.may_send(item.nbytes),
+                len(s.inflight) + s.queued,
+                s.c.routed,
+            ),
         )
 
-    def _take_items(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue or not self._can_take():
-                    return
-                item = self._queue.popleft()
-                self._queued_bytes -= item.nbytes
-                self._cond.notify_all()
-            try:
-                item.materialize()
-            except Exception:  # one bad message must not end the bus
-                log.exception("actbus: could not encode a message; dropped")
-                self._counters["encode_errors"] += 1
-                continue
-            h = item.header
-            routed = False
-            for s in list(self._subs.values()):
-                if not s.sub.wants(h.layer, h.hook):
-                    continue
-                routed = True
-                policy = s.sub.policy
-                if policy == "sample" and h.step % s.sub.sample_every:
-                    s.sampled_out += 1  # not wanted: neither a drop nor a gap
-                    continue
-                seq = s.next_seq
-                s.next_seq += 1
-                if len(s.pending) >= PENDING_LIMIT and not s.may_send(item.nbytes):
-                    if policy in ("drop_newest", "sample"):
-                        s.dropped["queue_full"] += 1  # its seq is skipped: a visible gap
-                        continue
-                    if policy == "drop_oldest":
-                        s.pending.popleft()  # the oldest unsent one leaves a gap instead
-                        s.dropped["evicted"] += 1
-                s.pending.append((seq, item))
-                self._flush(s)
-            if not routed:
-                self._counters["unrouted"] += 1
-            # Counted once routed to every subscriber, so stats never show a message as
-            # published that a subscriber's counters do not yet include.
-            self.last_step = max(self.last_step, h.step)
-            self._counters["published"] += 1
+    def _route(self, s: _Sub, item: _Item) -> None:
+        policy = s.sub.policy
+        if policy == "sample" and item.header.step % s.sub.sample_every:
+            s.c.sampled_out += 1  # not wanted: neither a drop nor a gap
+            return
+        m = self._variant(item, s.sub)
+        if m is None:
+            s.c.filtered_out += 1  # no rows for its tag filter: not a gap either
+            return
+        s.c.routed += 1
+        seq = s.next_seq
+        s.next_seq += 1
+        if s.overflowing(m.nbytes):
+            if policy == "spill" or s.spilled_now:  # nothing overtakes what is spilled
+                self._spill(s, seq, m)
+                return
+            if policy in ("drop_newest", "sample"):
+                s.c.dropped["queue_full"] += 1  # its seq is skipped: a visible gap
+                return
+            if policy == "drop_oldest":
+                s.pending.popleft()  # the oldest unsent one leaves a gap instead
+                s.c.dropped["evicted"] += 1
+        s.pending.append((seq, m))
+        self._flush(s)
+
+    def _variant(self, item: _Item, sub: Subscription) -> _Item | None:
+        """``item`` cut down to the requests ``sub``'s tag filter keeps (None: nothing
+        for it). Made once per distinct filter and message."""
+        if not sub.tags:
+            return item
+        key = repr(sorted(sub.tags.items()))
+        if item.variants is None:
+            item.variants = {}
+        if key in item.variants:
+            return item.variants[key]
+        rows = item.header.rows
+        keep = [i for i in range(len(rows.request_ids)) if sub.wants_request(rows.request_tags(i))]
+        variant: _Item | None
+        if len(keep) == len(rows.request_ids):
+            variant = item
+        elif not keep and not item.header.ended:
+            variant = None  # a message with no rows only matters for its request ends
+        else:
+            sub_rows, idx = rows.select(keep)
+            tensor = item.tensor[torch.from_numpy(idx)].contiguous()
+            header = dataclasses.replace(
+                item.header, rows=sub_rows, shape=(len(idx), *item.header.shape[1:])
+            )
+            variant = _Item(header, tensor, header.nbytes, t_published=item.t_published, root=item)
+            variant.materialize()
+        item.variants[key] = variant
+        return variant
+
+    def _spill(self, s: _Sub, seq: int, m: _Item) -> None:
+        if s.spill is None:
+            s.spill = SpillLog(self._spill_dir() / s.ident.hex())
+        size, cap = m.wire_bytes, s.spill_cap
+        fallback = s.sub.spill_fallback
+        if s.spill.nbytes + size > cap and fallback != "block":
+            if fallback == "drop_oldest":
+                while s.spill and s.spill.nbytes + size > cap:
+                    s.spill.discard()  # the oldest spilled one leaves a gap
+                    s.c.dropped["spill_full"] += 1
+            if s.spill.nbytes + size > cap:
+                s.c.dropped["spill_full"] += 1
+                return
+        # ``block``: _can_take held the queue until this fitted.
+        try:
+            s.spill.append(seq, m.header.step, m.header_bytes, m.payload)
+        except OSError as e:
+            log.error("actbus: spill for %s failed (%s); message dropped", s.sub.name, e)
+            s.c.dropped["spill_error"] += 1
+            return
+        s.c.spilled += 1
+
+    def _spill_dir(self) -> Path:
+        if self._spill_root is None:
+            root = tempfile.mkdtemp(prefix="actbus-spill-", dir=self._spill_parent)
+            self._spill_root = Path(root)
+        return self._spill_root
 
     def _flush(self, s: _Sub) -> None:
-        """Send what ``s``'s credit allows."""
-        while s.pending and s.may_send(s.pending[0][1].nbytes):
-            seq, item = s.pending[0]
+        """Send what ``s``'s credit allows: memory first, then what was spilled."""
+        while True:
+            from_spill = not s.pending
+            if s.pending:
+                seq, m = s.pending[0]
+                nbytes, step = m.nbytes, m.header.step
+                if not s.may_send(nbytes):
+                    return
+                frames = [s.ident, DATA, pack_seq(seq), m.header_bytes, m.payload]
+            elif s.spill:
+                rec = s.spill.head()
+                nbytes, step, seq = rec.payload_len, rec.step, rec.seq
+                if not s.may_send(nbytes):
+                    return
+                try:
+                    header_bytes, payload = s.spill.read_head()
+                except OSError as e:
+                    log.error("actbus: spill read for %s failed (%s)", s.sub.name, e)
+                    s.spill.discard()
+                    s.c.dropped["spill_error"] += 1
+                    continue
+                frames = [s.ident, DATA, pack_seq(seq), header_bytes, payload]
+            else:
+                return
             try:
-                self._sock.send_multipart(
-                    [s.ident, DATA, pack_seq(seq), item.header_bytes, item.payload], copy=False
-                )
+                self._sock.send_multipart(frames, copy=False)
             except zmq.ZMQError as e:
                 self._lost(s, e)
                 return
-            s.pending.popleft()
-            s.inflight.append((seq, item.nbytes))
-            s.inflight_bytes += item.nbytes
-            s.sent += 1
-            s.bytes_sent += item.nbytes
+            if not from_spill:
+                root = m.root or m
+                if not root.sent_once:
+                    root.sent_once = True
+                    self._latency.add(time.monotonic() - root.t_published)
+                s.pending.popleft()
+            else:
+                s.spill.discard()
+                s.c.replayed += 1
+            s.inflight.append((seq, nbytes, step))
+            s.inflight_bytes += nbytes
+            s.c.sent += 1
+            s.c.bytes_sent += nbytes
+
+    # ------------------------------------------------------------------ liveness
+    def _sub_stats(self, s: _Sub) -> dict[str, Any]:
+        backlog = bool(s.queued or s.inflight)
+        return {
+            "name": s.sub.name,
+            "policy": s.policy_text(),
+            "group": s.sub.group,
+            **s.c.as_dict(),
+            "pending": len(s.pending),
+            "spill_depth": s.spilled_now,
+            "spill_bytes": s.spill.nbytes if s.spill is not None else 0,
+            "spill_peak_bytes": s.spill.peak_bytes if s.spill is not None else 0,
+            "queue_depth": s.queued,
+            "inflight": len(s.inflight),
+            "inflight_bytes": s.inflight_bytes,
+            "lag_steps": max(0, self.last_step - s.acked_step) if backlog else 0,
+        }
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
+        shared = {"published": self._counters["published"], "latency": self._latency.summary()}
         for s in list(self._subs.values()):
             if now - s.last_seen > self._timeout_s:
                 log.warning("subscriber %s timed out; no longer waited for", s.sub.name)
@@ -405,10 +710,12 @@ class Publisher:
             beat = {
                 "step": self.last_step,
                 "seq": s.next_seq,
-                "pending": len(s.pending),
+                "pending": s.queued,
                 "queued": len(self._queue),
-                "sent": s.sent,
-                "dropped": dict(s.dropped),
+                "sent": s.c.sent,
+                "dropped": dict(s.c.dropped),
+                "you": self._sub_stats(s),
+                **shared,
             }
             if not self._send_control(s.ident, HEARTBEAT, beat):
                 self._remove(s, "disconnected")
@@ -433,9 +740,22 @@ class Publisher:
             self._remove(s, "send_error")
 
     def _remove(self, s: _Sub, reason: str) -> None:
-        if s.pending:
-            s.dropped[reason] += len(s.pending)
-            s.pending.clear()
+        """Forget ``s``: what waited for it is dropped (counted), its spill deleted."""
+        lost = s.queued
+        if lost:
+            s.c.dropped[reason] += lost
+        s.pending.clear()
+        if s.spill is not None:
+            s.spill.close()
+        unacked = len(s.inflight)
         with self._cond:
             self._subs.pop(s.ident, None)
+            final = {**self._sub_stats(s), "reason": reason, "unacked_at_exit": unacked}
+            self._departed.append(final)
+            if s.sub.group:
+                g = self._group_departed.setdefault(s.sub.group, Counter())
+                for k in ("routed", "sent", "replayed"):
+                    g[k] += getattr(s.c, k)
+                g["dropped"] += sum(s.c.dropped.values())
+                g["lost_inflight"] += unacked  # may or may not have been processed
         self._counters[f"subscribers_{reason}"] += 1

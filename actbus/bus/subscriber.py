@@ -4,16 +4,25 @@ Iterating a ``Subscriber`` yields ``Batch`` objects whose tensors are made
 zero-copy over the received frames. Credit is a cumulative acknowledgement ("all
 below seq N arrived or is known lost"), sent after half a window and at least
 every 0.5 s while ``recv`` is called; it doubles as the subscriber's heartbeat.
-If the publisher goes quiet (restart, not started yet), HELLO is sent again, so a
-subscriber started before the publisher, or surviving a publisher restart, needs
-no help from its user. Every message the publisher dropped for us shows up in
-``stats.missed``.
+While the consumer is busy between ``recv`` calls (a slow ``on_batch``), a
+background thread keeps the publisher informed with KEEPALIVE messages on a socket
+of its own (zmq sockets are not thread-safe), naming this subscriber's identity;
+so a slow consumer is never mistaken for a dead one, while a killed or stopped
+process falls silent and is dropped. ``max_busy_s`` bounds how long a consumer
+that never comes back to ``recv`` is covered.
+
+If the publisher goes quiet (restart, kill, not started yet) for ``silence_s``,
+HELLO is sent again, so a subscriber started before the publisher, or surviving a
+publisher restart, needs no help from its user. Every message the publisher
+dropped for us shows up in ``stats.missed``; every message that breaks the schema
+is dropped and counted in ``stats.rejected``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +33,7 @@ import torch
 import zmq
 
 from actbus.bus.protocol import Subscription
+from actbus.bus.security import ClientAuth
 from actbus.wire import (
     BYE,
     CREDIT,
@@ -31,7 +41,9 @@ from actbus.wire import (
     END,
     HEARTBEAT,
     HELLO,
+    KEEPALIVE,
     REJECT,
+    STATS,
     WELCOME,
     Header,
     WireError,
@@ -73,7 +85,7 @@ class Batch:
 class Event:
     """A control event surfaced to the consumer loop (heartbeat or end of stream)."""
 
-    kind: str  # "heartbeat" | "end" | "welcome"
+    kind: str  # "heartbeat" | "end" | "welcome" | "stats"
     body: dict[str, Any]
 
 
@@ -82,11 +94,13 @@ class SubscriberStats:
     received: int = 0
     bytes_received: int = 0
     missed: int = 0  # sequence-number gaps: messages the publisher dropped for us
-    malformed: int = 0
+    rejected: int = 0  # messages that broke the schema: dropped, counted
     welcomes: int = 0
     last_step: int = -1
     publisher_step: int = -1  # the publisher's last published step, from heartbeats
-    dropped_by_publisher: dict[str, int] = field(default_factory=dict)
+    publisher_view: dict[str, Any] = field(default_factory=dict)
+    """The publisher's counters for this subscriber (sent, dropped by reason, spilled,
+    replayed, queue depth, lag), from the latest heartbeat."""
 
 
 class Subscriber:
@@ -98,18 +112,23 @@ class Subscriber:
         subscription: Subscription | None = None,
         *,
         silence_s: float = 3.0,
+        keepalive: bool = True,
+        max_busy_s: float | None = None,
+        server_key: str | None = None,
+        client_secret_key: str | None = None,
     ) -> None:
         self.address = address
+        # CURVE keys (checked now: ConfigError names a bad path), and handshake watching.
+        self._auth = ClientAuth(address, server_key=server_key, client_secret_key=client_secret_key)
         self.subscription = subscription or Subscription()
         self.silence_s = silence_s
+        self.max_busy_s = max_busy_s
         self.stats = SubscriberStats()
         self.welcome: dict[str, Any] | None = None
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._ident = uuid.uuid4().bytes
+        self._sock = self._make_socket(self._ident)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
-        self._sock.connect(address)
         self._next_seq = 0  # lowest seq not yet received (or known lost)
         self._owed = 0  # messages received since the last acknowledgement
         self._owed_bytes = 0
@@ -117,14 +136,25 @@ class Subscriber:
         self._last_heard = 0.0
         self._last_hello = 0.0
         self._last_credit = time.monotonic()
+        self._last_recv_call = time.monotonic()
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        if keepalive:
+            self._keeper = threading.Thread(
+                target=self._keep_alive, name="actbus-keepalive", daemon=True
+            )
+            self._keeper.start()
         self._hello()
 
     # ----------------------------------------------------------------- public API
     def recv(self, timeout: float | None = None) -> Batch | Event | None:
         """The next batch or control event, or None if ``timeout`` passes first."""
+        self._last_recv_call = time.monotonic()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._keepalive()
+            self._check_publisher()
+            if why := self._auth.failure():  # a refused handshake is not a silent publisher
+                raise SubscriptionRejected(why)
             wait = 250 if deadline is None else min(250, max(0, deadline - time.monotonic()) * 1e3)
             if self._sock.poll(int(wait), zmq.POLLIN):
                 out = self._handle(self._sock.recv_multipart(copy=False))
@@ -132,6 +162,10 @@ class Subscriber:
                     return out
             elif deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def request_stats(self) -> None:
+        """Ask for the publisher's full counters; they arrive as an ``Event("stats")``."""
+        self._send([STATS, pack_map({})])
 
     def caught_up(self, beat: dict[str, Any]) -> bool:
         """True when a heartbeat shows nothing sent, pending or queued for us."""
@@ -161,8 +195,15 @@ class Subscriber:
                 return
 
     def close(self) -> None:
+        """Say goodbye and release the sockets. Idempotent."""
+        if self._sock.closed:
+            return
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
         with contextlib.suppress(zmq.ZMQError):
             self._sock.send_multipart([BYE, pack_map({})], zmq.NOBLOCK)
+        self._auth.close()
         self._sock.close(linger=100)
         self._ctx.term()
 
@@ -173,6 +214,34 @@ class Subscriber:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _make_socket(self, ident: bytes) -> zmq.Socket:
+        """Every socket to the publisher is made here, so they share their options."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, ident)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._auth.apply(sock, watch=ident == self._ident)
+        sock.connect(self.address)
+        return sock
+
+    def _keep_alive(self) -> None:
+        """Background thread: tell the publisher we live while the consumer is busy."""
+        sock = self._make_socket(uuid.uuid4().bytes)
+        sock.setsockopt(zmq.SNDHWM, 4)  # with no publisher, do not pile up stale ones
+        body = pack_map({"of": self._ident})
+        try:
+            while not self._stop.wait(self._beat_s()):
+                busy = time.monotonic() - self._last_recv_call
+                if self.max_busy_s is not None and busy > self.max_busy_s:
+                    continue  # a consumer stuck this long is let go
+                with contextlib.suppress(zmq.Again):
+                    sock.send_multipart([KEEPALIVE, body], zmq.NOBLOCK)
+        finally:
+            sock.close(linger=0)
+
+    def _beat_s(self) -> float:
+        welcome = self.welcome
+        return float(welcome.get("heartbeat_s", 0.5)) if welcome else 0.5
+
     def _send(self, frames: list[bytes]) -> None:
         """Control messages never block: with no publisher they would pile up forever."""
         with contextlib.suppress(zmq.Again):
@@ -189,7 +258,7 @@ class Subscriber:
         # Messages already waiting mean the publisher is alive, however long we were away.
         return now - self._last_heard > limit and not self._sock.poll(0)
 
-    def _keepalive(self) -> None:
+    def _check_publisher(self) -> None:
         now = time.monotonic()
         if self._silent(now) and now - self._last_hello > 1.0:
             if self.welcome is not None:
@@ -208,45 +277,59 @@ class Subscriber:
     def _handle(self, frames: list[zmq.Frame]) -> Batch | Event | None:
         self._last_heard = time.monotonic()
         tag = frames[0].bytes if frames else b""
+        if tag == DATA:
+            self._owed += 1
+            self._owed_bytes += len(frames[-1].buffer)
+            try:
+                return self._data(frames)
+            except Exception as e:  # a bad message must never end the consumer
+                self._reject(e)
+                return None
+            finally:  # acknowledged even when unreadable, so credit never leaks
+                sub = self.subscription
+                if self._owed >= max(1, sub.window // 2) or (
+                    self._owed_bytes >= sub.window_bytes // 2
+                ):
+                    self._grant()
         try:
-            if tag == DATA:
-                self._owed += 1
-                self._owed_bytes += len(frames[-1].buffer)
-                try:
-                    if len(frames) != 4:
-                        raise WireError(f"data message has {len(frames)} frames, expected 4")
-                    return self._data(frames)
-                finally:  # acknowledged even when unreadable, so credit never leaks
-                    sub = self.subscription
-                    if self._owed >= max(1, sub.window // 2) or (
-                        self._owed_bytes >= sub.window_bytes // 2
-                    ):
-                        self._grant()
             if len(frames) != 2:
                 raise WireError(f"unexpected message shape ({len(frames)} frames)")
-            body = unpack_map(frames[1].buffer)
-        except WireError as e:
-            self.stats.malformed += 1
-            log.warning("malformed message from publisher: %s", e)
+            return self._control(tag, unpack_map(frames[1].buffer))
+        except SubscriptionRejected:
+            raise
+        except Exception as e:
+            self._reject(e)
             return None
+
+    def _reject(self, err: Exception) -> None:
+        self.stats.rejected += 1
+        log.warning("rejected a message from the publisher: %s", err)
+
+    def _control(self, tag: bytes, body: dict[str, Any]) -> Event | None:
+        if tag == HEARTBEAT:
+            step, seq = int(body.get("step", -1)), int(body.get("seq", 0))
+            view = body.get("you") or {}
+            if not isinstance(view, dict):
+                raise WireError("heartbeat 'you' must be a map")
+            self.stats.publisher_step = step
+            self.stats.publisher_view = view
+            if not body.get("pending"):
+                # Nothing waits for us at the publisher, and everything it sent before
+                # this heartbeat has arrived: seqs below its counter that we lack were dropped.
+                self._skip_to(seq)
+            return Event("heartbeat", body)
         if tag == WELCOME:
+            next_seq = int(body.get("next_seq", 0))
             self.welcome = body
             self.stats.welcomes += 1
-            next_seq = int(body.get("next_seq", 0))
             if body.get("publisher_id") != self._publisher_id:  # a new stream
                 self._publisher_id = body.get("publisher_id")
                 self._next_seq = next_seq
             else:
                 self._skip_to(next_seq)
             return Event("welcome", body)
-        if tag == HEARTBEAT:
-            self.stats.publisher_step = int(body.get("step", -1))
-            self.stats.dropped_by_publisher = dict(body.get("dropped") or {})
-            if not body.get("pending"):
-                # Nothing waits for us at the publisher, and everything it sent before
-                # this heartbeat has arrived: seqs below its counter that we lack were dropped.
-                self._skip_to(int(body.get("seq", 0)))
-            return Event("heartbeat", body)
+        if tag == STATS:
+            return Event("stats", body)
         if tag == END:
             self.welcome = None
             return Event("end", body)
@@ -256,8 +339,7 @@ class Subscriber:
                 self._hello()
                 return None
             raise SubscriptionRejected(f"publisher at {self.address} refused: {reason}")
-        self.stats.malformed += 1
-        return None
+        raise WireError(f"unknown message tag {tag[:8]!r}")
 
     def _skip_to(self, seq: int) -> None:
         if seq > self._next_seq:
@@ -266,12 +348,15 @@ class Subscriber:
             self._grant()
 
     def _data(self, frames: list[zmq.Frame]) -> Batch:
+        """Check the whole message first: a bad one changes no state but ``rejected``."""
+        if len(frames) != 4:
+            raise WireError(f"data message has {len(frames)} frames, expected 4")
         seq = unpack_seq(frames[1].buffer)
+        header = Header.decode(frames[2].buffer)
+        tensor = frame_to_tensor(frames[3].buffer, header)
         if seq > self._next_seq:
             self.stats.missed += seq - self._next_seq
         self._next_seq = max(self._next_seq, seq + 1)
-        header = Header.decode(frames[2].buffer)
-        tensor = frame_to_tensor(frames[3].buffer, header)
         self.stats.received += 1
         self.stats.bytes_received += header.nbytes
         self.stats.last_step = max(self.stats.last_step, header.step)

@@ -1,0 +1,126 @@
+"""``actbus stats``: the publisher's counters as a terminal table.
+
+The client is an ordinary subscriber whose subscription wants nothing (no layers),
+so it receives no data and, holding nothing, never holds the stream back; it asks
+for the counters with a STATS control message and renders the reply with rich.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from actbus.bus.protocol import Subscription
+from actbus.bus.subscriber import Event, Subscriber
+
+CLIENT_NAME = "actbus-stats"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", required=True, help="publisher address")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="refresh period, seconds")
+    p.add_argument("--timeout", type=float, default=10.0, help="give up after this, seconds")
+
+
+def stats_subscription() -> Subscription:
+    """Wants no layer: no data is ever routed to it."""
+    return Subscription(policy="drop_newest", layers=(), window=1, name=CLIENT_NAME)
+
+
+def request(sub: Subscriber, timeout: float) -> dict[str, Any]:
+    """One snapshot of the publisher's counters."""
+    sub.request_stats()
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        out = sub.recv(timeout=left)
+        if isinstance(out, Event) and out.kind == "stats":
+            return out.body
+    raise TimeoutError(f"no stats from {sub.address} within {timeout}s")
+
+
+def render(stats: dict[str, Any]) -> Group:
+    lat = stats.get("latency") or {}
+    head = Text(
+        f"published {stats.get('published', 0)}  last step {stats.get('last_step', -1)}  "
+        f"queued {stats.get('queued', 0)} ({stats.get('queued_bytes', 0) / 2**20:.1f} MiB)  "
+        f"engine stalled {stats.get('stall_s', 0.0):.2f} s  "
+        f"capture->send p50 {lat.get('p50_ms', 0.0):.2f} ms p99 {lat.get('p99_ms', 0.0):.2f} ms  "
+        f"rejected {stats.get('rejected', 0)}"
+    )
+    t = Table(title="subscribers", title_justify="left")
+    for col in ("name", "policy", "group", "routed", "sent", "MiB sent", "dropped"):
+        t.add_column(
+            col, justify="left" if col in ("name", "policy", "group", "dropped") else "right"
+        )
+    for col in ("spilled", "replayed", "spill MiB", "queue", "in flight", "lag steps"):
+        t.add_column(col, justify="right")
+    for key, s in sorted((stats.get("subscribers") or {}).items()):
+        if s.get("name") == CLIENT_NAME:
+            continue
+        dropped = " ".join(f"{k}={v}" for k, v in sorted((s.get("dropped") or {}).items()))
+        t.add_row(
+            key,
+            str(s.get("policy", "")),
+            str(s.get("group", "")),
+            str(s.get("routed", 0)),
+            str(s.get("sent", 0)),
+            f"{s.get('bytes_sent', 0) / 2**20:.1f}",
+            dropped or "-",
+            str(s.get("spilled", 0)),
+            str(s.get("replayed", 0)),
+            f"{s.get('spill_bytes', 0) / 2**20:.1f}",
+            str(s.get("queue_depth", 0)),
+            str(s.get("inflight", 0)),
+            str(s.get("lag_steps", 0)),
+        )
+    parts: list[Any] = [head, t]
+    if stats.get("groups"):
+        g = Table(title="groups", title_justify="left")
+        for col in ("group", "members", "routed", "sent", "dropped", "lost in flight"):
+            g.add_column(col, justify="left" if col == "group" else "right")
+        for name, v in sorted(stats["groups"].items()):
+            g.add_row(
+                name,
+                *(str(v.get(k, 0)) for k in ("members", "routed", "sent", "dropped")),
+                str(v.get("lost_inflight", 0)),
+            )
+        parts.append(g)
+    return Group(*parts)
+
+
+def main(args: argparse.Namespace) -> int:
+    console = Console()
+    if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
+        console = Console(width=200)
+    with Subscriber(args.connect, stats_subscription(), keepalive=False) as sub:
+        try:
+            sub.wait_welcome(args.timeout)
+            snap = request(sub, args.timeout)
+        except TimeoutError as e:
+            console.print(f"actbus stats: {e}", style="red")
+            return 1
+        if args.json:
+            print(json.dumps(snap, sort_keys=True))
+            return 0
+        if args.once:
+            console.print(render(snap))
+            return 0
+        with Live(render(snap), console=console, auto_refresh=False) as live:
+            try:
+                while True:
+                    time.sleep(args.interval)
+                    live.update(render(request(sub, args.timeout)), refresh=True)
+            except KeyboardInterrupt:
+                return 0
+            except TimeoutError as e:
+                console.print(f"actbus stats: {e}", style="red")
+                return 1
