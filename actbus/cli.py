@@ -16,6 +16,7 @@ import threading
 from actbus import consumer as consumers
 from actbus.bus import POLICIES
 from actbus.bus.protocol import parse_policy
+from actbus.config import ConfigError
 
 
 def consumer_command(name: str, address: str, *flags: str) -> list[str]:
@@ -36,11 +37,51 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--list", action="store_true", help="list installed consumers")
     run_p.add_argument("-h", "--help", action="store_true")
     sub.add_parser("serve", help="start vLLM's OpenAI server with capture (see serve -h)")
+    keys_p = sub.add_parser(
+        "keys",
+        help="make CURVE keys: a publisher keypair and one per subscriber",
+        description="Write ZeroMQ CURVE certificates into DIR: the publisher's keypair (once) "
+        "and a subscriber keypair named by --client, whose public key goes into "
+        "DIR/authorized_keys. Run again with another --client for each further subscriber.",
+    )
+    keys_p.add_argument("dir", help="directory for the key files (made if missing, mode 0700)")
+    keys_p.add_argument("--client", default="client", help="subscriber key name (default client)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "run":
         return _run(args, rest, run_p)
+    if args.command == "keys":
+        if rest:
+            keys_p.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _keys(args.dir, args.client)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _keys(directory: str, client: str) -> int:
+    from actbus.bus.security import generate_keys
+
+    try:
+        k = generate_keys(directory, client)
+    except ConfigError as e:
+        print(f"actbus keys: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"""CURVE keys in {directory} (secret files are mode 0600; never copy a secret off its host)
+  publisher:   {k.server_secret}    secret, stays on the publisher host
+               {k.authorized_keys}/   public keys of the subscribers it lets in
+  subscribers: {k.server_public}           public, copy to every subscriber host
+               {k.client_secret}    secret, copy to the host of subscriber {client!r} only
+
+publisher (vLLM additional_config):
+  {{"actbus": {{"publish": "tcp://0.0.0.0:5555", "layers": [...],
+              "server_secret_key": "{k.server_secret}",
+              "authorized_keys": "{k.authorized_keys}"}}}}
+subscriber:
+  actbus run NAME --connect tcp://PUBLISHER_HOST:5555 \\
+      --server-key {k.server_public} --client-secret-key {k.client_secret}
+another subscriber: actbus keys {directory} --client NAME2"""
+    )
+    return 0
 
 
 def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentParser) -> int:

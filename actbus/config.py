@@ -53,6 +53,14 @@ class CaptureConfig:
     subscriber is noticed sooner, within a heartbeat, by its closed connection."""
     model_name: str | None = None
     """Name put in every message header; defaults to the served model name."""
+    server_secret_key: str | None = None
+    """CURVE: the publisher's secret certificate (``actbus keys DIR`` writes
+    ``DIR/server.key_secret``). With ``authorized_keys``, every connection is encrypted
+    and only listed subscribers get in; required to bind a non-loopback interface."""
+    authorized_keys: str | None = None
+    """CURVE: directory of the public certificates (``*.key``) of allowed subscribers."""
+    insecure_allow_any_interface: bool = False
+    """Bind a non-loopback interface without keys: anyone who reaches it reads the stream."""
     all_layers: bool = field(default=False, repr=False)
 
     @classmethod
@@ -69,8 +77,24 @@ class CaptureConfig:
                 f"actbus.{unknown[0]}: unknown key; valid keys are {', '.join(sorted(known))}"
             )
         kw: dict[str, Any] = {}
-        if "publish" in raw:
-            kw["publish"] = check_address(raw["publish"], field_name="actbus.publish")
+        insecure = raw.get("insecure_allow_any_interface", False)
+        if not isinstance(insecure, bool):
+            raise ConfigError(
+                f"actbus.insecure_allow_any_interface: expected true or false, got {insecure!r}"
+            )
+        kw["insecure_allow_any_interface"] = insecure
+        keys = {k: raw[k] for k in ("server_secret_key", "authorized_keys") if k in raw}
+        if keys:
+            from actbus.bus.security import check_server_keys
+
+            check_server_keys(**keys)
+            kw.update({k: os.path.abspath(v) for k, v in keys.items()})
+        kw["publish"] = check_address(
+            raw.get("publish", DEFAULT_ADDRESS),
+            field_name="actbus.publish",
+            curve=bool(keys),
+            insecure_allow_any_interface=insecure,
+        )
         if "layers" not in raw:
             raise ConfigError("actbus.layers: required; give a list such as [1, 3] or 'all'")
         layers = raw["layers"]
@@ -151,8 +175,21 @@ class CaptureConfig:
         return self.layers
 
 
-def check_address(addr: Any, *, field_name: str, allow_remote: bool = False) -> str:
-    """Validate a ZeroMQ bind address; loopback and ipc only unless allowed."""
+def check_address(
+    addr: Any,
+    *,
+    field_name: str,
+    allow_remote: bool = False,
+    curve: bool = False,
+    insecure_allow_any_interface: bool = False,
+) -> str:
+    """Validate a ZeroMQ address.
+
+    A bind address (``allow_remote=False``) on anything but ipc or loopback is
+    refused unless CURVE keys secure it (``curve``) or the user said
+    ``insecure_allow_any_interface``: activations are model internals, and a
+    ``block`` subscriber can stall generation, so nobody should get either by accident.
+    """
     if not isinstance(addr, str):
         raise ConfigError(f"{field_name}: expected a string address, got {addr!r}")
     if addr.startswith("ipc://"):
@@ -173,16 +210,28 @@ def check_address(addr: Any, *, field_name: str, allow_remote: bool = False) -> 
         if port != "*" and not 0 < int(port) < 65536:
             raise ConfigError(f"{field_name}={addr!r}: port must be 1..65535")
         host = m.group("host").strip("[]")
-        if not allow_remote and not _is_loopback(host):
+        if not (allow_remote or curve or insecure_allow_any_interface or _is_loopback(host)):
+            prefix = field_name.rpartition(".")[0] + "." if "." in field_name else ""
             raise ConfigError(
-                f"{field_name}={addr!r}: binding a non-loopback interface is refused; "
-                "bind ipc:// or tcp://127.0.0.1:PORT"
+                f"{field_name}={addr!r}: binding a non-loopback interface is refused without "
+                f"CURVE keys; run `actbus keys DIR` and set {prefix}server_secret_key="
+                f"DIR/server.key_secret and {prefix}authorized_keys=DIR/authorized_keys, or set "
+                f"{prefix}insecure_allow_any_interface=true (anyone who reaches it reads the "
+                "stream); or bind ipc:// or tcp://127.0.0.1:PORT"
             )
         return addr
     raise ConfigError(
         f"{field_name}={addr!r}: not a ZeroMQ address; use ipc:///path/to/socket "
         "or tcp://127.0.0.1:PORT"
     )
+
+
+def is_loopback_address(addr: str) -> bool:
+    """True for ipc:// and tcp:// on a loopback host: reachable from this machine only."""
+    if addr.startswith(("ipc://", "inproc://")):
+        return True
+    m = _TCP.match(addr)
+    return bool(m) and _is_loopback(m.group("host").strip("[]"))
 
 
 def _is_loopback(host: str) -> bool:
