@@ -19,10 +19,11 @@ _HF_POINTS = {
 
 
 @functools.lru_cache(maxsize=2)
-def hf_model(path: str):
+def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return m.to(device).eval()
 
 
 def _first(x):
@@ -30,7 +31,13 @@ def _first(x):
 
 
 def hf_activations(
-    path: Path, token_ids: list[int], layers: list[int], hooks: list[str]
+    path: Path,
+    token_ids: list[int],
+    layers: list[int],
+    hooks: list[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> dict[tuple[int, str], torch.Tensor]:
     """``[len(token_ids), hidden]`` per (layer, hook), read with module hooks.
 
@@ -39,7 +46,7 @@ def hf_activations(
     ``hidden_states[layer + 1]`` below the last layer, ``pre_attn`` equals
     ``hidden_states[layer]``, and ``post_block == post_attn + mlp_out``.
     """
-    model = hf_model(str(path))
+    model = hf_model(str(path), dtype, device)
     family = "gemma" if "Gemma" in type(model).__name__ else "llama"
     outs: dict[tuple[int, str], torch.Tensor] = {}
     handles = []
@@ -80,12 +87,12 @@ def hf_activations(
                 )
     try:
         with torch.no_grad():
-            res = model(torch.tensor([token_ids]), output_hidden_states=True)
+            res = model(torch.tensor([token_ids], device=device), output_hidden_states=True)
     finally:
         for h in handles:
             h.remove()
     n_layers = model.config.num_hidden_layers
-    for layer in layers:
+    for layer in layers if dtype == torch.float32 else ():
         torch.testing.assert_close(outs[(layer, "pre_attn")], res.hidden_states[layer][0])
         if layer < n_layers - 1:
             torch.testing.assert_close(outs[(layer, "post_block")], res.hidden_states[layer + 1][0])

@@ -1,8 +1,11 @@
 """GPU check (run through the device machine, not in CI): the capture oracle on CUDA.
 
-Serves a tiny Llama with vLLM's defaults on GPU (torch.compile + CUDA graphs),
-captures layers 1 and 3 through a real ZeroMQ subscriber, and compares every row
-with HF transformers on the same GPU and dtype. Prints one JSON line.
+Serves a tiny Llama with vLLM's defaults on GPU (torch.compile + CUDA graphs
+FULL_AND_PIECEWISE), with prefix caching on, prompts sharing prefixes and a KV
+cache small enough to force preemption. Captures every hook point of layers 0
+and 3 for every request, plus per-request selections (positions modes, tags) and
+an n=2 request, through a real ZeroMQ subscriber, and compares every row with HF
+transformers on the same GPU and dtype. Prints one JSON line.
 
     python tests/gpu/check_capture.py --dtype bfloat16 --runner v2
 """
@@ -15,12 +18,29 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+LAYERS = [0, 3]
+HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
+SELECTIONS = [
+    {"positions": "last_prompt", "tags": {"label": 1}},
+    {"positions": "generated", "layers": [3], "hooks": ["post_block"]},
+    {"positions": [0, 5, 9], "hooks": ["mlp_out"]},
+    {"positions": "last", "layers": [0]},
+]
+
+
+def _positions(mode, prompt_len: int, fed_len: int) -> list[int]:
+    if not isinstance(mode, str):
+        return [p for p in mode if p < fed_len]
+    return {
+        "last_prompt": [prompt_len - 1],
+        "generated": list(range(prompt_len, fed_len)),
+        "last": [fed_len - 1],
+    }[mode]
 
 
 def main() -> int:
@@ -31,42 +51,22 @@ def main() -> int:
     # A random model with large weights is chaotic: bf16 and fp32 runs of HF itself then
     # differ by 20-30% after two layers (measured), so the oracle uses the HF default.
     ap.add_argument("--init", type=float, default=0.02, help="initializer_range")
+    ap.add_argument("--blocks", type=int, default=48, help="KV blocks of 16: forces preemption")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU")
     args = ap.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
 
     import torch
 
-    from actbus.bus import Batch, Event, Subscriber, Subscription
     from actbus.tiny_models import build_tiny_model
+    from tests.collector import Collector
+    from tests.oracle import hf_activations, max_rel_error
 
     # head_dim 64: what GPU attention kernels support in every dtype.
     path = build_tiny_model(
         "llama", hidden_size=256, intermediate_size=512, initializer_range=args.init
     )
     address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
-    layers = [1, 3]
-    rows: dict[int, dict[str, dict[int, list[torch.Tensor]]]] = defaultdict(
-        lambda: defaultdict(lambda: defaultdict(list))
-    )
-    token_at: dict[str, dict[int, int]] = defaultdict(dict)
-    info: dict = {}
-    stop = threading.Event()
-
-    def collect():
-        with Subscriber(address, Subscription(window=64, name="gpu-check")) as sub:
-            while not stop.is_set():
-                out = sub.recv(timeout=0.2)
-                if isinstance(out, Event) and out.kind == "welcome":
-                    info.update(out.body)
-                elif isinstance(out, Batch):
-                    ri = out.header.rows
-                    for i, rid in enumerate(ri.row_request_ids()):
-                        p = int(ri.positions[i])
-                        rows[out.layer][rid][p].append(out.tensor[i].clone())
-                        token_at[rid][p] = int(ri.token_ids[i])
-
-    th = threading.Thread(target=collect, daemon=True)
-    th.start()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -75,71 +75,80 @@ def main() -> int:
         str(path),
         dtype=args.dtype,
         gpu_memory_utilization=0.3,
-        max_model_len=1024,
+        max_model_len=640,
         max_num_batched_tokens=256,
         max_num_seqs=32,
-        enable_prefix_caching=False,
+        enable_prefix_caching=True,
+        block_size=16 if args.device == "cuda" else 32,
+        num_gpu_blocks_override=args.blocks,
+        disable_log_stats=False,
         seed=0,
-        additional_config={"actbus": {"publish": address, "layers": layers}},
+        additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": HOOKS}},
     )
     start_s = time.monotonic() - t0
+    col = Collector(address)
+    info = col.sub.welcome or {}
     rng = random.Random(0)
+    shared = [rng.randrange(3, 500) for _ in range(64)]
     lengths = [3, 8, 17, 40, 63, 100, 130, 200, 257, 300, 380, 511, 5, 12, 90, 150]
-    prompts = [
-        TokensPrompt(prompt_token_ids=[rng.randrange(3, 500) for _ in range(n)]) for n in lengths
-    ]
-    outs = llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
+    prompts = []
+    for i, n in enumerate(lengths):
+        ids = [rng.randrange(3, 500) for _ in range(n)]
+        prompts.append(shared[: n // 2] + ids[n // 2 :] if i % 2 else ids)
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True) for _ in prompts]
+    for sel in SELECTIONS:
+        prompts.append(prompts[len(params) % 8])
+        params.append(
+            SamplingParams(
+                temperature=0, max_tokens=12, ignore_eos=True, extra_args={"actbus": sel}
+            )
+        )
+    prompts.append(prompts[3])
+    params.append(SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True))
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    preempt = sum(
+        int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
     )
-    expected = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        got = sum(len(v) for r in rows[layers[-1]].values() for v in r.values())
-        if got >= expected:
-            break
-        time.sleep(0.2)
-    time.sleep(1.0)
-    stop.set()
-    th.join(timeout=10)
-
-    import transformers
+    col.wait(lambda c: all((o.request_id, x.index) in c.ended for o in outs for x in o.outputs), 60)
+    col.close()
 
     dt = getattr(torch, args.dtype)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).cuda().eval()
-    worst = {layer: 0.0 for layer in layers}
+    worst: dict[str, float] = {}
     problems: list[str] = []
-    captured: dict[int, torch.Tensor] = {}
-
-    def keep(layer):
-        def hook(_m, _i, out):
-            captured[layer] = out[0] if isinstance(out, tuple) else out
-
-        return hook
-
-    for layer in layers:
-        hf.model.layers[layer].register_forward_hook(keep(layer))
-    for o in outs:
-        fed = (list(o.prompt_token_ids) + list(o.outputs[0].token_ids))[:-1]
-        n = len(fed)
-        captured.clear()
-        with torch.no_grad():
-            hf(torch.tensor([fed], device="cuda"))
-        if [token_at[o.request_id].get(p) for p in range(n)] != fed:
-            problems.append(f"{o.request_id}: token ids differ")
-        for L in layers:
-            r = rows[L][o.request_id]
-            if sorted(r) != list(range(n)) or any(len(v) != 1 for v in r.values()):
-                problems.append(
-                    f"{o.request_id} L{L}: positions {len(r)} vs {n}, "
-                    f"dups {sum(len(v) > 1 for v in r.values())}"
-                )
-                continue
-            got = torch.stack([r[p][0] for p in range(n)]).float().cuda()
-            ref = captured[L][0].float()
-            err = float(((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
-            worst[L] = max(worst[L], err)
+    checked_rows = 0
+    for o, sp in zip(outs, params, strict=True):
+        sel = (sp.extra_args or {}).get("actbus") or {}
+        for child in o.outputs:
+            fed = (list(o.prompt_token_ids) + list(child.token_ids))[:-1]
+            want = (
+                list(range(len(fed)))
+                if "positions" not in sel
+                else _positions(sel["positions"], len(o.prompt_token_ids), len(fed))
+            )
+            layers = sel.get("layers", LAYERS)
+            hooks = sel.get("hooks", HOOKS)
+            ref = hf_activations(path, fed, LAYERS, HOOKS, dtype=dt, device=args.device)
+            if col.tags.get((o.request_id, child.index)) != sel.get("tags", {}):
+                problems.append(f"{o.request_id}: tags {col.tags.get((o.request_id, 0))}")
+            for layer in LAYERS:
+                for hook in HOOKS:
+                    pos, tok, acts = col.get(o.request_id, layer, hook, child.index)
+                    if layer not in layers or hook not in hooks:
+                        if len(pos):
+                            problems.append(f"{o.request_id} L{layer} {hook}: not selected")
+                        continue
+                    if pos.tolist() != want or tok.tolist() != [fed[p] for p in want]:
+                        problems.append(
+                            f"{o.request_id}/{child.index} L{layer} {hook}: positions "
+                            f"{len(pos)} vs {len(want)}"
+                        )
+                        continue
+                    r = ref[(layer, hook)][torch.as_tensor(want, device=args.device)].float()
+                    err = max_rel_error(acts.float().to(args.device), r)
+                    worst[f"{layer}/{hook}"] = max(worst.get(f"{layer}/{hook}", 0.0), err)
+                    checked_rows += len(pos)
     tol = args.tol or (1e-3 if args.dtype == "float32" else 2e-2)
-    ok = not problems and all(e <= tol for e in worst.values())
+    ok = not problems and all(e <= tol for e in worst.values()) and preempt > 0
     print(
         json.dumps(
             {
@@ -148,12 +157,13 @@ def main() -> int:
                 "dtype": args.dtype,
                 "runner_requested": args.runner,
                 "engine": info.get("engine"),
-                "gpu": torch.cuda.get_device_name(),
+                "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 "engine_start_s": round(start_s, 1),
                 "initializer_range": args.init,
                 "requests": len(outs),
-                "rows_expected_per_layer": expected,
-                "max_rel_err": {str(k): v for k, v in worst.items()},
+                "preemptions": preempt,
+                "rows_checked": checked_rows,
+                "max_rel_err": worst,
                 "tolerance": tol,
                 "problems": problems[:10],
             }
