@@ -1,7 +1,8 @@
 """Bus test processes: real subscribers and publishers in their own processes.
 
-python -m tests.bus_procs subscribers ADDR NAME:POLICY:DELAY_S:WINDOW ...
-    One thread per subscriber, each sleeping DELAY_S per batch (a slow consumer).
+python -m tests.bus_procs subscribers ADDR NAME[@GROUP]:POLICY:DELAY_S:WINDOW ...
+    One thread per subscriber, each sleeping DELAY_S per batch (a slow consumer);
+    ``@GROUP`` makes it a member of a load-balancing group.
     Prints "ready NAME" once welcomed, and at the publisher's END one JSON line
     per subscriber: what it received (seqs, steps) and its own counters.
     (POLICY may itself contain colons: the spec is split from both ends.)
@@ -96,10 +97,11 @@ def message(step: int, rows: int = 4, hidden: int = 1024) -> tuple[Header, torch
 
 def _subscriber(address: str, spec: str) -> None:
     name, rest = spec.split(":", 1)
+    name, _, group = name.partition("@")
     policy, delay, window = rest.rsplit(":", 2)
     sub = Subscriber(
         address,
-        Subscription(**parse_policy(policy), window=int(window), name=name),
+        Subscription(**parse_policy(policy), window=int(window), name=name, group=group),
         silence_s=30,
     )
     seqs: list[int] = []

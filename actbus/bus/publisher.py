@@ -160,6 +160,12 @@ class _Sub:
             len(self.pending) >= PENDING_LIMIT and not self.may_send(nbytes)
         )
 
+    @property
+    def lossless(self) -> bool:
+        return self.sub.policy == "block" or (
+            self.sub.policy == "spill" and self.sub.spill_fallback == "block"
+        )
+
     def blocks(self, item: _Item) -> bool:
         """True when taking ``item`` now would break this subscriber's lossless promise."""
         if self.sub.policy == "block":
@@ -485,15 +491,15 @@ class Publisher:
     def _can_take(self, item: _Item) -> bool:
         """No lossless subscriber (or every member of a lossless group) is full."""
         h = item.header
-        group_ok: dict[str, bool] = {}
+        groups: dict[str, list[_Sub]] = {}
         for s in self._subs.values():
             if not s.sub.wants(h.layer, h.hook):
                 continue
             if s.sub.group:
-                group_ok[s.sub.group] = group_ok.get(s.sub.group, False) or not s.blocks(item)
+                groups.setdefault(s.sub.group, []).append(s)
             elif s.blocks(item):
                 return False
-        return all(group_ok.values())
+        return all(self._pick(members, item) is not None for members in groups.values())
 
     def _take_items(self) -> bool:
         """Route queued messages; True if it stopped with work left that needs no event."""
@@ -535,7 +541,9 @@ class Publisher:
             else:
                 self._route(s, item)
         for members in groups.values():
-            self._route(self._pick(members, item), item)
+            member = self._pick(members, item)
+            assert member is not None  # _can_take checked it
+            self._route(member, item)
         if not routed:
             self._counters["unrouted"] += 1
         # Counted once routed to every subscriber, so stats never show a message as
@@ -544,16 +552,25 @@ class Publisher:
         self._counters["published"] += 1
 
     @staticmethod
-    def _pick(members: list[_Sub], item: _Item) -> _Sub:
-        """The group member to take ``item``: not full, with credit, least loaded."""
+    def _pick(members: list[_Sub], item: _Item) -> _Sub | None:
+        """The group member to take ``item`` (None: wait for one).
+
+        A member with room comes first (credit, then least loaded). When all are
+        full, a group with a lossless member waits for one rather than let a lossy
+        member's policy drop; otherwise the least loaded member's policy applies.
+        """
+        free = [s for s in members if not s.overflowing(item.nbytes)]
+        if not free:
+            lossless = [s for s in members if s.lossless]
+            if lossless:
+                free = [s for s in lossless if not s.blocks(item)]
+                if not free:
+                    return None
+            else:
+                free = members
         return min(
-            members,
-            key=lambda s: (
-                s.blocks(item),
-                not s.may_send(item.nbytes),
-                len(s.inflight) + s.queued,
-                s.c.routed,
-            ),
+            free,
+            key=lambda s: (not s.may_send(item.nbytes), len(s.inflight) + s.queued, s.c.routed),
         )
 
     def _route(self, s: _Sub, item: _Item) -> None:
