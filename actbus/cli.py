@@ -8,14 +8,17 @@ actbus serve MODEL [--layers L] [--hooks H] [--publish ADDR] [vllm serve args...
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import logging
 import signal
 import sys
 import threading
 
 from actbus import consumer as consumers
-from actbus.bus import POLICIES
+from actbus.bus import POLICIES, SubscriptionRejected
 from actbus.bus.protocol import parse_policy
+from actbus.bus.security import ClientAuth
 from actbus.config import ConfigError
 
 
@@ -111,6 +114,29 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
     p.add_argument("--window-mb", type=float, default=128, help="credit: MiB in flight")
     p.add_argument("--exit-on-end", action="store_true", help="exit when the publisher stops")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--on-error",
+        choices=consumers.ON_ERROR,
+        default="stop",
+        help="when the consumer raises: stop (exit 1, the default) or restart it with a "
+        "fresh subscription; the publisher is not affected either way",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"with --on-error restart: give up (exit 1) after N restarts "
+        f"(default {consumers.RestartPolicy.max_restarts})",
+    )
+    p.add_argument(
+        "--server-key", default=None, help="CURVE: the publisher's public key file (server.key)"
+    )
+    p.add_argument(
+        "--client-secret-key",
+        default=None,
+        help="CURVE: this subscriber's secret key file (NAME.key_secret from `actbus keys`)",
+    )
     cls.add_arguments(p)
     if args.help:
         p.print_help()
@@ -127,23 +153,59 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
     logging.basicConfig(
         level=opts.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    consumer = cls.from_args(opts)
+    if opts.max_restarts is not None and opts.on_error != "restart":
+        p.error("--max-restarts applies only with --on-error restart")
+    if opts.max_restarts is not None and opts.max_restarts < 0:
+        p.error(f"--max-restarts must be 0 or more, got {opts.max_restarts}")
+    restart = consumers.RestartPolicy(on_error=opts.on_error)
+    if opts.max_restarts is not None:
+        restart = dataclasses.replace(restart, max_restarts=opts.max_restarts)
+    try:  # checked here so the error names the flags
+        ClientAuth(
+            opts.connect,
+            server_key=opts.server_key,
+            client_secret_key=opts.client_secret_key,
+            fields=("--server-key", "--client-secret-key"),
+        )
+    except ConfigError as e:
+        p.error(str(e))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    sub = consumers.run(
-        consumer,
-        opts.connect,
-        subscription=consumer.subscription(
-            policy=opts.policy, window=opts.window, window_bytes=int(opts.window_mb * (1 << 20))
-        ),
-        stop=stop,
-        exit_on_end=opts.exit_on_end,
-    )
-    s = sub.stats
+    try:
+        out = consumers.run(
+            functools.partial(cls.from_args, opts),
+            opts.connect,
+            subscription=lambda consumer: consumer.subscription(
+                policy=opts.policy,
+                window=opts.window,
+                window_bytes=int(opts.window_mb * (1 << 20)),
+            ),
+            restart=restart,
+            stop=stop,
+            exit_on_end=opts.exit_on_end,
+            server_key=opts.server_key,
+            client_secret_key=opts.client_secret_key,
+        )
+    except SubscriptionRejected as e:
+        print(f"actbus run {args.name}: {e}", file=sys.stderr)
+        return 1
     logging.getLogger("actbus").info(
-        "stopped: received=%d missed=%d malformed=%d", s.received, s.missed, s.malformed
+        "stopped: received=%d missed=%d rejected=%d errors=%d restarts=%d",
+        out.received,
+        out.missed,
+        out.rejected,
+        out.errors,
+        out.restarts,
     )
+    if out.failure is not None:
+        hint = (
+            f"gave up after {out.restarts} restarts (--max-restarts)"
+            if opts.on_error == "restart"
+            else "stopped (--on-error stop; --on-error restart restarts it)"
+        )
+        print(f"actbus run {args.name}: {out.failure}; {hint}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2,7 +2,9 @@
 
 A consumer subclasses ``Consumer`` and is registered under the
 ``actbus.consumers`` entry-point group; ``actbus run NAME`` finds it there, lets
-it add its own command-line flags, subscribes with its policy and feeds it.
+it add its own command-line flags, subscribes with its policy and feeds it. A
+consumer that raises is reported and stopped or restarted (``RestartPolicy``);
+the publisher only sees a subscriber leave, and a new one join.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
@@ -92,37 +96,181 @@ def load(name: str) -> type[Consumer]:
     return cls
 
 
+ON_ERROR = ("stop", "restart")
+
+
+class ConsumerFailed(RuntimeError):
+    """A consumer's callback raised. The bus and the publisher are untouched by it."""
+
+    def __init__(self, consumer: str, callback: str, error: BaseException) -> None:
+        super().__init__(
+            f"consumer {consumer!r} failed in {callback}: {type(error).__name__}: {error}"
+        )
+        self.consumer = consumer
+        self.callback = callback
+        self.error = error
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What ``run`` does when a consumer's callback raises (``actbus run --on-error``).
+
+    ``stop`` ends the run with the error. ``restart`` closes the consumer, builds a
+    fresh one and subscribes anew, at most ``max_restarts`` times in all, waiting
+    ``backoff_s`` before the first and twice as long before each next one (at most
+    30 s), so a consumer that fails at once does not spin. Messages published while
+    no instance is subscribed are not kept for it: a restarted consumer joins late.
+    """
+
+    on_error: str = "stop"
+    max_restarts: int = 5
+    backoff_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"on_error: expected stop or restart, got {self.on_error!r}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts: expected an int >= 0, got {self.max_restarts}")
+        if self.backoff_s < 0:
+            raise ValueError(f"backoff_s: expected seconds >= 0, got {self.backoff_s}")
+
+
+@dataclass
+class RunOutcome:
+    """How a run ended; counters are summed over every consumer instance."""
+
+    received: int = 0
+    missed: int = 0
+    rejected: int = 0
+    errors: int = 0
+    """Callbacks that raised (``close`` included)."""
+    restarts: int = 0
+    failure: ConsumerFailed | None = None
+    """The error that ended the run (``stop``, or restarts used up); None if it ended well."""
+
+
 def run(
-    consumer: Consumer,
+    make: Callable[[], Consumer],
     address: str,
     *,
-    subscription: Subscription | None = None,
+    subscription: Callable[[Consumer], Subscription] | None = None,
+    restart: RestartPolicy | None = None,
     stop: threading.Event | None = None,
     exit_on_end: bool = False,
-) -> Subscriber:
-    """Feed ``consumer`` from the publisher at ``address`` until stopped.
+    server_key: str | None = None,
+    client_secret_key: str | None = None,
+) -> RunOutcome:
+    """Feed consumers built by ``make`` from the publisher at ``address`` until stopped.
 
-    Returns the (closed) subscriber so callers can read its counters.
+    A callback that raises is logged with its traceback and counted, then handled
+    by ``restart`` (default: stop). Each instance has its own subscription, closed
+    with it, so the publisher sees an ordinary subscriber leave and join. Errors of
+    the bus itself (``SubscriptionRejected``, ``ConfigError``) are raised, not
+    retried: a fresh consumer would not fix them.
     """
+    restart = restart or RestartPolicy()
     stop = stop or threading.Event()
-    sub = Subscriber(address, subscription or consumer.subscription())
+    outcome = RunOutcome()
+    delay = restart.backoff_s
+    while True:
+        failure = _run_once(
+            make, address, subscription, stop, exit_on_end, server_key, client_secret_key, outcome
+        )
+        if failure is None:
+            return outcome
+        if restart.on_error == "stop" or outcome.restarts >= restart.max_restarts:
+            outcome.failure = failure
+            return outcome
+        outcome.restarts += 1
+        log.warning(
+            "restarting consumer %r (restart %d of %d) in %.1fs",
+            failure.consumer,
+            outcome.restarts,
+            restart.max_restarts,
+            delay,
+        )
+        if stop.wait(delay):
+            return outcome
+        delay = min(2 * delay, 30.0)
+
+
+def _run_once(
+    make: Callable[[], Consumer],
+    address: str,
+    subscription: Callable[[Consumer], Subscription] | None,
+    stop: threading.Event,
+    exit_on_end: bool,
+    server_key: str | None,
+    client_secret_key: str | None,
+    outcome: RunOutcome,
+) -> ConsumerFailed | None:
+    """One consumer instance, one subscription; the first callback error, if any."""
+    failure: ConsumerFailed | None = None
     try:
+        consumer = make()
+    except Exception as e:
+        failure = ConsumerFailed(_name_of(make), "construction", e)
+        _report(failure, outcome)
+        return failure
+    sub: Subscriber | None = None
+    try:
+        sub = Subscriber(
+            address,
+            subscription(consumer) if subscription else consumer.subscription(),
+            server_key=server_key,
+            client_secret_key=client_secret_key,
+        )
         while not stop.is_set():
             out = sub.recv(timeout=0.25)
-            if isinstance(out, Batch):
-                consumer.on_batch(out)
-            elif isinstance(out, Event):
-                if out.kind == "welcome":
-                    consumer.on_welcome(out.body)
-                elif out.kind == "heartbeat":
-                    consumer.on_heartbeat(out.body, caught_up=sub.caught_up(out.body))
-                elif out.kind == "end":
-                    consumer.on_end()
-                    if exit_on_end:
-                        break
+            if out is not None and _deliver(consumer, sub, out) and exit_on_end:
+                break
+    except ConsumerFailed as e:
+        failure = e
+        _report(e, outcome)
     finally:
         try:
-            consumer.close()
+            _call(consumer, "close", consumer.close)
+        except ConsumerFailed as e:
+            _report(e, outcome)
+            failure = failure or e
         finally:
-            sub.close()
-    return sub
+            if sub is not None:
+                sub.close()
+                outcome.received += sub.stats.received
+                outcome.missed += sub.stats.missed
+                outcome.rejected += sub.stats.rejected
+    return failure
+
+
+def _deliver(consumer: Consumer, sub: Subscriber, out: Batch | Event) -> bool:
+    """Hand one item to the consumer; True at the end of the stream."""
+    if isinstance(out, Batch):
+        _call(consumer, "on_batch", consumer.on_batch, out)
+    elif out.kind == "welcome":
+        _call(consumer, "on_welcome", consumer.on_welcome, out.body)
+    elif out.kind == "heartbeat":
+        caught_up = sub.caught_up(out.body)
+        _call(consumer, "on_heartbeat", consumer.on_heartbeat, out.body, caught_up)
+    elif out.kind == "end":
+        _call(consumer, "on_end", consumer.on_end)
+        return True
+    return False
+
+
+def _call(consumer: Consumer, where: str, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as e:
+        raise ConsumerFailed(consumer.name or type(consumer).__name__, where, e) from e
+
+
+def _name_of(make: Callable[[], Consumer]) -> str:
+    """The consumer's name for a factory: a class, its bound from_args, or a partial of it."""
+    target = getattr(make, "func", make)  # functools.partial
+    owner = getattr(target, "__self__", target)  # a bound classmethod: its class
+    return getattr(owner, "name", "") or getattr(owner, "__name__", "") or repr(make)
+
+
+def _report(failure: ConsumerFailed, outcome: RunOutcome) -> None:
+    outcome.errors += 1
+    log.error("%s", failure, exc_info=failure.error)

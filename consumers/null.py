@@ -1,4 +1,8 @@
-"""The null consumer: receives, counts and discards. For benchmarks and health checks."""
+"""The null consumer: receives, counts and discards. For benchmarks and health checks.
+
+``--fail-at N`` makes it raise on its N-th batch: a fault drill for ``actbus run
+--on-error`` (and its tests), never useful otherwise.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ class NullConsumer(Consumer):
     name = "null"
     default_policy = "block"
 
-    def __init__(self) -> None:
+    def __init__(self, fail_at: int = 0) -> None:
+        self.fail_at = fail_at
         self.messages = 0
         self.rows = 0
         self.bytes = 0
@@ -27,10 +32,22 @@ class NullConsumer(Consumer):
         self.publisher_dropped: dict[str, int] = {}
 
     @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--fail-at",
+            type=int,
+            default=0,
+            metavar="N",
+            help="fault drill: raise on the N-th batch of each instance (0: never)",
+        )
+
+    @classmethod
     def from_args(cls, args: argparse.Namespace) -> NullConsumer:
-        return cls()
+        return cls(fail_at=args.fail_at)
 
     def on_batch(self, batch: Batch) -> None:
+        if self.messages + 1 == self.fail_at:
+            raise RuntimeError(f"fault drill: --fail-at {self.fail_at}, step {batch.step}")
         now = time.monotonic()
         self.first = self.first or now
         self.last = now
