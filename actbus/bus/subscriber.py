@@ -303,7 +303,9 @@ class Subscriber:
 
     def _reject(self, err: Exception) -> None:
         self.stats.rejected += 1
-        log.warning("rejected a message from the publisher: %s", err)
+        n = self.stats.rejected
+        if n & (n - 1) == 0:  # 1, 2, 4, 8...: a flood of bad messages cannot flood the log
+            log.warning("rejected a message from the publisher (%d so far): %s", n, err)
 
     def _control(self, tag: bytes, body: dict[str, Any]) -> Event | None:
         if tag == HEARTBEAT:
