@@ -2,6 +2,7 @@
 
 actbus run --list
 actbus run NAME --connect ADDR [--policy P] [--window N] [consumer flags...]
+actbus stats --connect ADDR [--once | --json]
 actbus serve MODEL [--layers L] [--hooks H] [--publish ADDR] [vllm serve args...]
 """
 
@@ -16,8 +17,8 @@ import sys
 import threading
 
 from actbus import consumer as consumers
-from actbus.bus import POLICIES, SubscriptionRejected
-from actbus.bus.protocol import parse_policy
+from actbus.bus import POLICIES, SubscriptionRejected, statsview
+from actbus.bus.protocol import parse_policy, parse_tags
 from actbus.bus.security import ClientAuth
 from actbus.config import ConfigError
 
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     keys_p.add_argument("dir", help="directory for the key files (made if missing, mode 0700)")
     keys_p.add_argument("--client", default="client", help="subscriber key name (default client)")
+    stats_p = sub.add_parser("stats", help="the publisher's counters: a live table (--once: one)")
+    statsview.add_arguments(stats_p)
     args, rest = parser.parse_known_args(argv)
     if args.command == "run":
         return _run(args, rest, run_p)
@@ -56,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             keys_p.error(f"unrecognized arguments: {' '.join(rest)}")
         return _keys(args.dir, args.client)
+    if args.command == "stats":
+        if rest:
+            stats_p.error(f"unrecognized arguments: {' '.join(rest)}")
+        return statsview.main(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -108,7 +115,19 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
         "--policy",
         default=cls.default_policy,
         help=f"what the publisher does when this consumer falls behind: {', '.join(POLICIES)} "
-        f"(as sample:N or sample:FRACTION); default {cls.default_policy}",
+        f"(as sample:N or sample:FRACTION, spill:MB:FALLBACK); default {cls.default_policy}",
+    )
+    p.add_argument(
+        "--tags",
+        default=None,
+        help='keep only requests with these tags, as JSON: \'{"split": "train"}\'; '
+        'a list accepts any of its values: \'{"lang": ["en", "fr"]}\'',
+    )
+    p.add_argument(
+        "--group",
+        default="",
+        help="share the stream with the other subscribers of this group, each message "
+        "going to one of them (load-balanced); default: receive everything",
     )
     p.add_argument("--window", type=int, default=64, help="credit: messages in flight")
     p.add_argument("--window-mb", type=float, default=128, help="credit: MiB in flight")
@@ -146,6 +165,10 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
         parse_policy(opts.policy)
     except ValueError as e:
         p.error(f"--policy: {e}")
+    try:
+        tags = parse_tags(opts.tags) if opts.tags else None
+    except ValueError as e:
+        p.error(f"--tags: {e}")
     if opts.window < 1:
         p.error(f"--window must be at least 1 (messages in flight), got {opts.window}")
     if opts.window_mb <= 0:
@@ -180,6 +203,8 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
                 policy=opts.policy,
                 window=opts.window,
                 window_bytes=int(opts.window_mb * (1 << 20)),
+                tags=tags,
+                group=opts.group,
             ),
             restart=restart,
             stop=stop,
