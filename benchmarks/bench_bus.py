@@ -154,7 +154,9 @@ def main() -> int:
         summary[f"ratio_block_with_others_{mib}mib"] = round(others["gbps"] / block["gbps"], 3)
         if mib == 16:  # the headline key: the larger messages
             summary["ratio_block_with_others"] = summary[f"ratio_block_with_others_{mib}mib"]
+        summary[f"raw_cpu_s_per_gb_{mib}mib"] = round(base["cpu_s_per_gb"], 3)
         summary[f"pub_cpu_s_per_gb_{mib}mib"] = round(block["cpu_s_per_gb"], 3)
+        summary[f"pub_cpu_s_per_gb_with_others_{mib}mib"] = round(others["cpu_s_per_gb"], 3)
         summary[f"others_dropped_{mib}mib"] = others["others_dropped"]
     print(json.dumps(summary))
     return 0
