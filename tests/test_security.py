@@ -189,7 +189,7 @@ def test_curve_on_any_interface_delivers_to_an_authorized_subscriber(keys):
             got = _drain(sub, 50)
         assert [b.step for b in got] == list(range(50)) and sub.stats.missed == 0
         assert all(float(b.tensor[0, 0]) == b.step for b in got)
-        assert pub._auth.denied == 0
+        assert pub.stats()["auth_denied"] == 0
     finally:
         pub.close(timeout=2)
 
@@ -231,7 +231,7 @@ def test_unauthorized_client_key_is_refused_clearly_and_costs_others_nothing(key
             stranger.close()
         assert got == [] and stranger.welcome is None
         assert "refused this subscriber's CURVE key" in why and "authorized_keys" in why
-        assert pub._auth.denied >= 1
+        assert pub.stats()["auth_denied"] >= 1
         assert "stranger" not in pub.stats()["subscribers"]
         assert [b.step for b in _drain(good, 10)] == list(range(10))
     finally:
@@ -346,3 +346,42 @@ def test_key_paths_are_checked_at_config_time(keys, tmp_path):
         )
     with pytest.raises(ConfigError, match=r"^client_secret_key: required with server_key"):
         Subscriber("ipc:///tmp/x.sock", server_key=str(keys / "server.key"))
+
+
+# ------------------------------------------------------------------- actbus run
+
+
+def test_actbus_run_with_keys_and_with_a_refused_key(keys, other_keys, tmp_path):
+    """`actbus run --server-key --client-secret-key`: delivered; a stranger's key: exit 1, named."""
+    port = _free_port()
+    pub = _curve_publisher(keys, f"tcp://0.0.0.0:{port}")
+    address = f"tcp://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "actbus.cli", "run", "null", "--connect", address]
+    cmd += ["--server-key", str(keys / "server.key"), "--client-secret-key"]
+    good = subprocess.Popen(
+        [*cmd, str(keys / "client.key_secret"), "--exit-on-end"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        stranger = subprocess.run(
+            [*cmd, str(other_keys / "client.key_secret")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert stranger.returncode == 1
+        assert "refused this subscriber's CURVE key" in stranger.stderr
+        wait_for(lambda: "null" in pub.stats()["subscribers"], 30, "the keyed consumer")
+        for i in range(7):
+            pub.publish(*_msg(i))
+        pub.close(timeout=5)
+        out, err = good.communicate(timeout=30)
+    finally:
+        good.kill()
+        pub.close(timeout=2)
+    assert good.returncode == 0, err
+    assert '"messages": 7' in out

@@ -305,6 +305,7 @@ class Publisher:
                 "queued": len(self._queue),
                 "queued_bytes": self._queued_bytes,
                 "stall_s": round(self.stall_s, 3),
+                "auth_denied": self._auth.denied,  # CURVE keys refused (see security.py)
                 "latency": self._latency.summary(),
                 "subscribers": subs,
                 "groups": groups,

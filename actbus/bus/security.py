@@ -385,14 +385,22 @@ class ClientAuth:
                     f"{SERVER}.key) and {self.fields[1]} (this subscriber's NAME.key_secret)"
                 )
             return f"handshake with {where} failed: ZeroMQ protocol error {value:#x}"
-        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.curve:
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            # The peer hung up mid-handshake (a reset can hide the reason from us).
             self._no_detail += 1
-            if self._no_detail >= _NO_DETAIL_LIMIT:
+            if self._no_detail < _NO_DETAIL_LIMIT:
+                return None
+            if self.curve:
                 return (
                     f"CURVE handshake with {where} failed {self._no_detail} times: its key is "
                     f"not the one in {self.fields[0]}={self.server_key!r}; copy the publisher's "
                     f"current {SERVER}.key"
                 )
+            return (
+                f"handshake with {where} failed {self._no_detail} times: it requires CURVE "
+                f"keys; set {self.fields[0]} (the server's {SERVER}.key) and {self.fields[1]} "
+                "(this subscriber's NAME.key_secret)"
+            )
         return None
 
     def close(self) -> None:
