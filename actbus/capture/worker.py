@@ -109,6 +109,9 @@ class CaptureWorker:
             queue_bytes=cfg.queue_mb << 20,
             heartbeat_s=cfg.heartbeat_s,
             subscriber_timeout_s=cfg.subscriber_timeout_s,
+            server_secret_key=cfg.server_secret_key,
+            authorized_keys=cfg.authorized_keys,
+            insecure_allow_any_interface=cfg.insecure_allow_any_interface,
         )
         atexit.register(self.close)
         log.info(
