@@ -59,6 +59,13 @@ class RowIndex:
     """Per request: the child index of an ``n > 1`` request, else 0 (empty: all 0)."""
     tags: list[dict[str, Any]] = field(default_factory=list)
     """Per request: the free-form tags of its selection (empty: no tags)."""
+    _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    """``to_wire``'s result, kept: one step's messages share one index."""
+
+    @classmethod
+    def empty(cls) -> RowIndex:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(request_ids=[], offsets=np.zeros(1, dtype=np.int64), positions=z, token_ids=z)
 
     def request_tags(self, i: int) -> dict[str, Any]:
         return self.tags[i] if self.tags else {}
@@ -99,14 +106,17 @@ class RowIndex:
         return out
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "request_ids": self.request_ids,
-            "sample_index": self.sample_index,
-            "tags": self.tags,
-            "offsets": _pack_ints(self.offsets),
-            "positions": _pack_ints(self.positions),
-            "token_ids": _pack_ints(self.token_ids),
-        }
+        """Made once (the index is not changed after it is first encoded)."""
+        if self._wire is None:
+            self._wire = {
+                "request_ids": self.request_ids,
+                "sample_index": self.sample_index,
+                "tags": self.tags,
+                "offsets": _pack_ints(self.offsets),
+                "positions": _pack_ints(self.positions),
+                "token_ids": _pack_ints(self.token_ids),
+            }
+        return self._wire
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> RowIndex:

@@ -14,6 +14,15 @@ filter; unfiltered subscribers get the captured buffer itself). Subscribers that
 name the same ``group`` share one copy of the stream: each message goes to exactly
 one member, the least loaded one with credit.
 
+Admission (engine side, before any copy): ``admit`` tells the capture worker
+whether a tap's rows are wanted at all, and whether every subscriber that wants
+them would drop them anyway (each is lossy, and its queue is full, or this is not
+one of its sampled steps, or the shared queue's byte budget is spent). Then the
+worker skips the device gather and host copy and calls ``drop``: the message is
+routed as a counted drop (reason ``source``), so it still leaves a gap in each
+subscriber's sequence. A lossless subscriber always gets the copy; only it can
+make the engine wait.
+
 Sequence numbers are given per subscriber when a message is routed to it, so a
 dropped message leaves a gap the subscriber sees. Credit is cumulative: a
 subscriber acknowledges "everything below seq N", and the publisher derives what
@@ -44,6 +53,7 @@ import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +78,7 @@ from actbus.wire import (
     STATS,
     WELCOME,
     Header,
+    RowIndex,
     WireError,
     pack_map,
     pack_seq,
@@ -85,12 +96,21 @@ MAX_CONTROL_BYTES = 256 << 10
 # Control messages handled per loop turn, so a flood cannot starve sending.
 CONTROL_BATCH = 256
 DEPARTED_KEPT = 32
+_NO_ROWS = torch.empty(0, dtype=torch.uint8)
+
+
+class Admission(Enum):
+    """What the engine should do with one tap's rows this step (see ``Publisher.admit``)."""
+
+    SEND = "send"  # copy the rows and ``publish`` them
+    DROP = "drop"  # every subscriber that wants them would drop them: call ``drop``
+    NONE = "none"  # no subscriber wants them: nothing to do
 
 
 @dataclass
 class _Item:
     header: Header
-    tensor: torch.Tensor  # keeps the payload's memory alive until sent
+    tensor: torch.Tensor | None  # keeps the payload alive until sent; None: dropped at source
     nbytes: int
     ready: Any = None  # an event to wait on before the tensor and row index are readable
     t_published: float = 0.0
@@ -105,6 +125,9 @@ class _Item:
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
+        if self.tensor is None:  # dropped at the source: routed as a drop, never sent
+            self.payload = memoryview(b"")
+            return
         self.header_bytes = self.header.encode()
         self.payload = tensor_to_frame(self.tensor)
 
@@ -175,6 +198,17 @@ class _Sub:
             return self.overflowing(item.nbytes) and held + item.wire_bytes > self.spill_cap
         return False
 
+    def would_drop(self, step: int, nbytes: int) -> bool:
+        """Whether a message of ``step`` would go nowhere for this subscriber now.
+
+        Read from the engine thread without a lock: a stale answer only moves a
+        drop from here to the publisher thread or back; both are counted.
+        """
+        p = self.sub
+        if p.policy == "sample" and step % p.sample_every:
+            return True
+        return p.policy in ("drop_newest", "sample") and self.overflowing(nbytes)
+
     def policy_text(self) -> str:
         p = self.sub
         if p.policy == "sample":
@@ -237,6 +271,8 @@ class Publisher:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._subs: dict[bytes, _Sub] = {}
+        self._sub_list: tuple[_Sub, ...] = ()  # a snapshot for the engine thread (admit)
+        self._engine_counts: Counter[str] = Counter()  # written by the engine thread only
         self._departed: deque[dict[str, Any]] = deque(maxlen=DEPARTED_KEPT)
         self._group_departed: dict[str, Counter[str]] = {}
         self._latency = LatencyWindow()
@@ -250,6 +286,56 @@ class Publisher:
         self._thread.start()
 
     # ---------------------------------------------------------------- engine side
+    def admit(self, layer: int, hook: str, step: int, nbytes: int) -> Admission:
+        """Whether the rows of tap ``(layer, hook)`` are worth copying this step.
+
+        Called by the engine before it gathers and copies anything, so that data
+        nobody would receive costs nothing: ``NONE`` when no subscriber wants the
+        tap, ``DROP`` when every one that does is lossy and would drop it now (its
+        queue is full, the step is not one it samples, or the shared queue's byte
+        budget is spent), else ``SEND``. Never waits.
+        """
+        if self._closing:
+            return Admission.NONE
+        wanted = [s for s in self._sub_list if s.sub.wants(layer, hook)]
+        if not wanted:
+            self._engine_counts["not_wanted"] += 1
+            return Admission.NONE
+        if any(s.lossless for s in wanted):
+            return Admission.SEND
+        if not (self._queue and self._queued_bytes + nbytes > self._queue_budget):
+            groups: dict[str, list[_Sub]] = {}
+            for s in wanted:
+                if s.sub.group:
+                    groups.setdefault(s.sub.group, []).append(s)
+                elif not s.would_drop(step, nbytes):
+                    return Admission.SEND
+            for members in groups.values():
+                if not all(m.would_drop(step, nbytes) for m in members):
+                    return Admission.SEND
+        return Admission.DROP
+
+    def drop(self, header: Header) -> None:
+        """Record a message that ``admit`` said to drop: each lossy subscriber of its
+        tap counts a drop (reason ``source``) and sees a gap. Request ends it carries
+        still go out, in a message with no rows."""
+        item = _Item(header, None, 0, None, time.monotonic())
+        ends = None
+        if header.ended:
+            end_header = dataclasses.replace(
+                header, shape=(0, *header.shape[1:]), rows=RowIndex.empty()
+            )
+            ends = _Item(end_header, _NO_ROWS, 0, None, time.monotonic())
+        with self._cond:
+            if self._closing:
+                return
+            was_empty = not self._queue
+            self._queue.append(item)
+            if ends is not None:
+                self._queue.append(ends)
+            if was_empty:
+                self._wake()
+
     def publish(self, header: Header, tensor: torch.Tensor, *, ready: Any = None) -> None:
         """Queue one message; waits (lossless) only while the byte budget is spent.
 
@@ -300,7 +386,9 @@ class Publisher:
                 "published": 0,
                 "unrouted": 0,
                 "rejected": 0,
+                "source_drops": 0,
                 **dict(self._counters),
+                **dict(self._engine_counts),
                 "last_step": self.last_step,
                 "queued": len(self._queue),
                 "queued_bytes": self._queued_bytes,
@@ -475,6 +563,7 @@ class Publisher:
                 s.sub, s.last_seen = sub, now
                 s.inflight.clear()
                 s.inflight_bytes = 0
+            self._sub_list = tuple(self._subs.values())
         if s.pending:
             next_seq = s.pending[0][0]
         elif s.spill:
@@ -491,6 +580,8 @@ class Publisher:
     # -------------------------------------------------------------------- routing
     def _can_take(self, item: _Item) -> bool:
         """No lossless subscriber (or every member of a lossless group) is full."""
+        if item.tensor is None:
+            return True  # a source drop is only counted, never queued
         h = item.header
         groups: dict[str, list[_Sub]] = {}
         for s in self._subs.values():
@@ -533,9 +624,12 @@ class Publisher:
         h = item.header
         routed = False
         groups: dict[str, list[_Sub]] = {}
+        dropped = item.tensor is None
         for s in list(self._subs.values()):
             if not s.sub.wants(h.layer, h.hook):
                 continue
+            if dropped and s.lossless:
+                continue  # joined after admit() decided: it starts at a later message
             routed = True
             if s.sub.group:
                 groups.setdefault(s.sub.group, []).append(s)
@@ -545,11 +639,14 @@ class Publisher:
             member = self._pick(members, item)
             assert member is not None  # _can_take checked it
             self._route(member, item)
+        self.last_step = max(self.last_step, h.step)
+        if dropped:
+            self._counters["source_drops"] += 1
+            return
         if not routed:
             self._counters["unrouted"] += 1
         # Counted once routed to every subscriber, so stats never show a message as
         # published that a subscriber's counters do not yet include.
-        self.last_step = max(self.last_step, h.step)
         self._counters["published"] += 1
 
     @staticmethod
@@ -578,6 +675,11 @@ class Publisher:
         policy = s.sub.policy
         if policy == "sample" and item.header.step % s.sub.sample_every:
             s.c.sampled_out += 1  # not wanted: neither a drop nor a gap
+            return
+        if item.tensor is None:  # dropped at the source (admit): a counted gap
+            s.c.routed += 1
+            s.next_seq += 1
+            s.c.dropped["source"] += 1
             return
         m = self._variant(item, s.sub)
         if m is None:
@@ -768,6 +870,7 @@ class Publisher:
         unacked = len(s.inflight)
         with self._cond:
             self._subs.pop(s.ident, None)
+            self._sub_list = tuple(self._subs.values())
             final = {**self._sub_stats(s), "reason": reason, "unacked_at_exit": unacked}
             self._departed.append(final)
             if s.sub.group:

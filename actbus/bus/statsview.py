@@ -51,6 +51,7 @@ def render(stats: dict[str, Any]) -> Group:
     lat = stats.get("latency") or {}
     head = Text(
         f"published {stats.get('published', 0)}  last step {stats.get('last_step', -1)}  "
+        f"dropped at source {stats.get('source_drops', 0)}  "
         f"queued {stats.get('queued', 0)} ({stats.get('queued_bytes', 0) / 2**20:.1f} MiB)  "
         f"engine stalled {stats.get('stall_s', 0.0):.2f} s  "
         f"capture->send p50 {lat.get('p50_ms', 0.0):.2f} ms p99 {lat.get('p99_ms', 0.0):.2f} ms  "

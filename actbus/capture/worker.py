@@ -8,7 +8,10 @@ as the model saw them under continuous batching and chunked prefill.
 Per request it keeps the selection and a watermark, the next position not yet
 published: a request preempted and recomputed from scratch re-runs positions
 it already published, and those rows are skipped, so every position goes out
-exactly once. Selected rows are gathered on the device, so only they are copied.
+exactly once. Selected rows are gathered on the device, so only they are copied,
+and only for taps the bus admits (``Publisher.admit``): a tap no subscriber wants,
+or one whose every subscriber is lossy and would drop it now, costs no copy at all.
+Taps that publish the same rows share one row index and one host transfer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from actbus.bus.publisher import Publisher
+from actbus.bus.publisher import Admission, Publisher
 from actbus.capture.requests import caller_request_id
 from actbus.capture.scheduler import StepRequests
 from actbus.capture.selection import Selection
@@ -64,10 +67,15 @@ class _Request:
 
 @dataclass
 class _Part:
-    """Rows of some requests for one tap, in request order."""
+    """Rows of some requests for one tap, in request order (taps with the same
+    requests share one)."""
 
     entries: list[tuple[_Request, np.ndarray]] = field(default_factory=list)  # positions
-    index: list[np.ndarray] = field(default_factory=list)  # step-local row numbers
+    index: list[np.ndarray | None] = field(default_factory=list)  # step rows; None: held
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(pos) for _, pos in self.entries)
 
 
 class CaptureWorker:
@@ -215,6 +223,10 @@ class CaptureWorker:
                 p = parts.setdefault(key, _Part())
                 p.entries.append((st, pos[keep]))
                 p.index.append(rows)
+        # Taps with the same requests have the same rows: one part, one copy for all.
+        shared: dict[tuple[int, ...], _Part] = {}
+        for key, p in parts.items():
+            parts[key] = shared.setdefault(tuple(id(st) for st, _ in p.entries), p)
         return parts, False, host_pos
 
     def _hold_last(self, st: _Request, view: StepView, row: int, pos: int) -> None:
@@ -235,50 +247,73 @@ class CaptureWorker:
                 p = parts[key] = _Part(list(old.entries), list(old.index))  # parts share
                 p.entries.append((st, np.array([st.last["pos"]], dtype=np.int64)))
                 p.index.append(None)  # marks a held row
-        keys = [k for k in self.taps.keys if k in parts or ended]
-        jobs = []
-        for key in keys:
-            p = parts.get(key, _Part())
-            if full and not lasts:  # views of the tap buffers and the runner's inputs: copy them
-                acts, toks = self.taps.buffers[key][:n].clone(), tok.clone()
-            else:  # gathered: already fresh tensors
-                acts, toks = self._gather(key, p, tok, lasts)
-            jobs.append((key, p, acts, toks))
-        ready = None
-        if self._no_tokens.is_cuda:
-            host, ready = self._to_host_async([t for j in jobs for t in (j[2], j[3])])
-            jobs = [(k, p, host[2 * i], host[2 * i + 1]) for i, (k, p, _, _) in enumerate(jobs)]
-        dtype = DTYPE_NAMES[self.taps.dtype]
-        for key, p, acts, toks in jobs:
-            header = Header(
-                step=self.step,
-                layer=key[0],
-                hook=key[1],
-                dtype=dtype,
-                shape=(int(acts.shape[0]), self.taps.hidden_size),
-                model=self.model_name,
-                rows=_row_index(p, toks),
-                ended=ended,
-            )
-            self.publisher.publish(header, acts, ready=ready)
+        pub, dtype, hidden = self.publisher, DTYPE_NAMES[self.taps.dtype], self.taps.hidden_size
+        row_bytes = hidden * self.taps.dtype.itemsize
+        none = _Part()
+        groups: dict[int, tuple[_Part, list[tuple[int, str]]]] = {}  # taps sharing rows
+        num_rows: dict[int, int] = {}
+        for key in self.taps.keys:
+            if key not in parts and not ended:
+                continue
+            p = parts.get(key, none)
+            if id(p) not in num_rows:
+                num_rows[id(p)] = p.num_rows
+            shape = (num_rows[id(p)], hidden)
+            verdict = pub.admit(key[0], key[1], self.step, shape[0] * row_bytes)
+            if verdict is Admission.SEND:
+                groups.setdefault(id(p), (p, []))[1].append(key)
+            elif verdict is Admission.DROP:  # no copy: counted as a drop by the bus
+                pub.drop(self._header(key, shape, RowIndex.empty(), ended))
+        for p, keys in groups.values():
+            acts, toks = self._collect(keys, p, tok, whole=full and not lasts)
+            ready = None
+            if self._no_tokens.is_cuda:
+                (acts, toks), ready = self._to_host_async([acts, toks])
+            rows = _row_index(p, toks)  # one index for every tap of the group
+            for i, key in enumerate(keys):
+                header = self._header(key, (num_rows[id(p)], hidden), rows, ended, dtype)
+                pub.publish(header, acts[i], ready=ready)
 
-    def _gather(self, key, p: _Part, tok: torch.Tensor, lasts) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = self.taps.buffers[key]
+    def _header(self, key, shape, rows: RowIndex, ended, dtype: str | None = None) -> Header:
+        return Header(
+            step=self.step,
+            layer=key[0],
+            hook=key[1],
+            dtype=dtype or DTYPE_NAMES[self.taps.dtype],
+            shape=shape,
+            model=self.model_name,
+            rows=rows,
+            ended=ended,
+        )
+
+    def _collect(
+        self, keys: list[tuple[int, str]], p: _Part, tok: torch.Tensor, *, whole: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh ``[len(keys), rows, hidden]`` activations and ``[rows]`` token ids.
+
+        Fresh (copies or gathers on the compute stream), so the tap buffers and the
+        runner's inputs are free for the next step in stream order. One tensor for
+        all taps of a group, so the host copy is one transfer.
+        """
+        bufs = [self.taps.buffers[k] for k in keys]
+        if whole:  # every row of every tap: one stacking copy
+            return torch.stack([b[: tok.shape[0]] for b in bufs]), tok.clone()
         step_rows = [ix for ix in p.index if ix is not None]
-        chunks_a, chunks_t = [], []
+        held = [st for (st, _), ix in zip(p.entries, p.index, strict=True) if ix is None]
+        m = sum(len(ix) for ix in step_rows)
+        acts = bufs[0].new_empty((len(keys), m + len(held), bufs[0].shape[1]))
+        tok_parts = []
         if step_rows:
-            idx = torch.from_numpy(np.concatenate(step_rows)).to(buf.device, non_blocking=True)
-            chunks_a.append(buf.index_select(0, idx))
-            chunks_t.append(tok.index_select(0, idx))
-        for st in lasts:
-            if key in st.last["acts"]:
-                chunks_a.append(st.last["acts"][key])
-                chunks_t.append(st.last["token"])
-        if not chunks_a:
-            return buf[:0].clone(), tok[:0].clone()
-        if len(chunks_a) == 1:
-            return chunks_a[0], chunks_t[0]
-        return torch.cat(chunks_a), torch.cat(chunks_t)
+            idx = torch.from_numpy(np.concatenate(step_rows)).to(tok.device, non_blocking=True)
+            for i, b in enumerate(bufs):
+                torch.index_select(b, 0, idx, out=acts[i, :m])
+            tok_parts.append(tok.index_select(0, idx))
+        for j, st in enumerate(held):  # rows kept on the device since their step
+            for i, key in enumerate(keys):
+                acts[i, m + j] = st.last["acts"][key][0]
+            tok_parts.append(st.last["token"])
+        toks = torch.cat(tok_parts) if tok_parts else tok[:0].clone()
+        return acts, toks
 
     def _to_host_async(self, tensors: list[torch.Tensor]):
         """Host copies that neither stall the engine nor slow its next step.

@@ -1,0 +1,160 @@
+"""Admission: the engine asks the bus before copying, so unwanted data costs nothing.
+
+Driven the way the capture worker drives it (``admit`` per tap, then ``publish`` or
+``drop``), over real sockets. A drop at the source is a drop like any other: counted
+per subscriber (reason ``source``), a gap the subscriber sees, inside the
+accounting invariant; a lossless subscriber is never dropped for.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from actbus.bus import Batch, Publisher, Subscriber, Subscription
+from actbus.bus.publisher import Admission
+from actbus.wire import Header, RequestEnd, RowIndex
+from tests.procs import wait_for
+
+ROWS, HIDDEN = 4, 64
+NBYTES = ROWS * HIDDEN * 4
+
+
+@pytest.fixture
+def address(tmp_path):
+    return f"ipc://{tmp_path}/bus.sock"
+
+
+@pytest.fixture
+def publisher(address):
+    pub = Publisher(address, info={"model": "test"}, heartbeat_s=0.1, subscriber_timeout_s=30)
+    yield pub
+    pub.close(timeout=2)
+
+
+def _header(step: int, layer: int = 0, ended: list[RequestEnd] | None = None) -> Header:
+    ri = RowIndex(["r"], np.array([0, ROWS]), np.arange(ROWS), np.arange(ROWS))
+    return Header(step, layer, "post_block", "float32", (ROWS, HIDDEN), "t", ri, ended=ended or [])
+
+
+def _offer(pub: Publisher, step: int, layer: int = 0, ended=None) -> Admission:
+    """What the capture worker does for one tap of one step."""
+    verdict = pub.admit(layer, "post_block", step, NBYTES)
+    if verdict is Admission.SEND:
+        pub.publish(_header(step, layer, ended), torch.full((ROWS, HIDDEN), float(step)))
+    elif verdict is Admission.DROP:
+        pub.drop(_header(step, layer, ended))
+    return verdict
+
+
+def _invariant(st: dict) -> None:
+    assert st["routed"] == st["sent"] + sum(st["dropped"].values()) + st["queue_depth"], st
+
+
+def _settled(pub: Publisher, steps: int) -> None:
+    wait_for(lambda: pub.stats()["last_step"] == steps - 1 and not pub.stats()["queued"], 10, "")
+
+
+def test_nobody_subscribed_means_nothing_is_copied(publisher, address):
+    assert [_offer(publisher, i) for i in range(5)] == [Admission.NONE] * 5
+    with Subscriber(address, Subscription(layers=[1], name="l1")) as sub:
+        sub.wait_welcome(10)
+        assert _offer(publisher, 5, layer=0) is Admission.NONE  # not its layer
+        assert _offer(publisher, 5, layer=1) is Admission.SEND
+        wait_for(lambda: publisher.stats()["published"] == 1, 10, "the message routed")
+    st = publisher.stats()
+    assert st["not_wanted"] == 6 and st["published"] == 1, st
+
+
+def test_a_full_lossy_subscriber_is_dropped_for_at_the_source(publisher, address):
+    with Subscriber(address, Subscription(policy="drop_newest", window=2, name="d")) as sub:
+        sub.wait_welcome(10)
+        verdicts = []
+        for i in range(40):  # never read: 2 in flight, 8 pending, then full
+            verdicts.append(_offer(publisher, i))
+            wait_for(lambda i=i: publisher.stats()["last_step"] == i, 10, "routed")
+        st = publisher.stats()["subscribers"]["d"]
+        _invariant(st)
+        assert verdicts[:10] == [Admission.SEND] * 10, verdicts
+        assert set(verdicts[10:]) == {Admission.DROP}, verdicts
+        assert st["dropped"] == {"source": 30} and publisher.stats()["source_drops"] == 30
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) + sub.stats.missed < 40 and time.monotonic() < deadline:
+            out = sub.recv(timeout=0.2)
+            if isinstance(out, Batch):
+                got.append(out)
+                assert float(out.tensor[0, 0]) == out.step
+        # Reading frees it: offers are copied again, and every gap is accounted for.
+        assert _offer(publisher, 40) is Admission.SEND
+    assert [b.step for b in got] == list(range(10)) and sub.stats.missed == 30
+
+
+def test_a_lossless_subscriber_always_gets_the_copy(publisher, address):
+    block = Subscriber(address, Subscription(policy="block", window=64, name="b"))
+    lossy = Subscriber(address, Subscription(policy="drop_newest", window=1, name="d"))
+    try:
+        block.wait_welcome(10)
+        lossy.wait_welcome(10)
+        got = []
+        for i in range(30):
+            assert _offer(publisher, i) is Admission.SEND
+            out = block.recv(timeout=5)
+            while not isinstance(out, Batch):
+                out = block.recv(timeout=5)
+            got.append(out.step)
+        _settled(publisher, 30)
+        subs = publisher.stats()["subscribers"]
+        assert got == list(range(30)) and subs["b"]["dropped"] == {}
+        assert subs["d"]["dropped"].get("queue_full", 0) > 0  # dropped by the bus, not at source
+        assert "source" not in subs["d"]["dropped"]
+        _invariant(subs["d"])
+    finally:
+        block.close()
+        lossy.close()
+
+
+def test_steps_a_sampler_does_not_want_are_not_copied(publisher, address):
+    with Subscriber(address, Subscription(policy="sample", sample_every=3, name="s")) as sub:
+        sub.wait_welcome(10)
+        verdicts = [_offer(publisher, i) for i in range(9)]
+        _settled(publisher, 9)
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            out = sub.recv(timeout=0.2)
+            if isinstance(out, Batch):
+                got.append(out.step)
+        st = publisher.stats()["subscribers"]["s"]
+    assert [v is Admission.SEND for v in verdicts] == [i % 3 == 0 for i in range(9)]
+    assert got == [0, 3, 6] and st["sampled_out"] == 6 and st["dropped"] == {}
+    assert sub.stats.missed == 0  # not sampled is not a gap
+
+
+def test_request_ends_survive_a_source_drop(publisher, address):
+    """A step dropped at the source (here: as if the shared queue were full) still
+    tells subscribers which requests ended, in a message with no rows."""
+    with Subscriber(address, Subscription(policy="drop_newest", window=4, name="d")) as sub:
+        sub.wait_welcome(10)
+        end = RequestEnd("req-7", 0, "stop")
+        _offer(publisher, 0)
+        publisher.drop(_header(1, ended=[end]))
+        _offer(publisher, 2)
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            out = sub.recv(timeout=0.2)
+            if isinstance(out, Batch):
+                got.append(out)
+        st = publisher.stats()["subscribers"]["d"]
+    assert [(b.step, b.tensor.shape[0], b.header.ended) for b in got] == [
+        (0, ROWS, []),
+        (1, 0, [end]),
+        (2, ROWS, []),
+    ]
+    assert [b.seq for b in got] == [0, 2, 3] and sub.stats.missed == 1  # the dropped rows
+    assert st["dropped"] == {"source": 1} and st["sent"] == 3
+    _invariant(st)
