@@ -59,6 +59,9 @@ class RowIndex:
     """Per request: the child index of an ``n > 1`` request, else 0 (empty: all 0)."""
     tags: list[dict[str, Any]] = field(default_factory=list)
     """Per request: the free-form tags of its selection (empty: no tags)."""
+    returned: list[bool] = field(default_factory=list)
+    """Per request: whether its caller asked for its activations back (``return``);
+    the front end's own subscriber keeps only those (empty: none did)."""
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     """``to_wire``'s result, kept: one step's messages share one index."""
 
@@ -72,6 +75,9 @@ class RowIndex:
 
     def request_sample_index(self, i: int) -> int:
         return self.sample_index[i] if self.sample_index else 0
+
+    def request_returned(self, i: int) -> bool:
+        return bool(self.returned[i]) if self.returned else False
 
     def select(self, keep: list[int]) -> tuple[RowIndex, np.ndarray]:
         """The index of requests ``keep`` only, and the row numbers it keeps (for
@@ -90,6 +96,7 @@ class RowIndex:
             token_ids=self.token_ids[rows],
             sample_index=[self.sample_index[i] for i in keep] if self.sample_index else [],
             tags=[self.tags[i] for i in keep] if self.tags else [],
+            returned=[self.returned[i] for i in keep] if self.returned else [],
         )
         return sub, rows
 
@@ -112,6 +119,7 @@ class RowIndex:
                 "request_ids": self.request_ids,
                 "sample_index": self.sample_index,
                 "tags": self.tags,
+                "returned": self.returned,
                 "offsets": _pack_ints(self.offsets),
                 "positions": _pack_ints(self.positions),
                 "token_ids": _pack_ints(self.token_ids),
@@ -128,13 +136,14 @@ class RowIndex:
                 token_ids=_unpack_ints(d["token_ids"]),
                 sample_index=[int(i) for i in d.get("sample_index") or []],
                 tags=[dict(t) for t in d.get("tags") or []],
+                returned=[bool(r) for r in d.get("returned") or []],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"bad row index in header: {e}") from e
         n = rows.num_rows
         if len(rows.offsets) != len(rows.request_ids) + 1:
             raise WireError("row index: offsets must have one more entry than request_ids")
-        for name in ("sample_index", "tags"):
+        for name in ("sample_index", "tags", "returned"):
             if getattr(rows, name) and len(getattr(rows, name)) != len(rows.request_ids):
                 raise WireError(f"row index: {name} must have one entry per request")
         if len(rows.positions) != n or len(rows.token_ids) != n:

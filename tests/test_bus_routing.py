@@ -92,6 +92,31 @@ def test_tag_filters_cut_rows_and_keep_them_whole(publisher, address):
     assert all(st[k]["dropped"] == {} for k in st)
 
 
+def test_returned_only_keeps_the_requests_that_asked(publisher, address):
+    """The front end's subscriber for ``"return": true`` gets those requests' rows and
+    every request end; a plain subscriber beside it still gets everything."""
+    ends = [RequestEnd("a", 0, "length")]
+    with (
+        Subscriber(address, Subscription(returned_only=True, name="ret")) as ret,
+        Subscriber(address, Subscription(name="all")) as every,
+    ):
+        ret.wait_welcome(10)
+        every.wait_welcome(10)
+        hdr, t = _tagged(0)
+        hdr.rows.returned = [False, True, False]
+        publisher.publish(hdr, t)
+        publisher.publish(*_tagged(1))  # nobody asked: nothing for it
+        publisher.publish(*_tagged(2, ended=ends))  # nobody asked, but an end: sent
+        got, full = _recv(ret, 2), _recv(every, 3)
+    assert [b.step for b in got] == [0, 2] and [b.step for b in full] == [0, 1, 2]
+    rows = got[0].header.rows
+    assert rows.request_ids == ["b"] and list(rows.positions) == [2, 3, 4]
+    assert rows.returned == [True] and got[0].tensor[:, 0].tolist() == [2.0, 3.0, 4.0]
+    assert got[1].tensor.shape == (0, HIDDEN) and got[1].header.ended == ends
+    assert full[0].header.rows.returned == [False, True, False]
+    assert ret.stats.missed == 0
+
+
 def test_a_filtered_message_with_only_request_ends_still_goes(publisher, address):
     ends = [RequestEnd("b", 0, "stop")]
     with Subscriber(address, Subscription(tags={"split": "nope"}, name="f")) as sub:

@@ -88,6 +88,9 @@ class Subscription:
     """Keep only requests whose tags match every key: ``{"split": "train"}``; a list
     value accepts any of its values: ``{"lang": ["en", "fr"]}``. Other rows are cut
     out at the publisher (a filtered message is a copy; unfiltered ones are not)."""
+    returned_only: bool = False
+    """Keep only the rows of requests whose caller asked for them back
+    (``extra_args["actbus"]["return"]``): the front end's own subscriber."""
     group: str = ""
     """Load-balancing group: each message for the group goes to exactly one live
     member (the least loaded one with credit). Empty: this subscriber gets everything."""
@@ -107,6 +110,7 @@ class Subscription:
             "layers": list(self.layers) if self.layers is not None else None,
             "hooks": list(self.hooks) if self.hooks is not None else None,
             "tags": dict(self.tags) if self.tags else None,
+            "returned_only": self.returned_only,
             "group": self.group,
             "spill_mb": self.spill_mb,
             "spill_fallback": self.spill_fallback,
@@ -142,6 +146,9 @@ class Subscription:
         tags = d.get("tags")
         if tags is not None:
             _check_tags(tags)
+        returned_only = d.get("returned_only", False)
+        if not isinstance(returned_only, bool):
+            raise WireError(f"returned_only must be true or false, got {returned_only!r:.50}")
         group = d.get("group", "")
         if not isinstance(group, str) or len(group) > MAX_NAME:
             raise WireError(f"group must be a string of at most {MAX_NAME} characters")
@@ -168,6 +175,7 @@ class Subscription:
             layers=tuple(layers) if layers is not None else None,
             hooks=tuple(hooks) if hooks is not None else None,
             tags=dict(tags) if tags else None,
+            returned_only=returned_only,
             group=group,
             spill_mb=float(spill_mb),
             spill_fallback=fallback,
@@ -179,8 +187,16 @@ class Subscription:
             self.hooks is None or hook in self.hooks
         )
 
-    def wants_request(self, tags: dict[str, Any]) -> bool:
-        """True when a request's tags match every key of the tag filter."""
+    @property
+    def filters_requests(self) -> bool:
+        """Whether some requests' rows are cut out of messages for it."""
+        return bool(self.tags) or self.returned_only
+
+    def wants_request(self, tags: dict[str, Any], returned: bool = False) -> bool:
+        """True when a request passes the filters: its tags match every key of the
+        tag filter, and it asked for its rows back if ``returned_only``."""
+        if self.returned_only and not returned:
+            return False
         if not self.tags:
             return True
         for key, want in self.tags.items():

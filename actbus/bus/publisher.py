@@ -704,15 +704,19 @@ class Publisher:
     def _variant(self, item: _Item, sub: Subscription) -> _Item | None:
         """``item`` cut down to the requests ``sub``'s tag filter keeps (None: nothing
         for it). Made once per distinct filter and message."""
-        if not sub.tags:
+        if not sub.filters_requests:
             return item
-        key = repr(sorted(sub.tags.items()))
+        key = repr((sorted((sub.tags or {}).items()), sub.returned_only))
         if item.variants is None:
             item.variants = {}
         if key in item.variants:
             return item.variants[key]
         rows = item.header.rows
-        keep = [i for i in range(len(rows.request_ids)) if sub.wants_request(rows.request_tags(i))]
+        keep = [
+            i
+            for i in range(len(rows.request_ids))
+            if sub.wants_request(rows.request_tags(i), rows.request_returned(i))
+        ]
         variant: _Item | None
         if len(keep) == len(rows.request_ids):
             variant = item

@@ -8,6 +8,11 @@ selection into the engine's private copy of the params, with what the worker
 cannot know by itself: the caller's request id and ``n``. Requests whose
 selection needs prompt positions skip *reading* the prefix cache, so those
 positions are computed, not silently missing; other requests keep the cache.
+
+Requests with ``"return": true`` are registered with the front end's
+``ReturnCollector``; ``RequestState._new_completion_output`` (where every output
+of the V1 output processor is made, offline and streaming alike) is wrapped to
+attach their rows as ``CompletionOutput.activations``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,14 @@ def patch() -> bool:
         return True
     InputProcessor.process_inputs = _wrap_process_inputs(InputProcessor.process_inputs)
     InputProcessor._actbus_patched = True
+    try:
+        from vllm.v1.engine.output_processor import RequestState
+    except ImportError:
+        return True  # selections still work; "return" is refused per request below
+    RequestState._new_completion_output = _wrap_completion_output(
+        RequestState._new_completion_output
+    )
+    RequestState._actbus_returns = True
     return True
 
 
@@ -45,6 +58,7 @@ class _Frontend:
         if not self.active:
             return
         cfg, layers = checked
+        self.cfg = cfg
         self.requests = cfg.requests
         self.num_layers = _num_layers(vllm_config.model_config)
         self.base = Selection(layers, cfg.hooks, cfg.positions, cfg.tags)
@@ -92,6 +106,11 @@ def _wrap_process_inputs(orig):
         wire = sel.to_wire()
         wire["caller_id"] = str(getattr(request, "external_req_id", None) or request_id)
         wire["n"] = int(getattr(sp, "n", 1) or 1)
+        if sel.returns:
+            try:
+                _returns(fe).expect(wire["caller_id"], wire["n"], sel, _prompt_len(request))
+            except ConfigError as e:
+                raise _client_error(e) from None
         # The engine owns this copy; the caller's params are never mutated.
         sp.extra_args = {**(sp.extra_args or {}), KEY: wire}
         if sel.bypasses_prefix_cache(_prompt_len(request)):
@@ -99,6 +118,42 @@ def _wrap_process_inputs(orig):
         return request
 
     return process_inputs
+
+
+def _returns(fe: _Frontend):
+    """The collector of returned rows; refuses what it cannot deliver."""
+    from vllm.v1.engine.output_processor import RequestState
+
+    from actbus.capture.returns import ReturnCollector
+
+    if not getattr(RequestState, "_actbus_returns", False):
+        raise ConfigError(
+            "extra_args.actbus.return: this vLLM's output processor is not supported for "
+            "returning activations; subscribe to the bus instead"
+        )
+    return ReturnCollector.for_config(fe.cfg)
+
+
+def _wrap_completion_output(orig):
+    @functools.wraps(orig)
+    def _new_completion_output(self, token_ids, finish_reason, stop_reason, *a, **kw):
+        out = orig(self, token_ids, finish_reason, stop_reason, *a, **kw)
+        from actbus.capture.returns import collector_for
+
+        collector = collector_for(self.external_req_id)
+        if collector is not None:
+            from vllm.sampling_params import RequestOutputKind
+
+            out.activations = collector.take(
+                self.external_req_id,
+                self.request_index,
+                self.detokenizer.num_output_tokens(),
+                final=finish_reason is not None,
+                delta=self.output_kind == RequestOutputKind.DELTA,
+            )
+        return out
+
+    return _new_completion_output
 
 
 @functools.cache

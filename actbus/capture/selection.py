@@ -29,6 +29,8 @@ class Selection:
     positions: str | tuple[int, ...] = "all"
     """A mode of ``POSITION_MODES`` or explicit 0-based token positions."""
     tags: dict[str, Any] = field(default_factory=dict)
+    returns: bool = False
+    """Attach the rows to the request's own outputs too (``"return": true``)."""
 
     @property
     def keys(self) -> tuple[tuple[int, str], ...]:
@@ -71,6 +73,7 @@ class Selection:
             if isinstance(self.positions, str)
             else list(self.positions),
             "tags": self.tags,
+            "return": self.returns,
         }
 
     @classmethod
@@ -82,6 +85,7 @@ class Selection:
             hooks=tuple(d["hooks"]),
             positions=pos if isinstance(pos, str) else tuple(pos),
             tags=dict(d.get("tags") or {}),
+            returns=bool(d.get("return", False)),
         )
 
 
@@ -107,13 +111,8 @@ def parse_selection(
             f"{where}: expected a mapping such as {{'layers': [3], 'positions': 'last_prompt'}} "
             f"or true, got {type(raw).__name__}"
         )
-    known = ("layers", "hooks", "positions", "tags")
+    known = ("layers", "hooks", "positions", "tags", "return")
     for key in raw:
-        if key == "return":
-            raise ConfigError(
-                f"{where}.return: returning activations to the caller is not available in "
-                "this version; subscribe to the bus instead (actbus run fs-sink ...)"
-            )
         if key not in known:
             raise ConfigError(f"{where}.{key}: unknown key; valid keys are {', '.join(known)}")
     layers = base.layers
@@ -128,7 +127,13 @@ def parse_selection(
     tags = dict(base.tags)
     if "tags" in raw:
         tags.update(parse_tags(raw["tags"], f"{where}.tags"))
-    return Selection(layers=layers, hooks=hooks, positions=positions, tags=tags)
+    returns = raw.get("return", base.returns)
+    if not isinstance(returns, bool):
+        raise ConfigError(
+            f"{where}.return: expected true or false, got {returns!r:.50} (true attaches the "
+            "request's activations to its outputs)"
+        )
+    return Selection(layers, hooks, positions, tags, returns)
 
 
 def parse_positions(raw: Any, where: str) -> str | tuple[int, ...]:

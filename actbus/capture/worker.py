@@ -357,4 +357,7 @@ def _row_index(p: _Part, toks: torch.Tensor) -> RowIndex:
         token_ids=toks.numpy(),
         sample_index=[st.sample_index for st, _ in p.entries],
         tags=[st.sel.tags for st, _ in p.entries],
+        returned=[st.sel.returns for st, _ in p.entries]
+        if any(st.sel.returns for st, _ in p.entries)
+        else [],
     )

@@ -1,0 +1,276 @@
+"""Activations handed back to the caller (``extra_args["actbus"]["return"] = true``).
+
+Rows are captured in the worker process and published like any others. The front
+end (the process that took the request: ``LLM``, ``AsyncLLM``, the OpenAI server)
+runs one lossless subscriber of its own, filtered at the publisher to the requests
+that asked (``Subscription.returned_only``), and attaches what has arrived to each
+output of such a request as ``CompletionOutput.activations``. So the data takes
+the same path, with the same exactness, as what any other subscriber gets.
+
+Every output covers positions ``0 .. prompt_len + n_generated - 2``, the tokens
+the model has been fed so far. A streamed (partial) output carries the rows that
+have arrived, a prefix of those; the final output waits, bounded by
+``RETURN_TIMEOUT_S``, until every row its tokens imply is there (for
+``positions="last"``, until the request's end event), and says in ``complete``
+whether it got them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from actbus.bus.protocol import Subscription
+from actbus.bus.subscriber import Batch, Subscriber
+from actbus.capture.selection import Selection
+from actbus.config import ConfigError
+from actbus.wire import DTYPES
+
+log = logging.getLogger("actbus.returns")
+RETURN_TIMEOUT_S = 30.0
+# An ended request nobody collected (aborted offline, client gone) is forgotten after this.
+FORGET_AFTER_S = 120.0
+
+
+@dataclass
+class Activations:
+    """One request's (one sample's) captured rows, in position order."""
+
+    positions: torch.Tensor
+    """int64 ``[n]``: token positions in the sequence (prompt first)."""
+    token_ids: torch.Tensor
+    """int64 ``[n]``: the token fed at each position."""
+    tensors: dict[tuple[int, str], torch.Tensor]
+    """``(layer, hook)`` -> ``[n, hidden]``, rows aligned with ``positions``."""
+    complete: bool
+    """Every row the selection implies for these tokens is here (final outputs)."""
+
+    def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
+        return self.tensors[key]
+
+
+@dataclass
+class _Pending:
+    sel: Selection
+    prompt_len: int
+    chunks: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = field(
+        default_factory=dict
+    )  # per tap: (positions, token ids, rows) as they arrive
+    ended: str | None = None
+    ended_at: float = 0.0
+    ended_taps: set[tuple[int, str]] = field(default_factory=set)
+    """Taps whose stream carried the request's end: all of its rows there have come."""
+    delivered: int = 0  # rows already handed out in DELTA outputs
+
+
+class ReturnCollector:
+    """The front end's subscriber for returned activations, shared by its requests."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._cond = threading.Condition()
+        self._sub = Subscriber(
+            address,
+            Subscription(policy="block", returned_only=True, name="actbus-return"),
+            keepalive=False,
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="actbus-return", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> ReturnCollector:
+        """One per publish address in this process."""
+        addr = cfg.publish
+        if cfg.server_secret_key:
+            raise ConfigError(
+                "extra_args.actbus.return: the publisher uses CURVE keys, which the front end "
+                "does not hold; return activations with an ipc:// or loopback publish address, "
+                "or subscribe to the bus instead"
+            )
+        host, _, port = addr.removeprefix("tcp://").rpartition(":")
+        if addr.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]"):
+            addr = f"tcp://127.0.0.1:{port}"  # a wildcard bind: reach it on loopback
+        with _LOCK:
+            if addr not in _COLLECTORS:
+                _COLLECTORS[addr] = cls(addr)
+            return _COLLECTORS[addr]
+
+    # ------------------------------------------------------------- front end side
+    def expect(self, caller_id: str, n: int, sel: Selection, prompt_len: int) -> None:
+        with self._cond:
+            for i in range(n):
+                self._pending[(caller_id, i)] = _Pending(sel, prompt_len)
+            _OWNER.update({caller_id: self})
+
+    def take(
+        self, caller_id: str, index: int, num_generated: int, *, final: bool, delta: bool
+    ) -> Activations | None:
+        """The rows for an output with ``num_generated`` tokens so far."""
+        key = (caller_id, index)
+        limit = None
+        with self._cond:
+            p = self._pending.get(key)
+            if p is None:
+                return None
+            limit = p.prompt_len + num_generated - 1  # positions fed so far
+            if final:
+                want = _expected_rows(p.sel, p.prompt_len, limit)
+                deadline = time.monotonic() + RETURN_TIMEOUT_S
+                while not self._arrived(p, limit, want):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(min(left, 0.5))
+                self._pending.pop(key, None)
+                if not any(k[0] == caller_id for k in self._pending):
+                    _OWNER.pop(caller_id, None)
+            acts = _assemble(p, limit, self._empty_rows())
+            if final:
+                acts.complete = self._arrived(p, limit, want)
+                if not acts.complete:
+                    log.warning(
+                        "actbus: request %s sample %d: %d of %s rows arrived within %.0f s",
+                        caller_id, index, len(acts.positions), want, RETURN_TIMEOUT_S,
+                    )  # fmt: skip
+            if delta:
+                start, p.delivered = p.delivered, len(acts.positions)
+                acts = Activations(
+                    acts.positions[start:],
+                    acts.token_ids[start:],
+                    {k: t[start:] for k, t in acts.tensors.items()},
+                    acts.complete,
+                )
+            return acts
+
+    def _empty_rows(self) -> torch.Tensor:
+        info = self._sub.welcome or {}
+        dtype = DTYPES.get(info.get("dtype", "float32"), torch.float32)
+        return torch.empty((0, int(info.get("hidden_size", 0))), dtype=dtype)
+
+    @staticmethod
+    def _arrived(p: _Pending, limit: int, want: int | None) -> bool:
+        """Every tap has its rows: as many as expected, or the request's end came on
+        that tap's stream (messages of one tap arrive in order; ``last`` rows come
+        with the end)."""
+        return all(
+            k in p.ended_taps
+            or (
+                want is not None
+                and sum(int((pos < limit).sum()) for pos, _, _ in p.chunks.get(k, ())) >= want
+            )
+            for k in p.sel.keys
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sub.close()
+
+    # ------------------------------------------------------------- receiving side
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = self._sub.recv(timeout=0.5)
+            except Exception:  # keep collecting; a request that misses rows says so
+                log.exception("actbus: return subscriber failed; retrying")
+                time.sleep(0.5)
+                continue
+            if isinstance(out, Batch):
+                self._add(out)
+            self._forget_stale()
+
+    def _add(self, b: Batch) -> None:
+        rows, key = b.header.rows, (b.layer, b.hook)
+        with self._cond:
+            for i, rid in enumerate(rows.request_ids):
+                p = self._pending.get((rid, rows.request_sample_index(i)))
+                if p is None:
+                    continue  # another front end's request, or one already collected
+                lo, hi = int(rows.offsets[i]), int(rows.offsets[i + 1])
+                p.chunks.setdefault(key, []).append(
+                    (rows.positions[lo:hi], rows.token_ids[lo:hi], b.tensor[lo:hi])
+                )
+            now = time.monotonic()
+            for end in b.header.ended:
+                p = self._pending.get((end.request_id, end.sample_index))
+                if p is not None:
+                    p.ended_taps.add(key)
+                    if p.ended is None:
+                        p.ended, p.ended_at = end.reason, now
+            self._cond.notify_all()
+
+    def _forget_stale(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            for key in [
+                k
+                for k, p in self._pending.items()
+                if p.ended is not None and now - p.ended_at > FORGET_AFTER_S
+            ]:
+                del self._pending[key]
+
+
+def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
+    """Rows per tap that positions ``0 .. limit-1`` give under ``sel`` (None: ``last``)."""
+    p = sel.positions
+    if p == "last":
+        return None
+    if p == "all":
+        return limit
+    if p == "prompt":
+        return min(prompt_len, limit)
+    if p == "generated":
+        return max(0, limit - prompt_len)
+    if p == "last_prompt":
+        return int(prompt_len - 1 < limit)
+    return sum(1 for x in p if x < limit)
+
+
+def _assemble(p: _Pending, limit: int, empty: torch.Tensor) -> Activations:
+    """Rows below ``limit`` present for every tap, sorted by position."""
+    per_tap = {}
+    n = None
+    for key in p.sel.keys:
+        chunks = p.chunks.get(key, [])
+        if chunks:
+            pos = np.concatenate([c[0] for c in chunks])
+            tok = np.concatenate([c[1] for c in chunks])
+            acts = torch.cat([c[2] for c in chunks])
+        else:
+            pos = tok = np.zeros(0, dtype=np.int64)
+            acts = None
+        order = np.argsort(pos, kind="stable")
+        order = order[pos[order] < limit]
+        per_tap[key] = (pos[order], tok[order], acts, order)
+        n = len(order) if n is None else min(n, len(order))
+    n = n or 0
+    tensors = {}
+    positions = token_ids = np.zeros(0, dtype=np.int64)
+    for key, (pos, tok, acts, order) in per_tap.items():
+        idx = torch.from_numpy(order[:n])
+        tensors[key] = acts[idx] if acts is not None else empty
+        positions, token_ids = pos[:n], tok[:n]
+    return Activations(
+        torch.from_numpy(np.ascontiguousarray(positions)),
+        torch.from_numpy(np.ascontiguousarray(token_ids)),
+        tensors,
+        complete=False,
+    )
+
+
+_LOCK = threading.Lock()
+_COLLECTORS: dict[str, ReturnCollector] = {}
+_OWNER: dict[str, ReturnCollector] = {}
+"""Caller id -> the collector holding its rows, for the output processor's wrapper."""
+
+
+def collector_for(caller_id: str) -> ReturnCollector | None:
+    return _OWNER.get(caller_id)
