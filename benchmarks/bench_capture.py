@@ -69,6 +69,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         sub = subprocess.Popen(
             consumer_command("null", address, "--policy", policy, "--log-level", "WARNING"),
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
         )
@@ -116,8 +117,10 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     if sub is not None:
         time.sleep(2.0)
         sub.terminate()
-        out, _ = sub.communicate(timeout=30)
+        out, err = sub.communicate(timeout=30)
         stats = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+        if not stats.get("messages"):  # a run without its subscriber measures nothing
+            raise SystemExit(f"{name}: the subscriber received nothing:\n{err[-3000:]}")
         result["subscriber"] = stats
     return result
 

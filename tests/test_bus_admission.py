@@ -42,7 +42,7 @@ def _header(step: int, layer: int = 0, ended: list[RequestEnd] | None = None) ->
 
 def _offer(pub: Publisher, step: int, layer: int = 0, ended=None) -> Admission:
     """What the capture worker does for one tap of one step."""
-    verdict = pub.admit(layer, "post_block", step, NBYTES)
+    (verdict,) = pub.admit(step, [(layer, "post_block", NBYTES)])
     if verdict is Admission.SEND:
         pub.publish(_header(step, layer, ended), torch.full((ROWS, HIDDEN), float(step)))
     elif verdict is Admission.DROP:
@@ -149,6 +149,8 @@ def test_request_ends_survive_a_source_drop(publisher, address):
             out = sub.recv(timeout=0.2)
             if isinstance(out, Batch):
                 got.append(out)
+        # A message can arrive before the publisher thread has counted it as sent.
+        wait_for(lambda: publisher.stats()["subscribers"]["d"]["sent"] == 3, 10, "sent counted")
         st = publisher.stats()["subscribers"]["d"]
     assert [(b.step, b.tensor.shape[0], b.header.ended) for b in got] == [
         (0, ROWS, []),
@@ -157,4 +159,26 @@ def test_request_ends_survive_a_source_drop(publisher, address):
     ]
     assert [b.seq for b in got] == [0, 2, 3] and sub.stats.missed == 1  # the dropped rows
     assert st["dropped"] == {"source": 1} and st["sent"] == 3
+    _invariant(st)
+
+
+def test_a_step_of_many_taps_copies_only_what_fits(publisher, address):
+    """32 taps in one step, a lossy subscriber with room for a few: the rest are
+    dropped at the source, none after a copy, and every one is a counted gap."""
+    with Subscriber(address, Subscription(policy="drop_newest", window=2, name="d")) as sub:
+        sub.wait_welcome(10)
+        taps = [(layer, "post_block", NBYTES) for layer in range(32)]
+        verdicts = publisher.admit(0, taps)
+        for (layer, _, _), v in zip(taps, verdicts, strict=True):
+            if v is Admission.SEND:
+                publisher.publish(_header(0, layer), torch.full((ROWS, HIDDEN), float(layer)))
+            else:
+                publisher.drop(_header(0, layer))
+        wait_for(lambda: publisher.stats()["subscribers"]["d"]["routed"] == 32, 10, "routed")
+        # The next step sees what is still queued for it: nothing more fits.
+        assert set(publisher.admit(1, taps)) == {Admission.DROP}
+        st = publisher.stats()["subscribers"]["d"]
+    sent = [v is Admission.SEND for v in verdicts]
+    assert sent == [True] * 10 + [False] * 22, verdicts  # 2 in flight + 8 pending
+    assert st["dropped"] == {"source": 22}, st
     _invariant(st)

@@ -119,6 +119,7 @@ class _Item:
     root: _Item | None = None  # a filtered copy: the message it was cut from
     sent_once: bool = False
     variants: dict[str, _Item | None] | None = None  # per tag filter, made once
+    counted: tuple[_Sub, ...] = ()  # subscribers whose queued_in counts it
 
     def materialize(self) -> None:
         """Wait for the device copy, then encode: done on the publisher thread."""
@@ -148,6 +149,9 @@ class _Sub:
     inflight_bytes: int = 0
     spill: SpillLog | None = None
     c: SubCounters = field(default_factory=SubCounters)
+    # Messages published for it and not yet routed (each side written by one thread).
+    queued_in: int = 0  # by publishers, under the queue lock
+    queued_out: int = 0  # by the publisher thread
 
     def may_send(self, nbytes: int) -> bool:
         """Within both credits; an oversized message goes alone when nothing is in flight."""
@@ -198,16 +202,27 @@ class _Sub:
             return self.overflowing(item.nbytes) and held + item.wire_bytes > self.spill_cap
         return False
 
-    def would_drop(self, step: int, nbytes: int) -> bool:
-        """Whether a message of ``step`` would go nowhere for this subscriber now.
+    def room(self, step: int, nbytes: int) -> int:
+        """How many more messages of ``step`` this subscriber would take now without
+        dropping one: free pending slots and credit, less what is queued for it
+        ahead (published, not yet routed). Effectively unbounded for policies that
+        never drop the newest message.
 
         Read from the engine thread without a lock: a stale answer only moves a
         drop from here to the publisher thread or back; both are counted.
         """
         p = self.sub
         if p.policy == "sample" and step % p.sample_every:
-            return True
-        return p.policy in ("drop_newest", "sample") and self.overflowing(nbytes)
+            return 0
+        if p.policy not in ("drop_newest", "sample"):
+            return 1 << 30
+        if self.spilled_now:
+            return 0
+        credit = max(0, p.window - len(self.inflight))
+        if nbytes:
+            credit = min(credit, max(0, p.window_bytes - self.inflight_bytes) // nbytes)
+        ahead = self.queued_in - self.queued_out
+        return max(0, PENDING_LIMIT - len(self.pending)) + credit - ahead
 
     def policy_text(self) -> str:
         p = self.sub
@@ -286,34 +301,52 @@ class Publisher:
         self._thread.start()
 
     # ---------------------------------------------------------------- engine side
-    def admit(self, layer: int, hook: str, step: int, nbytes: int) -> Admission:
-        """Whether the rows of tap ``(layer, hook)`` are worth copying this step.
+    def admit(self, step: int, taps: list[tuple[int, str, int]]) -> list[Admission]:
+        """Which taps of a step are worth copying: ``taps`` are ``(layer, hook,
+        nbytes)``, in the order the engine will publish them.
 
         Called by the engine before it gathers and copies anything, so that data
-        nobody would receive costs nothing: ``NONE`` when no subscriber wants the
-        tap, ``DROP`` when every one that does is lossy and would drop it now (its
-        queue is full, the step is not one it samples, or the shared queue's byte
-        budget is spent), else ``SEND``. Never waits.
+        nobody would receive costs nothing: ``NONE`` for a tap no subscriber wants,
+        ``DROP`` when every subscriber that wants it is lossy and would drop it
+        (no room left in its queue and credit once the messages ahead of it are
+        routed, a step it does not sample, or the shared queue's byte budget
+        spent), else ``SEND``. Room is spent tap by tap, so a step of many taps
+        copies only as many as fit. Never waits.
         """
         if self._closing:
-            return Admission.NONE
-        wanted = [s for s in self._sub_list if s.sub.wants(layer, hook)]
-        if not wanted:
-            self._engine_counts["not_wanted"] += 1
-            return Admission.NONE
-        if any(s.lossless for s in wanted):
-            return Admission.SEND
-        if not (self._queue and self._queued_bytes + nbytes > self._queue_budget):
-            groups: dict[str, list[_Sub]] = {}
+            return [Admission.NONE] * len(taps)
+        subs = self._sub_list
+        room: dict[str, int] = {}  # per lossy subscriber or group: messages that still fit
+        budget = self._queue_budget - self._queued_bytes if self._queue else None
+        out = []
+        for layer, hook, nbytes in taps:
+            wanted = [s for s in subs if s.sub.wants(layer, hook)]
+            if not wanted:
+                self._engine_counts["not_wanted"] += 1
+                out.append(Admission.NONE)
+                continue
+            lossless = any(s.lossless for s in wanted)
+            if not lossless and budget is not None and nbytes > budget:
+                out.append(Admission.DROP)
+                continue
+            units: dict[str, list[_Sub]] = {}
             for s in wanted:
-                if s.sub.group:
-                    groups.setdefault(s.sub.group, []).append(s)
-                elif not s.would_drop(step, nbytes):
-                    return Admission.SEND
-            for members in groups.values():
-                if not all(m.would_drop(step, nbytes) for m in members):
-                    return Admission.SEND
-        return Admission.DROP
+                units.setdefault(f"g:{s.sub.group}" if s.sub.group else s.ident.hex(), []).append(s)
+            takers = []
+            for key, members in units.items():
+                if key not in room:
+                    room[key] = sum(m.room(step, nbytes) for m in members)
+                if room[key] > 0:
+                    takers.append(key)
+            if not (lossless or takers):
+                out.append(Admission.DROP)
+                continue
+            for key in takers:
+                room[key] -= 1
+            if budget is not None:
+                budget -= nbytes
+            out.append(Admission.SEND)
+        return out
 
     def drop(self, header: Header) -> None:
         """Record a message that ``admit`` said to drop: each lossy subscriber of its
@@ -358,6 +391,10 @@ class Publisher:
                 self._counters["dropped_after_close"] += 1
                 return
             was_empty = not self._queue
+            h = header
+            item.counted = tuple(s for s in self._sub_list if s.sub.wants(h.layer, h.hook))
+            for s in item.counted:
+                s.queued_in += 1
             self._queue.append(item)
             self._queued_bytes += item.nbytes
             if was_empty:
@@ -639,6 +676,8 @@ class Publisher:
             member = self._pick(members, item)
             assert member is not None  # _can_take checked it
             self._route(member, item)
+        for s in item.counted:
+            s.queued_out += 1
         self.last_step = max(self.last_step, h.step)
         if dropped:
             self._counters["source_drops"] += 1

@@ -37,6 +37,8 @@ log = logging.getLogger("actbus.capture")
 _CHILD = re.compile(r"^(\d+)_")
 # Tests set this to check host-derived positions against the device's every step.
 _CHECK = os.environ.get("ACTBUS_CHECK_POSITIONS", "") not in ("", "0")
+# Largest device tensor staged for one host copy (several taps share one when small).
+STAGE_BYTES = 256 << 20
 
 
 @dataclass
@@ -252,27 +254,35 @@ class CaptureWorker:
         none = _Part()
         groups: dict[int, tuple[_Part, list[tuple[int, str]]]] = {}  # taps sharing rows
         num_rows: dict[int, int] = {}
-        for key in self.taps.keys:
-            if key not in parts and not ended:
-                continue
+        keys = [k for k in self.taps.keys if k in parts or ended]
+        for key in keys:
             p = parts.get(key, none)
             if id(p) not in num_rows:
                 num_rows[id(p)] = p.num_rows
-            shape = (num_rows[id(p)], hidden)
-            verdict = pub.admit(key[0], key[1], self.step, shape[0] * row_bytes)
+        offers = [(k[0], k[1], num_rows[id(parts.get(k, none))] * row_bytes) for k in keys]
+        for key, verdict in zip(keys, pub.admit(self.step, offers), strict=True):
+            p = parts.get(key, none)
             if verdict is Admission.SEND:
                 groups.setdefault(id(p), (p, []))[1].append(key)
             elif verdict is Admission.DROP:  # no copy: counted as a drop by the bus
+                shape = (num_rows[id(p)], hidden)
                 pub.drop(self._header(key, shape, RowIndex.empty(), ended))
         for p, keys in groups.values():
-            acts, toks = self._collect(keys, p, tok, whole=full and not lasts)
-            ready = None
-            if self._no_tokens.is_cuda:
-                (acts, toks), ready = self._to_host_async([acts, toks])
-            rows = _row_index(p, toks)  # one index for every tap of the group
-            for i, key in enumerate(keys):
-                header = self._header(key, (num_rows[id(p)], hidden), rows, ended, dtype)
-                pub.publish(header, acts[i], ready=ready)
+            # Staged in tensors of at most STAGE_BYTES: one block per step for every
+            # tap would need GiBs of contiguous device memory next to the KV cache.
+            per = max(1, STAGE_BYTES // max(1, num_rows[id(p)] * row_bytes))
+            rows = None
+            for lo in range(0, len(keys), per):
+                chunk = keys[lo : lo + per]
+                acts, toks = self._collect(chunk, p, tok, whole=full and not lasts)
+                ready = None
+                if self._no_tokens.is_cuda:
+                    (acts, toks), ready = self._to_host_async([acts, toks])
+                if rows is None:
+                    rows = _row_index(p, toks)  # one index for every tap of the group
+                for i, key in enumerate(chunk):
+                    header = self._header(key, (num_rows[id(p)], hidden), rows, ended, dtype)
+                    pub.publish(header, acts[i], ready=ready)
 
     def _header(self, key, shape, rows: RowIndex, ended, dtype: str | None = None) -> Header:
         return Header(

@@ -5,9 +5,11 @@ FULL_AND_PIECEWISE), with prefix caching on, prompts sharing prefixes and a KV
 cache small enough to force preemption. Captures every hook point of layers 0
 and 3 for every request, plus per-request selections (positions modes, tags) and
 an n=2 request, through a real ZeroMQ subscriber, and compares every row with HF
-transformers on the same GPU and dtype. Prints one JSON line.
+transformers on the same GPU and dtype. One request also asks for its rows back
+(``"return": true``): they must equal the subscriber's exactly. ``--tp``/``--pp``
+run the same check tensor- or pipeline-parallel. Prints one JSON line.
 
-    python tests/gpu/check_capture.py --dtype bfloat16 --runner v2
+    python tests/gpu/check_capture.py --dtype bfloat16 --runner v2 [--tp 2 | --pp 2]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SELECTIONS = [
     {"positions": "generated", "layers": [3], "hooks": ["post_block"]},
     {"positions": [0, 5, 9], "hooks": ["mlp_out"]},
     {"positions": "last", "layers": [0]},
+    {"layers": [3], "hooks": ["post_block", "pre_attn"], "return": True},
 ]
 
 
@@ -53,6 +56,8 @@ def main() -> int:
     ap.add_argument("--init", type=float, default=0.02, help="initializer_range")
     ap.add_argument("--blocks", type=int, default=48, help="KV blocks of 16: forces preemption")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     args = ap.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
 
@@ -82,6 +87,8 @@ def main() -> int:
         block_size=16 if args.device == "cuda" else 32,
         num_gpu_blocks_override=args.blocks,
         disable_log_stats=False,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
         seed=0,
         additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": HOOKS}},
     )
@@ -128,6 +135,11 @@ def main() -> int:
             layers = sel.get("layers", LAYERS)
             hooks = sel.get("hooks", HOOKS)
             ref = hf_activations(path, fed, LAYERS, HOOKS, dtype=dt, device=args.device)
+            acts_back = getattr(child, "activations", None)
+            if sel.get("return") and (acts_back is None or not acts_back.complete):
+                problems.append(f"{o.request_id}/{child.index}: returned rows missing")
+            elif not sel.get("return") and acts_back is not None:
+                problems.append(f"{o.request_id}/{child.index}: rows returned unasked")
             if col.tags.get((o.request_id, child.index)) != sel.get("tags", {}):
                 problems.append(f"{o.request_id}: tags {col.tags.get((o.request_id, 0))}")
             for layer in LAYERS:
@@ -143,6 +155,11 @@ def main() -> int:
                             f"{len(pos)} vs {len(want)}"
                         )
                         continue
+                    if acts_back is not None and not (
+                        acts_back.positions.tolist() == want
+                        and torch.equal(acts_back[(layer, hook)], acts)
+                    ):
+                        problems.append(f"{o.request_id} L{layer} {hook}: returned rows differ")
                     r = ref[(layer, hook)][torch.as_tensor(want, device=args.device)].float()
                     err = max_rel_error(acts.float().to(args.device), r)
                     worst[f"{layer}/{hook}"] = max(worst.get(f"{layer}/{hook}", 0.0), err)
@@ -156,6 +173,8 @@ def main() -> int:
                 "ok": ok,
                 "dtype": args.dtype,
                 "runner_requested": args.runner,
+                "tp": args.tp,
+                "pp": args.pp,
                 "engine": info.get("engine"),
                 "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 "engine_start_s": round(start_s, 1),
