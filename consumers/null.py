@@ -1,7 +1,9 @@
 """The null consumer: receives, counts and discards. For benchmarks and health checks.
 
 ``--fail-at N`` makes it raise on its N-th batch: a fault drill for ``actbus run
---on-error`` (and its tests), never useful otherwise.
+--on-error`` (and its tests), never useful otherwise. ``--work-ms T`` holds each
+batch for T ms, as a consumer with real work (a trainer step) would: a slow
+subscriber for benchmarks and drills.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ class NullConsumer(Consumer):
     name = "null"
     default_policy = "block"
 
-    def __init__(self, fail_at: int = 0) -> None:
+    def __init__(self, fail_at: int = 0, work_ms: float = 0.0) -> None:
         self.fail_at = fail_at
+        self.work_s = work_ms / 1e3
         self.messages = 0
         self.rows = 0
         self.bytes = 0
@@ -40,10 +43,17 @@ class NullConsumer(Consumer):
             metavar="N",
             help="fault drill: raise on the N-th batch of each instance (0: never)",
         )
+        parser.add_argument(
+            "--work-ms",
+            type=float,
+            default=0.0,
+            metavar="T",
+            help="hold each batch T ms, like a consumer with real work (default 0)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NullConsumer:
-        return cls(fail_at=args.fail_at)
+        return cls(fail_at=args.fail_at, work_ms=args.work_ms)
 
     def on_batch(self, batch: Batch) -> None:
         if self.messages + 1 == self.fail_at:
@@ -54,6 +64,8 @@ class NullConsumer(Consumer):
         self.messages += 1
         self.rows += batch.header.rows.num_rows
         self.bytes += batch.header.nbytes
+        if self.work_s:
+            time.sleep(self.work_s)
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
         self.publisher_dropped = dict(info.get("dropped") or {})

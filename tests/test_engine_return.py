@@ -145,10 +145,10 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
 
     engine, model_path = async_engine
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 500) for _ in range(90 + 20 * i)] for i in range(3)]
+    prompts = [[rng.randrange(3, 500) for _ in range(90 + 20 * i)] for i in range(4)]
     sel = {"layers": [3], "hooks": ["post_block"], "return": True}
 
-    async def stream(i: int, kind: RequestOutputKind):
+    async def stream(i: int, kind: RequestOutputKind, pause: float = 0.0):
         params = SamplingParams(
             temperature=0, max_tokens=12, ignore_eos=True, output_kind=kind,
             extra_args={"actbus": sel},
@@ -156,6 +156,7 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
         outs = []
         async for o in engine.generate(TokensPrompt(prompt_token_ids=prompts[i]), params, f"s{i}"):
             outs.append(o)
+            await asyncio.sleep(pause)  # a slow reader: vLLM merges what it has not taken
         return outs
 
     async def main():
@@ -163,13 +164,16 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
             stream(0, RequestOutputKind.DELTA),
             stream(1, RequestOutputKind.CUMULATIVE),
             stream(2, RequestOutputKind.DELTA),
+            stream(3, RequestOutputKind.DELTA, pause=0.4),
         )
 
     t0 = time.monotonic()
     results = asyncio.run(main())
     assert time.monotonic() - t0 < 120
     for i, outs in enumerate(results):
-        assert len(outs) > 3, "expected a streamed output per step"
+        assert len(outs) > (1 if i == 3 else 3), "expected a streamed output per step"
+        if i == 3:
+            assert len(outs) < 12, "the slow reader's outputs were not merged"
         acts = [o.outputs[0].activations for o in outs]
         assert all(a is not None for a in acts)
         assert acts[-1].complete and not any(a.complete for a in acts[:-1])

@@ -40,9 +40,12 @@ def patch() -> bool:
         from vllm.v1.engine.output_processor import RequestState
     except ImportError:
         return True  # selections still work; "return" is refused per request below
+    from vllm.outputs import RequestOutput
+
     RequestState._new_completion_output = _wrap_completion_output(
         RequestState._new_completion_output
     )
+    RequestOutput.add = _wrap_add(RequestOutput.add)
     RequestState._actbus_returns = True
     return True
 
@@ -154,6 +157,29 @@ def _wrap_completion_output(orig):
         return out
 
     return _new_completion_output
+
+
+def _wrap_add(orig):
+    """Outputs a streaming reader has not taken yet are merged (``aggregate`` for
+    DELTA); merge their rows too, or the later pieces' rows would be lost."""
+
+    @functools.wraps(orig)
+    def add(self, next_output, aggregate: bool, *args: Any, **kwargs: Any) -> None:
+        joined = {}
+        if aggregate:
+            from actbus.capture.returns import Activations
+
+            mine = {c.index: getattr(c, "activations", None) for c in self.outputs}
+            for nc in next_output.outputs:
+                new = getattr(nc, "activations", None)
+                if new is not None and nc.index in mine:
+                    joined[nc.index] = Activations.join(mine[nc.index], new)
+        orig(self, next_output, aggregate, *args, **kwargs)
+        for c in self.outputs:
+            if c.index in joined:
+                c.activations = joined[c.index]
+
+    return add
 
 
 @functools.cache

@@ -54,6 +54,19 @@ class Activations:
     def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
         return self.tensors[key]
 
+    @staticmethod
+    def join(first: Activations | None, then: Activations) -> Activations:
+        """Two consecutive DELTA pieces as one (vLLM merges outputs a slow reader
+        has not taken yet)."""
+        if first is None:
+            return then
+        return Activations(
+            torch.cat([first.positions, then.positions]),
+            torch.cat([first.token_ids, then.token_ids]),
+            {k: torch.cat([first.tensors[k], t]) for k, t in then.tensors.items()},
+            then.complete,
+        )
+
 
 @dataclass
 class _Pending:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from actbus.capture.taps import check_architecture, install_taps
+from actbus.capture.taps import check_architecture, install_taps, owned_layers
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig, ConfigError
 
@@ -48,11 +48,14 @@ def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
             "actbus: speculative decoding is not supported with capture (draft tokens that "
             "are rejected would be captured as if generated); remove speculative_config"
         )
-    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
-    if pp > 1:
+    pc = vllm_config.parallel_config
+    backend = str(getattr(pc, "distributed_executor_backend", "") or "")
+    if pc.pipeline_parallel_size > 1 and (getattr(pc, "nnodes", 1) > 1 or backend == "ray"):
         raise ConfigError(
-            f"actbus: pipeline_parallel_size={pp} is not supported yet; capture runs with "
-            "tensor parallelism (rank 0 publishes) or on one device"
+            f"actbus: pipeline_parallel_size={pc.pipeline_parallel_size} across hosts "
+            f"(nnodes={getattr(pc, 'nnodes', 1)}, backend {backend or 'default'}) is not "
+            "supported: stages forward their rows to the first stage over ipc://; run the "
+            "pipeline on one host with the default multiprocessing backend"
         )
     return cfg, cfg.resolve_layers(_num_layers(mc), mc.model)
 
@@ -71,16 +74,17 @@ def attach_capture(
 ) -> CaptureWorker | None:
     """Install taps on a freshly loaded model and start publishing."""
     checked = _checked(vllm_config)
-    if checked is None or _tp_rank() != 0:  # TP ranks hold the same residual stream
+    if checked is None or _rank("tensor") != 0:  # TP ranks hold the same residual stream
         return None
     cfg, layers = checked
     mc = vllm_config.model_config
+    stage = (_rank("pipeline"), int(vllm_config.parallel_config.pipeline_parallel_size))
     # CUDA-graph batches are padded up to a capture size; the taps write padded rows.
     cc = vllm_config.compilation_config
     max_rows = max(max_rows, int(getattr(cc, "max_cudagraph_capture_size", 0) or 0))
     taps = install_taps(
         model,
-        layers=layers,
+        layers=owned_layers(model, _num_layers(mc), layers),  # this pipeline stage's
         hooks=cfg.hooks,
         num_layers=_num_layers(mc),
         hidden_size=mc.get_hidden_size(),
@@ -95,7 +99,7 @@ def attach_capture(
         "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
         "device": str(device),
     }
-    return CaptureWorker(cfg, taps, name, engine=engine)
+    return CaptureWorker(cfg, taps, name, engine=engine, layers=layers, stage=stage)
 
 
 def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]:
@@ -131,10 +135,12 @@ def _served_name(mc: Any) -> str:
     return str(served or mc.model)
 
 
-def _tp_rank() -> int:
+def _rank(kind: str) -> int:
+    """This worker's rank in its tensor- or pipeline-parallel group."""
     try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.distributed import parallel_state
 
-        return get_tensor_model_parallel_rank()
+        group = parallel_state.get_tp_group() if kind == "tensor" else parallel_state.get_pp_group()
+        return int(group.rank_in_group)
     except Exception:  # not initialised (single process)
         return 0

@@ -53,6 +53,7 @@ class TapSet:
     hidden_size: int
     dtype: torch.dtype
     max_rows: int
+    device: torch.device
 
     @property
     def keys(self) -> list[tuple[int, str]]:
@@ -92,7 +93,13 @@ def install_taps(
             layer.register_buffer(f"_actbus_{hook}", buf, persistent=False)
             buffers[(layer_idx, hook)] = buf
         _wrap_layer(layer, tuple(h for h in HOOKS if h in hooks))
-    return TapSet(buffers=buffers, hidden_size=hidden_size, dtype=dtype, max_rows=max_rows)
+    return TapSet(buffers, hidden_size, dtype, max_rows, torch.device(device))
+
+
+def owned_layers(model: nn.Module, num_layers: int, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers of ``layers`` this pipeline stage computes (others are placeholders)."""
+    decoder = find_decoder_layers(model, num_layers)
+    return tuple(i for i in layers if type(decoder[i]).__name__ != "PPMissingLayer")
 
 
 def _wrap_layer(layer: nn.Module, hooks: tuple[str, ...]) -> None:

@@ -29,6 +29,7 @@ from actbus.bus.publisher import Admission, Publisher
 from actbus.capture.requests import caller_request_id
 from actbus.capture.scheduler import StepRequests
 from actbus.capture.selection import Selection
+from actbus.capture.stages import StageCollector, StageForwarder, stage_address
 from actbus.capture.taps import TapSet
 from actbus.config import CaptureConfig
 from actbus.wire import DTYPE_NAMES, Header, RequestEnd, RowIndex
@@ -89,32 +90,38 @@ class CaptureWorker:
         taps: TapSet,
         model_name: str,
         engine: dict[str, str] | None = None,
+        *,
+        layers: tuple[int, ...] | None = None,
+        stage: tuple[int, int] = (0, 1),
     ) -> None:
+        """``layers``: every layer captured, on all pipeline stages (default: the
+        taps'); ``stage``: (pipeline rank, pipeline size). The first stage publishes,
+        the others forward their taps' messages to it."""
         self.cfg = cfg
         self.taps = taps
         self.model_name = model_name
         self.step = 0
         self._side = None  # CUDA side stream for device-to-host copies, made on first use
         self._reqs: dict[str, _Request] = {}
-        device = next(iter(taps.buffers.values())).device
-        self._no_tokens = torch.zeros(0, dtype=torch.int64, device=device)
-        self._full_sig = (
-            tuple(sorted({k[0] for k in taps.keys})),
-            tuple(dict.fromkeys(k[1] for k in taps.keys)),
-            "all",
-        )
-        layers = sorted({k[0] for k in taps.keys})
-        hooks = sorted({k[1] for k in taps.keys})
+        self._no_tokens = torch.zeros(0, dtype=torch.int64, device=taps.device)
+        layers = tuple(sorted(layers if layers is not None else {k[0] for k in taps.keys}))
+        self._full_sig = (layers, tuple(cfg.hooks), "all")
+        self._stages = None
+        if stage[0] > 0:
+            self.publisher = StageForwarder(stage_address(cfg.publish))
+            log.info("actbus: pipeline stage %d forwards layers %s", stage[0], taps.keys)
+            return
         self.publisher = Publisher(
             cfg.publish,
             info={
                 "model": model_name,
                 "hidden_size": taps.hidden_size,
                 "dtype": DTYPE_NAMES[taps.dtype],
-                "layers": layers,
-                "hooks": hooks,
+                "layers": list(layers),
+                "hooks": sorted(cfg.hooks),
                 "requests": cfg.requests,
                 "engine": engine or {},
+                "pipeline_stages": stage[1],
             },
             queue_bytes=cfg.queue_mb << 20,
             heartbeat_s=cfg.heartbeat_s,
@@ -123,9 +130,14 @@ class CaptureWorker:
             authorized_keys=cfg.authorized_keys,
             insecure_allow_any_interface=cfg.insecure_allow_any_interface,
         )
+        if stage[1] > 1:
+            self._stages = StageCollector(self.publisher, stage_address(cfg.publish))
         atexit.register(self.close)
         log.info(
-            "actbus: capturing layers %s hooks %s, publishing on %s", layers, hooks, cfg.publish
+            "actbus: capturing layers %s hooks %s, publishing on %s",
+            layers,
+            list(cfg.hooks),
+            cfg.publish,
         )
 
     # ------------------------------------------------------------------ requests
@@ -170,13 +182,13 @@ class CaptureWorker:
                 f"actbus: step has {n} tokens but tap buffers hold {self.taps.max_rows}"
             )
         parts, full, host_pos = self._plan(view) if n else ({}, False, None)
-        if not parts and not ended and not lasts:
-            return
         if n and _CHECK:
             dev = view.positions[:n].cpu().numpy()
             if not np.array_equal(dev, host_pos):
                 raise RuntimeError("actbus: host-derived positions differ from the device's")
-        self._emit(view, parts, full, host_pos, ended, lasts)
+        if parts or ended or lasts:
+            self._emit(view, parts, full, host_pos, ended, lasts)
+        # Every engine step counts, captured or not, so all pipeline stages agree.
         self.step += 1
 
     def _plan(self, view: StepView) -> tuple[dict, bool, np.ndarray]:
@@ -199,7 +211,8 @@ class CaptureWorker:
             for i, st in enumerate(states):
                 st.next_pos = int(starts[i] + counts[i])
                 entries.append((st, host_pos[offsets[i] : offsets[i + 1]]))
-            whole = _Part(entries=entries, index=[np.arange(int(offsets[-1]))])
+            index = [np.arange(offsets[i], offsets[i + 1]) for i in range(len(states))]
+            whole = _Part(entries=entries, index=index)  # one index array per entry
             return {key: whole for key in self.taps.keys}, True, host_pos
         parts: dict[tuple[int, str], _Part] = {}
         for i, st in enumerate(states):
@@ -233,9 +246,10 @@ class CaptureWorker:
 
     def _hold_last(self, st: _Request, view: StepView, row: int, pos: int) -> None:
         """Keep a device copy of a ``last`` request's newest row until it ends."""
+        bufs = self.taps.buffers
         st.last = {
             "pos": pos,
-            "acts": {key: self.taps.buffers[key][row : row + 1].clone() for key in st.sel.keys},
+            "acts": {k: bufs[k][row : row + 1].clone() for k in st.sel.keys if k in bufs},
             "token": view.token_ids[row : row + 1].clone(),
         }
 
@@ -351,6 +365,8 @@ class CaptureWorker:
         return hosts, ready
 
     def close(self) -> None:
+        if self._stages is not None:
+            self._stages.close()
         self.publisher.close()
 
 

@@ -58,6 +58,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
+    ap.add_argument("--attention-backend", default=None, help="e.g. FLEX_ATTENTION")
     args = ap.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
 
@@ -89,6 +90,7 @@ def main() -> int:
         disable_log_stats=False,
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
+        **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         seed=0,
         additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": HOOKS}},
     )
@@ -119,6 +121,10 @@ def main() -> int:
     col.wait(lambda c: all((o.request_id, x.index) in c.ended for o in outs for x in o.outputs), 60)
     col.close()
 
+    # The oracle computes in full precision whatever the engine set in this process
+    # (TF32 matmuls would put HF itself ~1e-3 off in fp32).
+    precision_found = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
     dt = getattr(torch, args.dtype)
     worst: dict[str, float] = {}
     problems: list[str] = []
@@ -175,6 +181,7 @@ def main() -> int:
                 "runner_requested": args.runner,
                 "tp": args.tp,
                 "pp": args.pp,
+                "attention_backend": args.attention_backend or "default",
                 "engine": info.get("engine"),
                 "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 "engine_start_s": round(start_s, 1),
@@ -184,6 +191,7 @@ def main() -> int:
                 "rows_checked": checked_rows,
                 "max_rel_err": worst,
                 "tolerance": tol,
+                "fp32_matmul_precision_found": precision_found,
                 "problems": problems[:10],
             }
         )

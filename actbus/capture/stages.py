@@ -1,0 +1,113 @@
+"""Pipeline parallelism: every stage captures the layers it owns, one publisher.
+
+Subscribers connect to one address and see one stream, so the first stage (its
+tensor-parallel rank 0) binds the publisher and the other stages hand it their
+messages over a local PUSH/PULL socket. A forwarded message enters the
+publisher's queue as if captured there: same step numbers (every stage runs the
+same scheduler outputs in the same order and counts steps alike), same
+backpressure (when the queue is full the first stage stops reading, the socket's
+high-water mark fills, and the forwarding stage waits like a local lossless
+publish would). Per tap, messages still arrive in step order: each tap lives on
+exactly one stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from actbus.bus.publisher import Admission, Publisher
+from actbus.wire import Header, WireError, frame_to_tensor, tensor_to_frame
+
+log = logging.getLogger("actbus.capture")
+HWM = 16  # messages buffered between stages before the forwarding stage waits
+
+
+def stage_address(publish: str) -> str:
+    """Where the first stage collects the other stages' messages (this host only)."""
+    digest = hashlib.sha1(publish.encode()).hexdigest()[:16]
+    return f"ipc://{Path(tempfile.gettempdir()) / f'actbus-stages-{digest}.sock'}"
+
+
+class StageCollector:
+    """First stage: feeds messages from the other stages into its publisher."""
+
+    def __init__(self, publisher: Publisher, address: str) -> None:
+        self.publisher = publisher
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, HWM)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="actbus-stages", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(200):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                header = Header.decode(frames[0].buffer)
+                tensor = frame_to_tensor(frames[1].buffer, header)
+            except (WireError, IndexError) as e:
+                log.error("actbus: bad message from another pipeline stage: %s", e)
+                continue
+            self.publisher.publish(header, tensor)  # waits while the queue is full
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+        self._ctx.term()
+
+
+class StageForwarder:
+    """Another stage: the publisher interface the capture worker uses, forwarding
+    every message to the first stage. It cannot see subscribers, so it admits every
+    tap; the first stage's publisher applies each subscriber's policy."""
+
+    def __init__(self, address: str) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, HWM)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.connect(address)
+        self._items: queue.Queue[tuple[Header, torch.Tensor, Any] | None] = queue.Queue(HWM)
+        self._thread = threading.Thread(target=self._run, name="actbus-forward", daemon=True)
+        self._thread.start()
+
+    def admit(self, step: int, taps: list[tuple[int, str, int]]) -> list[Admission]:
+        return [Admission.SEND] * len(taps)
+
+    def drop(self, header: Header) -> None:  # never asked: admit sends everything
+        raise AssertionError("a forwarding stage does not drop")
+
+    def publish(self, header: Header, tensor: torch.Tensor, *, ready: Any = None) -> None:
+        self._items.put((header, tensor.contiguous(), ready))  # waits when the link is full
+
+    def _run(self) -> None:
+        while (item := self._items.get()) is not None:
+            header, tensor, ready = item
+            if ready is not None:
+                ready.synchronize()
+            self._sock.send_multipart([header.encode(), tensor_to_frame(tensor)], copy=False)
+
+    def stats(self) -> dict[str, Any]:
+        return {"forwarding": True}
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._items.put(None)
+            self._thread.join(timeout=5)
+        self._sock.close()
+        self._ctx.term()
