@@ -42,7 +42,7 @@ def _header(step: int, layer: int = 0, ended: list[RequestEnd] | None = None) ->
 
 def _offer(pub: Publisher, step: int, layer: int = 0, ended=None) -> Admission:
     """What the capture worker does for one tap of one step."""
-    (verdict,) = pub.admit(step, [(layer, "post_block", NBYTES)])
+    (verdict,) = pub.admit(step, [(layer, "post_block", NBYTES, bool(ended))])
     if verdict is Admission.SEND:
         pub.publish(_header(step, layer, ended), torch.full((ROWS, HIDDEN), float(step)))
     elif verdict is Admission.DROP:
@@ -167,9 +167,9 @@ def test_a_step_of_many_taps_copies_only_what_fits(publisher, address):
     dropped at the source, none after a copy, and every one is a counted gap."""
     with Subscriber(address, Subscription(policy="drop_newest", window=2, name="d")) as sub:
         sub.wait_welcome(10)
-        taps = [(layer, "post_block", NBYTES) for layer in range(32)]
+        taps = [(layer, "post_block", NBYTES, False) for layer in range(32)]
         verdicts = publisher.admit(0, taps)
-        for (layer, _, _), v in zip(taps, verdicts, strict=True):
+        for (layer, *_), v in zip(taps, verdicts, strict=True):
             if v is Admission.SEND:
                 publisher.publish(_header(0, layer), torch.full((ROWS, HIDDEN), float(layer)))
             else:
@@ -182,3 +182,36 @@ def test_a_step_of_many_taps_copies_only_what_fits(publisher, address):
     assert sent == [True] * 10 + [False] * 22, verdicts  # 2 in flight + 8 pending
     assert st["dropped"] == {"source": 22}, st
     _invariant(st)
+
+
+def test_a_group_shares_its_room(publisher, address):
+    """Two drop_newest members of one group that never read: the group takes what
+    both can hold (2 in flight + 8 pending each), the rest is dropped at the source."""
+    subs = [
+        Subscriber(address, Subscription(policy="drop_newest", window=2, group="g", name=n))
+        for n in ("a", "b")
+    ]
+    try:
+        for sub in subs:
+            sub.wait_welcome(10)
+        verdicts = []
+        for i in range(40):
+            verdicts.append(_offer(publisher, i))
+            wait_for(lambda i=i: publisher.stats()["last_step"] == i, 10, "routed")
+        st = publisher.stats()["subscribers"]
+    finally:
+        for sub in subs:
+            sub.close()
+    assert verdicts.count(Admission.SEND) == 20, verdicts
+    assert sum(st[n]["dropped"].get("source", 0) for n in "ab") == 20
+    assert all("queue_full" not in st[n]["dropped"] for n in "ab"), st
+
+
+def test_the_return_subscriber_wants_only_returned_rows_and_ends(publisher, address):
+    """The front end's subscriber for returned rows (lossless) must not make the
+    engine copy taps that hold nothing for it."""
+    with Subscriber(address, Subscription(returned_only=True, name="ret")) as ret:
+        ret.wait_welcome(10)
+        plain = publisher.admit(0, [(0, "post_block", NBYTES, False)])
+        asked = publisher.admit(0, [(0, "post_block", NBYTES, True)])
+    assert plain == [Admission.NONE] and asked == [Admission.SEND]

@@ -202,11 +202,11 @@ class _Sub:
             return self.overflowing(item.nbytes) and held + item.wire_bytes > self.spill_cap
         return False
 
-    def room(self, step: int, nbytes: int) -> int:
+    def free(self, step: int, nbytes: int) -> int:
         """How many more messages of ``step`` this subscriber would take now without
-        dropping one: free pending slots and credit, less what is queued for it
-        ahead (published, not yet routed). Effectively unbounded for policies that
-        never drop the newest message.
+        dropping one, before what is queued for it ahead (``ahead``): free pending
+        slots and credit. Effectively unbounded for policies that never drop the
+        newest message.
 
         Read from the engine thread without a lock: a stale answer only moves a
         drop from here to the publisher thread or back; both are counted.
@@ -221,8 +221,17 @@ class _Sub:
         credit = max(0, p.window - len(self.inflight))
         if nbytes:
             credit = min(credit, max(0, p.window_bytes - self.inflight_bytes) // nbytes)
-        ahead = self.queued_in - self.queued_out
-        return max(0, PENDING_LIMIT - len(self.pending)) + credit - ahead
+        return max(0, PENDING_LIMIT - len(self.pending)) + credit
+
+    @property
+    def ahead(self) -> int:
+        """Messages published for it (or its group) and not routed yet."""
+        return self.queued_in - self.queued_out
+
+    def wants(self, layer: int, hook: str, for_return: bool) -> bool:
+        """Whether a message of this tap can hold anything for it; the front end's
+        return subscriber only wants messages with returned rows or request ends."""
+        return self.sub.wants(layer, hook) and (for_return or not self.sub.returned_only)
 
     def policy_text(self) -> str:
         p = self.sub
@@ -301,9 +310,11 @@ class Publisher:
         self._thread.start()
 
     # ---------------------------------------------------------------- engine side
-    def admit(self, step: int, taps: list[tuple[int, str, int]]) -> list[Admission]:
+    def admit(self, step: int, taps: list[tuple[int, str, int, bool]]) -> list[Admission]:
         """Which taps of a step are worth copying: ``taps`` are ``(layer, hook,
-        nbytes)``, in the order the engine will publish them.
+        nbytes, for_return)``, in the order the engine will publish them;
+        ``for_return`` says the message has rows of a request that asked for them
+        back, or request ends (only then does the front end's subscriber want it).
 
         Called by the engine before it gathers and copies anything, so that data
         nobody would receive costs nothing: ``NONE`` for a tap no subscriber wants,
@@ -317,16 +328,17 @@ class Publisher:
             return [Admission.NONE] * len(taps)
         subs = self._sub_list
         room: dict[str, int] = {}  # per lossy subscriber or group: messages that still fit
-        budget = self._queue_budget - self._queued_bytes if self._queue else None
+        budget = self._queue_budget - self._queued_bytes
+        first = not self._queue  # one message always fits an empty queue
         out = []
-        for layer, hook, nbytes in taps:
-            wanted = [s for s in subs if s.sub.wants(layer, hook)]
+        for layer, hook, nbytes, for_return in taps:
+            wanted = [s for s in subs if s.wants(layer, hook, for_return)]
             if not wanted:
                 self._engine_counts["not_wanted"] += 1
                 out.append(Admission.NONE)
                 continue
             lossless = any(s.lossless for s in wanted)
-            if not lossless and budget is not None and nbytes > budget:
+            if not lossless and nbytes > budget and not first:
                 out.append(Admission.DROP)
                 continue
             units: dict[str, list[_Sub]] = {}
@@ -335,7 +347,9 @@ class Publisher:
             takers = []
             for key, members in units.items():
                 if key not in room:
-                    room[key] = sum(m.room(step, nbytes) for m in members)
+                    # A group's backlog is counted on each member: subtract it once.
+                    free = sum(max(0, m.free(step, nbytes)) for m in members)
+                    room[key] = free - members[0].ahead
                 if room[key] > 0:
                     takers.append(key)
             if not (lossless or takers):
@@ -343,8 +357,8 @@ class Publisher:
                 continue
             for key in takers:
                 room[key] -= 1
-            if budget is not None:
-                budget -= nbytes
+            budget -= nbytes
+            first = False
             out.append(Admission.SEND)
         return out
 
@@ -354,6 +368,8 @@ class Publisher:
         still go out, in a message with no rows."""
         item = _Item(header, None, 0, None, time.monotonic())
         ends = None
+        if header.shape[0] == 0:  # no rows to lose: only its request ends matter
+            item = None
         if header.ended:
             end_header = dataclasses.replace(
                 header, shape=(0, *header.shape[1:]), rows=RowIndex.empty()
@@ -363,10 +379,11 @@ class Publisher:
             if self._closing:
                 return
             was_empty = not self._queue
-            self._queue.append(item)
+            if item is not None:
+                self._queue.append(item)
             if ends is not None:
                 self._queue.append(ends)
-            if was_empty:
+            if was_empty and self._queue:
                 self._wake()
 
     def publish(self, header: Header, tensor: torch.Tensor, *, ready: Any = None) -> None:
@@ -621,8 +638,9 @@ class Publisher:
             return True  # a source drop is only counted, never queued
         h = item.header
         groups: dict[str, list[_Sub]] = {}
+        for_return = bool(h.ended) or any(h.rows.returned)
         for s in self._subs.values():
-            if not s.sub.wants(h.layer, h.hook):
+            if not s.wants(h.layer, h.hook, for_return):
                 continue
             if s.sub.group:
                 groups.setdefault(s.sub.group, []).append(s)
@@ -643,6 +661,8 @@ class Publisher:
                 except Exception:  # one bad message must not end the bus
                     log.exception("actbus: could not encode a message; dropped")
                     self._counters["encode_errors"] += 1
+                    for sub in item.counted:
+                        sub.queued_out += 1
                     self._pop_item()
                     continue
             if not self._can_take(item):

@@ -153,6 +153,8 @@ def _wrap_completion_output(orig):
                 self.detokenizer.num_output_tokens(),
                 final=finish_reason is not None,
                 delta=self.output_kind == RequestOutputKind.DELTA,
+                # Ended here (abort, stop string): the engine hears of it after this.
+                ends_follow=str(finish_reason) != "abort" and not isinstance(stop_reason, str),
             )
         return out
 

@@ -34,8 +34,10 @@ from actbus.wire import DTYPES
 
 log = logging.getLogger("actbus.returns")
 RETURN_TIMEOUT_S = 30.0
-# An ended request nobody collected (aborted offline, client gone) is forgotten after this.
+# An ended request nobody collected (aborted offline, client gone) is forgotten after this,
 FORGET_AFTER_S = 120.0
+# and one that never reached the engine (so no end ever comes) after this.
+FORGET_UNENDED_S = 24 * 3600.0
 
 
 @dataclass
@@ -79,6 +81,7 @@ class _Pending:
     ended_at: float = 0.0
     ended_taps: set[tuple[int, str]] = field(default_factory=set)
     """Taps whose stream carried the request's end: all of its rows there have come."""
+    created: float = field(default_factory=time.monotonic)
     delivered: int = 0  # rows already handed out in DELTA outputs
 
 
@@ -94,6 +97,14 @@ class ReturnCollector:
             Subscription(policy="block", returned_only=True, name="actbus-return"),
             keepalive=False,
         )
+        try:  # rows routed before the subscription is in place would never come
+            self._sub.wait_welcome(RETURN_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as e:
+            self._sub.close()
+            raise ConfigError(
+                f"extra_args.actbus.return: the publisher at {address} did not answer ({e})"
+            ) from None
+        self._forgot_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="actbus-return", daemon=True)
         self._thread.start()
@@ -124,9 +135,21 @@ class ReturnCollector:
             _OWNER.update({caller_id: self})
 
     def take(
-        self, caller_id: str, index: int, num_generated: int, *, final: bool, delta: bool
+        self,
+        caller_id: str,
+        index: int,
+        num_generated: int,
+        *,
+        final: bool,
+        delta: bool,
+        ends_follow: bool = True,
     ) -> Activations | None:
-        """The rows for an output with ``num_generated`` tokens so far."""
+        """The rows for an output with ``num_generated`` tokens so far.
+
+        ``ends_follow`` is False when the front end itself ended the request (an
+        abort, a stop string): the engine learns of it only after this output is
+        made, so the request's end cannot come first and is not waited for.
+        """
         key = (caller_id, index)
         limit = None
         with self._cond:
@@ -136,7 +159,8 @@ class ReturnCollector:
             limit = p.prompt_len + num_generated - 1  # positions fed so far
             if final:
                 want = _expected_rows(p.sel, p.prompt_len, limit)
-                deadline = time.monotonic() + RETURN_TIMEOUT_S
+                wait = RETURN_TIMEOUT_S if (want is not None or ends_follow) else 0.0
+                deadline = time.monotonic() + wait
                 while not self._arrived(p, limit, want):
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -148,7 +172,7 @@ class ReturnCollector:
             acts = _assemble(p, limit, self._empty_rows())
             if final:
                 acts.complete = self._arrived(p, limit, want)
-                if not acts.complete:
+                if not acts.complete and wait:
                     log.warning(
                         "actbus: request %s sample %d: %d of %s rows arrived within %.0f s",
                         caller_id, index, len(acts.positions), want, RETURN_TIMEOUT_S,
@@ -222,13 +246,21 @@ class ReturnCollector:
 
     def _forget_stale(self) -> None:
         now = time.monotonic()
+        if now - self._forgot_at < 1.0:
+            return
+        self._forgot_at = now
         with self._cond:
-            for key in [
+            stale = [
                 k
                 for k, p in self._pending.items()
-                if p.ended is not None and now - p.ended_at > FORGET_AFTER_S
-            ]:
+                if (p.ended is not None and now - p.ended_at > FORGET_AFTER_S)
+                or now - p.created > FORGET_UNENDED_S
+            ]
+            for key in stale:
                 del self._pending[key]
+            live = {k[0] for k in self._pending}
+            for caller_id in {k[0] for k in stale} - live:
+                _OWNER.pop(caller_id, None)
 
 
 def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:

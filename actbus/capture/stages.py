@@ -13,6 +13,7 @@ exactly one stage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import queue
@@ -29,6 +30,9 @@ from actbus.wire import Header, WireError, frame_to_tensor, tensor_to_frame
 
 log = logging.getLogger("actbus.capture")
 HWM = 16  # messages buffered between stages before the forwarding stage waits
+# A first stage that takes nothing for this long is gone: the message is dropped and
+# counted (loudly), so a stage never hangs on a socket nobody reads.
+SEND_TIMEOUT_S = 60.0
 
 
 def stage_address(publish: str) -> str:
@@ -80,8 +84,10 @@ class StageForwarder:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, HWM)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.connect(address)
+        self.dropped = 0
         self._items: queue.Queue[tuple[Header, torch.Tensor, Any] | None] = queue.Queue(HWM)
         self._thread = threading.Thread(target=self._run, name="actbus-forward", daemon=True)
         self._thread.start()
@@ -100,14 +106,23 @@ class StageForwarder:
             header, tensor, ready = item
             if ready is not None:
                 ready.synchronize()
-            self._sock.send_multipart([header.encode(), tensor_to_frame(tensor)], copy=False)
+            try:
+                self._sock.send_multipart([header.encode(), tensor_to_frame(tensor)], copy=False)
+            except zmq.Again:
+                self.dropped += 1
+                log.error(
+                    "actbus: the first pipeline stage took nothing for %.0f s; dropped step %d "
+                    "layer %d %s (%d dropped so far)",
+                    SEND_TIMEOUT_S, header.step, header.layer, header.hook, self.dropped,
+                )  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
-        return {"forwarding": True}
+        return {"forwarding": True, "dropped": self.dropped}
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._items.put(None)
+            with contextlib.suppress(queue.Full):
+                self._items.put(None, timeout=5)
             self._thread.join(timeout=5)
         self._sock.close()
         self._ctx.term()

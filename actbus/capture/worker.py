@@ -80,6 +80,11 @@ class _Part:
     def num_rows(self) -> int:
         return sum(len(pos) for _, pos in self.entries)
 
+    @property
+    def returning(self) -> bool:
+        """Whether some of these rows go back to their caller too."""
+        return any(st.sel.returns for st, _ in self.entries)
+
 
 class CaptureWorker:
     """Owns the taps and the publisher for one engine."""
@@ -109,6 +114,7 @@ class CaptureWorker:
         self._stages = None
         if stage[0] > 0:
             self.publisher = StageForwarder(stage_address(cfg.publish))
+            atexit.register(self.close)  # flushes what is still queued for the first stage
             log.info("actbus: pipeline stage %d forwards layers %s", stage[0], taps.keys)
             return
         self.publisher = Publisher(
@@ -273,7 +279,10 @@ class CaptureWorker:
             p = parts.get(key, none)
             if id(p) not in num_rows:
                 num_rows[id(p)] = p.num_rows
-        offers = [(k[0], k[1], num_rows[id(parts.get(k, none))] * row_bytes) for k in keys]
+        offers = []
+        for k in keys:
+            p = parts.get(k, none)
+            offers.append((k[0], k[1], num_rows[id(p)] * row_bytes, bool(ended) or p.returning))
         for key, verdict in zip(keys, pub.admit(self.step, offers), strict=True):
             p = parts.get(key, none)
             if verdict is Admission.SEND:
