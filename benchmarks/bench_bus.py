@@ -6,9 +6,8 @@ For each message size, in one run:
     +others   the same block subscriber beside a drop_oldest `null` subscriber that
               works 20 ms per batch (a trainer that prefers fresh data) and a
               sample:10 one (a dashboard); the issue's three-subscriber case
-    +fast     the same three, the drop_oldest one taking everything it can: on a
-              2-core machine four busy processes then share two cores, which is CPU
-              contention, not the bus; reported beside it
+    +fast     the same three, the drop_oldest one taking everything it can (on a
+              2-core machine, four busy processes then share two cores)
 
 Rates are measured at the receiving block subscriber (first to last byte). The
 publisher's CPU time per GB sent is from this process's CPU clock. Each mode runs
