@@ -131,6 +131,7 @@ def test_steps_a_sampler_does_not_want_are_not_copied(publisher, address):
         st = publisher.stats()["subscribers"]["s"]
     assert [v is Admission.SEND for v in verdicts] == [i % 3 == 0 for i in range(9)]
     assert got == [0, 3, 6] and st["sampled_out"] == 6 and st["dropped"] == {}
+    assert publisher.stats()["source_drops"] == 0  # skipped steps are not drops
     assert sub.stats.missed == 0  # not sampled is not a gap
 
 

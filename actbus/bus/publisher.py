@@ -682,6 +682,7 @@ class Publisher:
         routed = False
         groups: dict[str, list[_Sub]] = {}
         dropped = item.tensor is None
+        lost = False  # some subscriber counted a drop at the source
         for s in list(self._subs.values()):
             if not s.sub.wants(h.layer, h.hook):
                 continue
@@ -691,16 +692,16 @@ class Publisher:
             if s.sub.group:
                 groups.setdefault(s.sub.group, []).append(s)
             else:
-                self._route(s, item)
+                lost |= self._route(s, item)
         for members in groups.values():
             member = self._pick(members, item)
             assert member is not None  # _can_take checked it
-            self._route(member, item)
+            lost |= self._route(member, item)
         for s in item.counted:
             s.queued_out += 1
         self.last_step = max(self.last_step, h.step)
         if dropped:
-            self._counters["source_drops"] += 1
+            self._counters["source_drops"] += lost  # a skipped sample step is not a drop
             return
         if not routed:
             self._counters["unrouted"] += 1
@@ -730,35 +731,37 @@ class Publisher:
             key=lambda s: (not s.may_send(item.nbytes), len(s.inflight) + s.queued, s.c.routed),
         )
 
-    def _route(self, s: _Sub, item: _Item) -> None:
+    def _route(self, s: _Sub, item: _Item) -> bool:
+        """Route ``item`` to ``s``; True if that was a drop at the source."""
         policy = s.sub.policy
         if policy == "sample" and item.header.step % s.sub.sample_every:
             s.c.sampled_out += 1  # not wanted: neither a drop nor a gap
-            return
+            return False
         if item.tensor is None:  # dropped at the source (admit): a counted gap
             s.c.routed += 1
             s.next_seq += 1
             s.c.dropped["source"] += 1
-            return
+            return True
         m = self._variant(item, s.sub)
         if m is None:
             s.c.filtered_out += 1  # no rows for its tag filter: not a gap either
-            return
+            return False
         s.c.routed += 1
         seq = s.next_seq
         s.next_seq += 1
         if s.overflowing(m.nbytes):
             if policy == "spill" or s.spilled_now:  # nothing overtakes what is spilled
                 self._spill(s, seq, m)
-                return
+                return False
             if policy in ("drop_newest", "sample"):
                 s.c.dropped["queue_full"] += 1  # its seq is skipped: a visible gap
-                return
+                return False
             if policy == "drop_oldest":
                 s.pending.popleft()  # the oldest unsent one leaves a gap instead
                 s.c.dropped["evicted"] += 1
         s.pending.append((seq, m))
         self._flush(s)
+        return False
 
     def _variant(self, item: _Item, sub: Subscription) -> _Item | None:
         """``item`` cut down to the requests ``sub``'s tag filter keeps (None: nothing
