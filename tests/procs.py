@@ -1,4 +1,4 @@
-"""Helpers that run real consumer processes and wait on them with deadlines."""
+"""Helpers that run real consumer processes and subscribers, and wait on them with deadlines."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from actbus.bus import Batch, Subscriber
 from actbus.cli import consumer_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,17 @@ def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
             proc.kill()
             proc.wait(timeout=10)
     return proc.returncode
+
+
+def recv_batches(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Batch]:
+    """Up to ``n`` batches from ``sub``, whatever arrived before ``timeout``."""
+    got: list[Batch] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        out = sub.recv(timeout=0.2)
+        if isinstance(out, Batch):
+            got.append(out)
+    return got
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:

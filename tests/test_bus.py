@@ -13,10 +13,10 @@ import pytest
 import torch
 import zmq
 
-from actbus.bus import Batch, Event, Publisher, Subscriber, Subscription, SubscriptionRejected
+from actbus.bus import Event, Publisher, Subscriber, Subscription, SubscriptionRejected
 from actbus.wire import HELLO, SCHEMA_VERSION, Header, RowIndex
 from tests.conftest import ROOT
-from tests.procs import wait_for
+from tests.procs import recv_batches, wait_for
 
 
 @pytest.fixture
@@ -43,16 +43,6 @@ def _msg(step: int, layer: int = 0, rows: int = 4, hidden: int = 64):
     return hdr, torch.full((rows, hidden), float(step))
 
 
-def _drain(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Batch]:
-    got: list[Batch] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        out = sub.recv(timeout=0.2)
-        if isinstance(out, Batch):
-            got.append(out)
-    return got
-
-
 def test_block_subscriber_receives_everything_in_order(publisher, address):
     with Subscriber(address, Subscription(window=4, name="a")) as sub:
         sub.wait_welcome(10)
@@ -60,7 +50,7 @@ def test_block_subscriber_receives_everything_in_order(publisher, address):
             target=lambda: [publisher.publish(*_msg(i)) for i in range(300)], daemon=True
         )
         feeder.start()
-        got = _drain(sub, 300)
+        got = recv_batches(sub, 300)
         feeder.join(timeout=10)
     assert [b.step for b in got] == list(range(300))
     assert [b.seq for b in got] == list(range(300)) and sub.stats.missed == 0
@@ -76,14 +66,14 @@ def test_drop_newest_is_counted_and_does_not_slow_block(publisher, address):
         target=lambda: [publisher.publish(*_msg(i)) for i in range(200)], daemon=True
     )
     feeder.start()
-    got = _drain(fast, 200)  # the slow one does not read at all meanwhile
+    got = recv_batches(fast, 200)  # the slow one does not read at all meanwhile
     feeder.join(timeout=10)
     assert [b.step for b in got] == list(range(200))
     wait_for(lambda: publisher.stats()["published"] == 200, 10, "all routed")
     st = publisher.stats()["subscribers"]["slow"]
     assert st["sent"] + st["pending"] + sum(st["dropped"].values()) == 200
     assert st["dropped"]["queue_full"] > 150
-    late = _drain(slow, st["sent"], timeout=5)
+    late = recv_batches(slow, st["sent"], timeout=5)
     assert len(late) == st["sent"]
     fast.close()
     slow.close()
@@ -94,7 +84,7 @@ def test_layer_filter(publisher, address):
         sub.wait_welcome(10)
         for i in range(10):
             publisher.publish(*_msg(i, layer=i % 2))
-        got = _drain(sub, 5)
+        got = recv_batches(sub, 5)
     assert [b.layer for b in got] == [1] * 5 and [b.seq for b in got] == list(range(5))
 
 
@@ -106,7 +96,7 @@ def test_late_joiner_starts_at_current_step(publisher, address):
         assert sub.wait_welcome(10)["step"] == 19
         for i in range(20, 25):
             publisher.publish(*_msg(i))
-        got = _drain(sub, 5)
+        got = recv_batches(sub, 5)
     assert [b.step for b in got] == list(range(20, 25))
 
 
@@ -139,7 +129,7 @@ def test_malformed_control_messages_are_counted_not_fatal(publisher, address):
     with Subscriber(address, Subscription(name="after")) as sub:
         sub.wait_welcome(10)
         publisher.publish(*_msg(0))
-        assert len(_drain(sub, 1)) == 1
+        assert len(recv_batches(sub, 1)) == 1
 
 
 def test_killed_blocking_subscriber_stops_blocking(publisher, address):
@@ -182,7 +172,7 @@ def test_end_and_resubscribe_after_publisher_restart(address):
         pub = Publisher(address, info={"model": "b"}, heartbeat_s=0.1)
         assert sub.wait_welcome(15)["model"] == "b"
         pub.publish(*_msg(0))
-        assert len(_drain(sub, 1)) == 1
+        assert len(recv_batches(sub, 1)) == 1
     finally:
         sub.close()
         pub.close(timeout=2)
@@ -198,7 +188,7 @@ def test_byte_credit_bounds_bytes_in_flight(publisher, address):
         time.sleep(0.5)  # nothing read yet: sending must have stopped at the byte credit
         st = publisher.stats()["subscribers"]["b"]
         assert st["sent"] == 8 and st["inflight_bytes"] == 8 * 1024, st
-        got = _drain(sub, 40)
+        got = recv_batches(sub, 40)
     assert [b.step for b in got] == list(range(40))
 
 
@@ -207,7 +197,7 @@ def test_oversized_message_goes_alone(publisher, address):
         sub.wait_welcome(10)
         for i in range(3):
             publisher.publish(*_msg(i))  # 1 KiB each, 10x the byte window
-        got = _drain(sub, 3)
+        got = recv_batches(sub, 3)
     assert [b.step for b in got] == [0, 1, 2]
 
 
@@ -216,7 +206,7 @@ def test_drop_newest_sends_a_burst_it_has_credit_for(publisher, address):
         sub.wait_welcome(10)
         for i in range(40):  # a burst, like many layers of one step
             publisher.publish(*_msg(i))
-        got = _drain(sub, 40)
+        got = recv_batches(sub, 40)
         assert publisher.stats()["subscribers"]["d"]["dropped"] == {}
     assert [b.step for b in got] == list(range(40))
 
@@ -227,7 +217,7 @@ def test_every_drop_is_a_visible_gap(publisher, address):
         for i in range(50):
             publisher.publish(*_msg(i))
         wait_for(lambda: publisher.stats()["published"] == 50, 10, "all published")
-        got = _drain(sub, 50, timeout=3)
+        got = recv_batches(sub, 50, timeout=3)
         dropped = publisher.stats()["subscribers"]["g"]["dropped"]["queue_full"]
         deadline = time.monotonic() + 10  # trailing drops are learnt from a heartbeat
         while len(got) + sub.stats.missed < 50 and time.monotonic() < deadline:
@@ -247,9 +237,9 @@ def test_a_consumer_pausing_longer_than_the_silence_limit_loses_nothing(publishe
             target=lambda: [publisher.publish(*_msg(i)) for i in range(60)], daemon=True
         )
         feeder.start()
-        got = _drain(sub, 5)
+        got = recv_batches(sub, 5)
         time.sleep(2.5)  # a slow step: well past silence_s, heartbeats pile up unread
-        got += _drain(sub, 55)
+        got += recv_batches(sub, 55)
         feeder.join(timeout=10)
     assert [b.step for b in got] == list(range(60))
     assert sub.stats.missed == 0 and sub.stats.welcomes == 1
@@ -273,7 +263,7 @@ def test_drop_oldest_keeps_the_newest_and_counts_evictions(publisher, address):
             publisher.publish(*_msg(i))
         wait_for(lambda: publisher.stats()["published"] == 50, 10, "all published")
         evicted = publisher.stats()["subscribers"]["o"]["dropped"]["evicted"]
-        got = _drain(sub, 10)
+        got = recv_batches(sub, 10)
     # Two went out on credit before the reader stalled; the 8 newest waited; the rest
     # were evicted oldest-first, each a gap the subscriber counted.
     assert [b.step for b in got] == [0, 1, *range(42, 50)]
@@ -285,7 +275,7 @@ def test_sample_takes_every_nth_step(publisher, address):
         sub.wait_welcome(10)
         for i in range(50):
             publisher.publish(*_msg(i))
-        got = _drain(sub, 10)
+        got = recv_batches(sub, 10)
         # Steps 46-49 are sampled out after step 45 arrives: wait until all are routed.
         wait_for(lambda: publisher.stats()["published"] == 50, 10, "all published")
         st = publisher.stats()["subscribers"]["s"]

@@ -17,7 +17,7 @@ import torch
 from actbus.bus import Batch, Publisher, Subscriber, Subscription
 from actbus.bus.publisher import Admission
 from actbus.wire import Header, RequestEnd, RowIndex
-from tests.procs import wait_for
+from tests.procs import recv_batches, wait_for
 
 ROWS, HIDDEN = 4, 64
 NBYTES = ROWS * HIDDEN * 4
@@ -122,12 +122,7 @@ def test_steps_a_sampler_does_not_want_are_not_copied(publisher, address):
         sub.wait_welcome(10)
         verdicts = [_offer(publisher, i) for i in range(9)]
         _settled(publisher, 9)
-        got = []
-        deadline = time.monotonic() + 10
-        while len(got) < 3 and time.monotonic() < deadline:
-            out = sub.recv(timeout=0.2)
-            if isinstance(out, Batch):
-                got.append(out.step)
+        got = [b.step for b in recv_batches(sub, 3)]
         st = publisher.stats()["subscribers"]["s"]
     assert [v is Admission.SEND for v in verdicts] == [i % 3 == 0 for i in range(9)]
     assert got == [0, 3, 6] and st["sampled_out"] == 6 and st["dropped"] == {}
@@ -144,12 +139,7 @@ def test_request_ends_survive_a_source_drop(publisher, address):
         _offer(publisher, 0)
         publisher.drop(_header(1, ended=[end]))
         _offer(publisher, 2)
-        got = []
-        deadline = time.monotonic() + 10
-        while len(got) < 3 and time.monotonic() < deadline:
-            out = sub.recv(timeout=0.2)
-            if isinstance(out, Batch):
-                got.append(out)
+        got = recv_batches(sub, 3)
         # A message can arrive before the publisher thread has counted it as sent.
         wait_for(lambda: publisher.stats()["subscribers"]["d"]["sent"] == 3, 10, "sent counted")
         st = publisher.stats()["subscribers"]["d"]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from actbus.bus import Batch, Publisher, Subscriber, Subscription
+from actbus.bus import Publisher, Subscriber, Subscription
 from actbus.wire import Header, RequestEnd, RowIndex
 from tests.bus_procs import Proc, message
-from tests.procs import wait_for
+from tests.procs import recv_batches, wait_for
 
 HIDDEN = 8
 
@@ -45,16 +45,6 @@ def _tagged(step: int, ended: list[RequestEnd] | None = None) -> tuple[Header, t
     return hdr, t
 
 
-def _recv(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Batch]:
-    got: list[Batch] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        out = sub.recv(timeout=0.2)
-        if isinstance(out, Batch):
-            got.append(out)
-    return got
-
-
 def test_tag_filters_cut_rows_and_keep_them_whole(publisher, address):
     subs = {
         "all": Subscriber(address, Subscription(name="all")),
@@ -69,7 +59,7 @@ def test_tag_filters_cut_rows_and_keep_them_whole(publisher, address):
             s.wait_welcome(10)
         for step in range(3):
             publisher.publish(*_tagged(step))
-        got = {k: _recv(s, 3, timeout=3 if k != "both" else 1) for k, s in subs.items()}
+        got = {k: recv_batches(s, 3, timeout=3 if k != "both" else 1) for k, s in subs.items()}
         wait_for(lambda: publisher.stats()["published"] == 3, 10, "all routed")
         st = publisher.stats()["subscribers"]
     finally:
@@ -107,7 +97,7 @@ def test_returned_only_keeps_the_requests_that_asked(publisher, address):
         publisher.publish(hdr, t)
         publisher.publish(*_tagged(1))  # nobody asked: nothing for it
         publisher.publish(*_tagged(2, ended=ends))  # nobody asked, but an end: sent
-        got, full = _recv(ret, 2), _recv(every, 3)
+        got, full = recv_batches(ret, 2), recv_batches(every, 3)
     assert [b.step for b in got] == [0, 2] and [b.step for b in full] == [0, 1, 2]
     rows = got[0].header.rows
     assert rows.request_ids == ["b"] and list(rows.positions) == [2, 3, 4]
@@ -123,7 +113,7 @@ def test_a_filtered_message_with_only_request_ends_still_goes(publisher, address
         sub.wait_welcome(10)
         publisher.publish(*_tagged(0))  # no rows for it, no ends: not sent
         publisher.publish(*_tagged(1, ended=ends))  # no rows for it, but an end: sent
-        got = _recv(sub, 1)
+        got = recv_batches(sub, 1)
         assert len(got) == 1 and got[0].step == 1 and got[0].seq == 0
         assert got[0].tensor.shape == (0, HIDDEN) and got[0].header.ended == ends
         assert sub.stats.missed == 0

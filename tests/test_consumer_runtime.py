@@ -24,7 +24,7 @@ from actbus.cli import consumer_command, main
 from actbus.consumer import Consumer, RestartPolicy
 from actbus.wire import Header, RowIndex
 from tests.conftest import ROOT
-from tests.procs import wait_for
+from tests.procs import recv_batches, wait_for
 
 
 @pytest.fixture
@@ -51,16 +51,6 @@ def _msg(step: int, rows: int = 4, hidden: int = 32):
     ri = RowIndex(["r"], np.array([0, rows]), np.arange(rows), np.arange(rows))
     hdr = Header(step, 0, "post_block", "float32", (rows, hidden), "test", ri)
     return hdr, torch.full((rows, hidden), float(step))
-
-
-def _drain(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Batch]:
-    got: list[Batch] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        out = sub.recv(timeout=0.2)
-        if isinstance(out, Batch):
-            got.append(out)
-    return got
 
 
 def _in_order(got: list[Batch], n: int) -> None:
@@ -121,12 +111,12 @@ def test_restart_keeps_receiving_and_nobody_else_notices(publisher, address, hea
         wait_for(lambda: _joined(publisher, "null"), 30, "the consumer to subscribe")
         for i in range(10):  # the consumer raises on its 5th batch (step 4)
             publisher.publish(*_msg(i))
-        got = _drain(healthy, 10)
+        got = recv_batches(healthy, 10)
         wait_for(lambda: "restart 1 of 3" in run.stderr(), 20, "the restart to be reported")
         wait_for(lambda: _joined(publisher, "null", left=1), 20, "a fresh subscription")
         for i in range(10, 13):
             publisher.publish(*_msg(i))
-        got += _drain(healthy, 3)
+        got += recv_batches(healthy, 3)
         publisher.close(timeout=5)  # END: --exit-on-end makes the consumer exit
         assert run.wait(20) == 0, run.stderr()
     finally:
@@ -150,7 +140,7 @@ def test_stop_exits_nonzero_naming_the_error_and_the_bus_goes_on(
         wait_for(lambda: _joined(publisher, "null"), 30, "the consumer to subscribe")
         for i in range(10):
             publisher.publish(*_msg(i))
-        got = _drain(healthy, 10)
+        got = recv_batches(healthy, 10)
         assert run.wait(20) == 1
     finally:
         run.kill()
@@ -160,7 +150,7 @@ def test_stop_exits_nonzero_naming_the_error_and_the_bus_goes_on(
     wait_for(lambda: "null" not in publisher.stats()["subscribers"], 10, "the consumer to leave")
     for i in range(10, 20):
         publisher.publish(*_msg(i))
-    got += _drain(healthy, 10)
+    got += recv_batches(healthy, 10)
     _in_order(got, 20)
     assert len(_departures(publisher, "null")) == 1
     assert set(_departures(publisher, "null")) <= {"left", "disconnected"}
@@ -183,14 +173,14 @@ def test_restarts_are_bounded(publisher, address, healthy, tmp_path):
         feeder.start()
         deadline = time.monotonic() + 30
         while run.proc.poll() is None and time.monotonic() < deadline:
-            got += _drain(healthy, 1, timeout=0.2)
+            got += recv_batches(healthy, 1, timeout=0.2)
         assert run.wait(1) == 1
     finally:
         stop.set()
         feeder.join(timeout=10)
         run.kill()
     wait_for(lambda: publisher.stats()["published"] == published[0], 10, "all published")
-    got += _drain(healthy, published[0] - len(got))
+    got += recv_batches(healthy, published[0] - len(got))
     _in_order(got, published[0])
     err = run.stderr()
     assert "restart 1 of 1" in err and "errors=2 restarts=1" in err

@@ -22,7 +22,7 @@ from actbus.bus.security import generate_keys
 from actbus.config import CaptureConfig, ConfigError
 from actbus.wire import Header, RowIndex
 from tests.conftest import ROOT
-from tests.procs import wait_for
+from tests.procs import recv_batches, wait_for
 
 
 def _keys(directory: Path, *clients: str) -> Path:
@@ -63,16 +63,6 @@ def _msg(step: int, rows: int = 4, hidden: int = 32):
     ri = RowIndex(["r"], np.array([0, rows]), np.arange(rows), np.arange(rows))
     hdr = Header(step, 0, "post_block", "float32", (rows, hidden), "test", ri)
     return hdr, torch.full((rows, hidden), float(step))
-
-
-def _drain(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Batch]:
-    got: list[Batch] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        out = sub.recv(timeout=0.2)
-        if isinstance(out, Batch):
-            got.append(out)
-    return got
 
 
 def _refused(sub: Subscriber, timeout: float) -> tuple[str, list[Batch]]:
@@ -162,7 +152,7 @@ def test_insecure_flag_binds_any_interface_with_a_loud_warning(caplog):
         with Subscriber(f"tcp://127.0.0.1:{port}", Subscription(name="plain")) as sub:
             sub.wait_welcome(10)
             pub.publish(*_msg(0))
-            assert [b.step for b in _drain(sub, 1)] == [0]
+            assert [b.step for b in recv_batches(sub, 1)] == [0]
     finally:
         pub.close(timeout=2)
     cfg = CaptureConfig.from_dict(
@@ -186,7 +176,7 @@ def test_curve_on_any_interface_delivers_to_an_authorized_subscriber(keys):
             assert sub.wait_welcome(10)["model"] == "test"
             for i in range(50):
                 pub.publish(*_msg(i))
-            got = _drain(sub, 50)
+            got = recv_batches(sub, 50)
         assert [b.step for b in got] == list(range(50)) and sub.stats.missed == 0
         assert all(float(b.tensor[0, 0]) == b.step for b in got)
         assert pub.stats()["auth_denied"] == 0
@@ -202,7 +192,7 @@ def test_curve_over_ipc(keys, tmp_path):
             sub.wait_welcome(10)
             for i in range(5):
                 pub.publish(*_msg(i))
-            assert [b.step for b in _drain(sub, 5)] == list(range(5))
+            assert [b.step for b in recv_batches(sub, 5)] == list(range(5))
     finally:
         pub.close(timeout=2)
 
@@ -233,7 +223,7 @@ def test_unauthorized_client_key_is_refused_clearly_and_costs_others_nothing(key
         assert "refused this subscriber's CURVE key" in why and "authorized_keys" in why
         assert pub.stats()["auth_denied"] >= 1
         assert "stranger" not in pub.stats()["subscribers"]
-        assert [b.step for b in _drain(good, 10)] == list(range(10))
+        assert [b.step for b in recv_batches(good, 10)] == list(range(10))
     finally:
         good.close()
         pub.close(timeout=2)
@@ -299,7 +289,7 @@ def test_authorized_keys_added_while_serving_apply_to_the_next_connection(keys, 
         ) as sub:
             sub.wait_welcome(10)
             pub.publish(*_msg(0))
-            assert len(_drain(sub, 1)) == 1
+            assert len(recv_batches(sub, 1)) == 1
         wait_for(lambda: pub.stats()["subscribers"] == {}, 10, "the subscriber to leave")
     finally:
         pub.close(timeout=2)
