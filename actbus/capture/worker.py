@@ -81,6 +81,11 @@ class _Part:
         return sum(len(pos) for _, pos in self.entries)
 
     @property
+    def held(self) -> list[_Request]:
+        """Requests whose row was kept on the device since an earlier step (``last``)."""
+        return [st for (st, _), ix in zip(self.entries, self.index, strict=True) if ix is None]
+
+    @property
     def returning(self) -> bool:
         """Whether some of these rows go back to their caller too."""
         return any(st.sel.returns for st, _ in self.entries)
@@ -269,84 +274,88 @@ class CaptureWorker:
                 p = parts[key] = _Part(list(old.entries), list(old.index))  # parts share
                 p.entries.append((st, np.array([st.last["pos"]], dtype=np.int64)))
                 p.index.append(None)  # marks a held row
-        pub, dtype, hidden = self.publisher, DTYPE_NAMES[self.taps.dtype], self.taps.hidden_size
+        pub, hidden = self.publisher, self.taps.hidden_size
         row_bytes = hidden * self.taps.dtype.itemsize
         none = _Part()
+        taps = [(k, parts.get(k, none)) for k in self.taps.keys if k in parts or ended]
+        offers = [(k[0], k[1], p.num_rows * row_bytes, bool(ended) or p.returning) for k, p in taps]
         groups: dict[int, tuple[_Part, list[tuple[int, str]]]] = {}  # taps sharing rows
-        num_rows: dict[int, int] = {}
-        keys = [k for k in self.taps.keys if k in parts or ended]
-        for key in keys:
-            p = parts.get(key, none)
-            if id(p) not in num_rows:
-                num_rows[id(p)] = p.num_rows
-        offers = []
-        for k in keys:
-            p = parts.get(k, none)
-            offers.append((k[0], k[1], num_rows[id(p)] * row_bytes, bool(ended) or p.returning))
-        for key, verdict in zip(keys, pub.admit(self.step, offers), strict=True):
-            p = parts.get(key, none)
+        for (key, p), verdict in zip(taps, pub.admit(self.step, offers), strict=True):
             if verdict is Admission.SEND:
                 groups.setdefault(id(p), (p, []))[1].append(key)
             elif verdict is Admission.DROP:  # no copy: counted as a drop by the bus
-                shape = (num_rows[id(p)], hidden)
-                pub.drop(self._header(key, shape, RowIndex.empty(), ended))
+                pub.drop(self._header(key, (p.num_rows, hidden), RowIndex.empty(), ended))
+        whole = full and not lasts
         for p, keys in groups.values():
+            shape = (p.num_rows, hidden)
+            idx, toks = self._rows(p, tok, whole=whole)  # once for every tap of the group
             # Staged in tensors of at most STAGE_BYTES: one block per step for every
             # tap would need GiBs of contiguous device memory next to the KV cache.
-            per = max(1, STAGE_BYTES // max(1, num_rows[id(p)] * row_bytes))
+            per = max(1, STAGE_BYTES // max(1, shape[0] * row_bytes))
             rows = None
             for lo in range(0, len(keys), per):
                 chunk = keys[lo : lo + per]
-                acts, toks = self._collect(chunk, p, tok, whole=full and not lasts)
+                acts = self._collect(chunk, p, idx, n, whole=whole)
                 ready = None
-                if self._no_tokens.is_cuda:
+                if self._no_tokens.is_cuda and rows is None:  # token ids go with chunk one
                     (acts, toks), ready = self._to_host_async([acts, toks])
+                elif self._no_tokens.is_cuda:
+                    (acts,), ready = self._to_host_async([acts])
                 if rows is None:
                     rows = _row_index(p, toks)  # one index for every tap of the group
                 for i, key in enumerate(chunk):
-                    header = self._header(key, (num_rows[id(p)], hidden), rows, ended, dtype)
-                    pub.publish(header, acts[i], ready=ready)
+                    pub.publish(self._header(key, shape, rows, ended), acts[i], ready=ready)
 
-    def _header(self, key, shape, rows: RowIndex, ended, dtype: str | None = None) -> Header:
+    def _header(self, key, shape, rows: RowIndex, ended) -> Header:
         return Header(
             step=self.step,
             layer=key[0],
             hook=key[1],
-            dtype=dtype or DTYPE_NAMES[self.taps.dtype],
+            dtype=DTYPE_NAMES[self.taps.dtype],
             shape=shape,
             model=self.model_name,
             rows=rows,
             ended=ended,
         )
 
-    def _collect(
-        self, keys: list[tuple[int, str]], p: _Part, tok: torch.Tensor, *, whole: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh ``[len(keys), rows, hidden]`` activations and ``[rows]`` token ids.
-
-        Fresh (copies or gathers on the compute stream), so the tap buffers and the
-        runner's inputs are free for the next step in stream order. One tensor for
-        all taps of a group, so the host copy is one transfer.
-        """
-        bufs = [self.taps.buffers[k] for k in keys]
-        if whole:  # every row of every tap: one stacking copy
-            return torch.stack([b[: tok.shape[0]] for b in bufs]), tok.clone()
+    def _rows(
+        self, p: _Part, tok: torch.Tensor, *, whole: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The device index of ``p``'s rows in this step (None: every row, or none)
+        and fresh ``[rows]`` token ids, held rows last."""
+        if whole:
+            return None, tok.clone()
         step_rows = [ix for ix in p.index if ix is not None]
-        held = [st for (st, _), ix in zip(p.entries, p.index, strict=True) if ix is None]
-        m = sum(len(ix) for ix in step_rows)
-        acts = bufs[0].new_empty((len(keys), m + len(held), bufs[0].shape[1]))
+        idx = None
         tok_parts = []
         if step_rows:
             idx = torch.from_numpy(np.concatenate(step_rows)).to(tok.device, non_blocking=True)
+            tok_parts.append(tok.index_select(0, idx))
+        tok_parts += [st.last["token"] for st in p.held]
+        return idx, (torch.cat(tok_parts) if tok_parts else tok[:0].clone())
+
+    def _collect(
+        self, keys: list[tuple[int, str]], p: _Part, idx, n: int, *, whole: bool
+    ) -> torch.Tensor:
+        """Fresh ``[len(keys), rows, hidden]`` activations, rows as ``_rows`` orders them.
+
+        Fresh (copies or gathers on the compute stream), so the tap buffers are free
+        for the next step in stream order. One tensor for several taps, so the host
+        copy is one transfer.
+        """
+        bufs = [self.taps.buffers[k] for k in keys]
+        if whole:  # every row of every tap: one stacking copy
+            return torch.stack([b[:n] for b in bufs])
+        held = p.held
+        m = 0 if idx is None else len(idx)
+        acts = bufs[0].new_empty((len(keys), m + len(held), bufs[0].shape[1]))
+        if idx is not None:
             for i, b in enumerate(bufs):
                 torch.index_select(b, 0, idx, out=acts[i, :m])
-            tok_parts.append(tok.index_select(0, idx))
         for j, st in enumerate(held):  # rows kept on the device since their step
             for i, key in enumerate(keys):
                 acts[i, m + j] = st.last["acts"][key][0]
-            tok_parts.append(st.last["token"])
-        toks = torch.cat(tok_parts) if tok_parts else tok[:0].clone()
-        return acts, toks
+        return acts
 
     def _to_host_async(self, tensors: list[torch.Tensor]):
         """Host copies that neither stall the engine nor slow its next step.
