@@ -264,19 +264,12 @@ class ReturnCollector:
 
 
 def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
-    """Rows per tap that positions ``0 .. limit-1`` give under ``sel`` (None: ``last``)."""
-    p = sel.positions
-    if p == "last":
+    """Rows per tap that positions ``0 .. limit-1`` give under ``sel`` (None: ``last``,
+    whose one row comes with the request's end), by the worker's own row mask."""
+    if sel.positions == "last":
         return None
-    if p == "all":
-        return limit
-    if p == "prompt":
-        return min(prompt_len, limit)
-    if p == "generated":
-        return max(0, limit - prompt_len)
-    if p == "last_prompt":
-        return int(prompt_len - 1 < limit)
-    return sum(1 for x in p if x < limit)
+    mask = sel.row_mask(np.arange(limit), prompt_len)
+    return limit if mask is None else int(mask.sum())
 
 
 def _assemble(p: _Pending, limit: int, empty: torch.Tensor) -> Activations:
