@@ -73,6 +73,10 @@ class Consumer(ABC):
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
         """Called on each publisher heartbeat; ``caught_up`` when nothing is in flight."""
 
+    def on_mark(self, info: dict[str, Any]) -> None:
+        """A subscriber marked a request as worth keeping (``Subscriber.mark``);
+        ``info`` holds ``request_id``, ``sample_index``, ``reason`` and ``by``."""
+
     def on_end(self) -> None:
         """The publisher shut down (the engine stopped)."""
 
@@ -251,6 +255,8 @@ def _deliver(consumer: Consumer, sub: Subscriber, out: Batch | Event) -> bool:
     elif out.kind == "heartbeat":
         caught_up = sub.caught_up(out.body)
         _call(consumer, "on_heartbeat", consumer.on_heartbeat, out.body, caught_up)
+    elif out.kind == "mark":
+        _call(consumer, "on_mark", consumer.on_mark, out.body)
     elif out.kind == "end":
         _call(consumer, "on_end", consumer.on_end)
         return True

@@ -30,6 +30,7 @@ CREDIT = b"C"  # subscriber -> publisher: grant more messages (also a heartbeat)
 BYE = b"B"  # subscriber -> publisher: leaving
 STATS = b"S"  # subscriber -> publisher: ask for the publisher's counters; and the reply
 KEEPALIVE = b"K"  # subscriber side socket -> publisher: {"of": subscriber identity}, alive
+MARK = b"M"  # subscriber -> publisher -> every subscriber: a request is worth keeping
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -215,3 +215,30 @@ def test_a_group_member_killed_midstream(tmp_path):
     g = stats["groups"]["g"]
     assert g["members"] == 1 and g["routed"] == n
     assert g["lost_inflight"] == dead["unacked_at_exit"]
+
+
+def test_a_mark_reaches_every_subscriber_and_bad_ones_are_counted(publisher, address):
+    """A probe marks a request; every subscriber (the sink among them) hears of it."""
+    with (
+        Subscriber(address, Subscription(name="probe")) as probe,
+        Subscriber(address, Subscription(name="sink")) as sink,
+    ):
+        probe.wait_welcome(10)
+        sink.wait_welcome(10)
+        probe.mark("req-7", sample_index=1, reason="probe>0.9")
+        probe._send([b"M", b"\x81\xa1x\x01"])  # a MARK without a request_id
+
+        def mark_of(sub: Subscriber) -> dict:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                out = sub.recv(timeout=0.2)
+                if getattr(out, "kind", None) == "mark":
+                    return out.body
+            raise TimeoutError("no mark arrived")
+
+        for sub in (probe, sink):
+            body = mark_of(sub)
+            assert (body["request_id"], body["sample_index"]) == ("req-7", 1)
+            assert (body["reason"], body["by"]) == ("probe>0.9", "probe")
+        wait_for(lambda: publisher.stats()["rejected"] >= 1, 10, "the bad MARK counted")
+        assert publisher.stats()["marks"] == 1

@@ -73,6 +73,7 @@ from actbus.wire import (
     HEARTBEAT,
     HELLO,
     KEEPALIVE,
+    MARK,
     REJECT,
     SCHEMA_VERSION,
     STATS,
@@ -588,8 +589,26 @@ class Publisher:
         elif tag == BYE:
             if sub is not None:
                 self._remove(sub, "left")
+        elif tag == MARK:
+            self._mark(sub, msg)
         else:
             raise WireError(f"unknown control tag {tag[:8]!r}")
+
+    def _mark(self, sub: _Sub | None, msg: dict[str, Any]) -> None:
+        """Pass a subscriber's mark on to every subscriber (a sink keeping marked requests)."""
+        if sub is None:
+            raise WireError("MARK from an unknown subscriber; send HELLO first")
+        rid, index = msg.get("request_id"), msg.get("sample_index", 0)
+        if not isinstance(rid, str) or not rid or len(rid) > 512:
+            raise WireError("MARK needs 'request_id': a non-empty string")
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise WireError(f"MARK sample_index must be an int >= 0, got {index!r:.50}")
+        reason = msg.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > 1024:
+            raise WireError("MARK reason must be a string under 1024 characters")
+        self._counters["marks"] += 1
+        body = {"request_id": rid, "sample_index": index, "reason": reason, "by": sub.sub.name}
+        self._broadcast(MARK, {**body, "step": self.last_step})
 
     def _hello(self, ident: bytes, msg: dict[str, Any], now: float) -> None:
         try:

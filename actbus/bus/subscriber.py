@@ -42,6 +42,7 @@ from actbus.wire import (
     HEARTBEAT,
     HELLO,
     KEEPALIVE,
+    MARK,
     REJECT,
     STATS,
     WELCOME,
@@ -166,6 +167,21 @@ class Subscriber:
     def request_stats(self) -> None:
         """Ask for the publisher's full counters; they arrive as an ``Event("stats")``."""
         self._send([STATS, pack_map({})])
+
+    def mark(self, request_id: str, sample_index: int = 0, reason: str = "") -> None:
+        """Tell every subscriber that ``request_id`` is worth keeping (a probe fired).
+
+        The publisher passes the mark on as an ``Event("mark")``; a sink keeping only
+        marked requests persists the ones it still holds in its window.
+        """
+        self._send(
+            [
+                MARK,
+                pack_map(
+                    {"request_id": request_id, "sample_index": sample_index, "reason": reason}
+                ),
+            ]
+        )
 
     def caught_up(self, beat: dict[str, Any]) -> bool:
         """True when a heartbeat shows nothing sent, pending or queued for us."""
@@ -332,6 +348,10 @@ class Subscriber:
             return Event("welcome", body)
         if tag == STATS:
             return Event("stats", body)
+        if tag == MARK:
+            if not isinstance(body.get("request_id"), str):
+                raise WireError("mark without a request_id")
+            return Event("mark", body)
         if tag == END:
             self.welcome = None
             return Event("end", body)
