@@ -1,4 +1,5 @@
-"""Reading a run the sink wrote: as a pyarrow dataset, or one request at a time."""
+"""Reading a run the sink wrote: as a pyarrow dataset, one request at a time, or
+checked against its manifest."""
 
 from __future__ import annotations
 
@@ -6,15 +7,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import torch
 
 from consumers.fs import layout
+from consumers.fs.reductions import Decoder, Reduction
 
 
 class ActivationRun:
-    """A run directory: its manifest and its committed shards."""
+    """A run directory: its manifest and its committed shards.
+
+    Only shards the manifest lists are read: a shard renamed into place by a sink
+    killed before its manifest update is invisible here until a restarted sink
+    adopts it.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -22,6 +30,7 @@ class ActivationRun:
         if manifest is None:
             raise FileNotFoundError(f"{self.path}: no {layout.MANIFEST}; is this an actbus run?")
         self.manifest: dict[str, Any] = manifest
+        self.decoder = Decoder(self.path)
 
     @property
     def dtype(self) -> str:
@@ -31,37 +40,96 @@ class ActivationRun:
     def hidden_size(self) -> int:
         return int(self.manifest["hidden_size"])
 
-    def shards(self, layer: int | None = None, hook: str | None = None) -> list[Path]:
+    @property
+    def ipc(self) -> str:
+        return self.manifest.get("ipc", "file")
+
+    @property
+    def reduction(self) -> Reduction:
+        return Reduction.from_json(self.manifest.get("reduction") or {"kind": "none"})
+
+    @property
+    def width(self) -> int:
+        """Columns of a decoded activation row (``k`` for ``proj:K``, else hidden)."""
+        return self.reduction.decoded_width(self.hidden_size)
+
+    def shard_entries(self, layer: int | None = None, hook: str | None = None) -> list[dict]:
         return [
-            self.path / s["path"]
+            s
             for s in self.manifest["shards"]
             if (layer is None or s["layer"] == layer) and (hook is None or s["hook"] == hook)
         ]
 
+    def shards(self, layer: int | None = None, hook: str | None = None) -> list[Path]:
+        return [self.path / s["path"] for s in self.shard_entries(layer, hook)]
+
+    def read(self, shard: Path) -> pa.Table:
+        return layout.read_shard(shard, self.ipc)
+
     def dataset(self, layer: int | None = None, hook: str | None = None) -> ds.Dataset:
-        """The committed shards (optionally of one layer/hook) as a pyarrow dataset."""
-        return ds.dataset([str(p) for p in self.shards(layer, hook)], format="ipc")
+        """The committed shards (optionally of one layer/hook) as a pyarrow dataset
+        (lazy for ``--ipc file`` runs; memory-mapped tables for ``stream`` runs)."""
+        paths = self.shards(layer, hook)
+        if self.ipc == "file":
+            return ds.dataset([str(p) for p in paths], format="ipc")
+        tables = [self.read(p) for p in paths]
+        if not tables:
+            raise FileNotFoundError(f"{self.path}: no committed shards for {layer}/{hook}")
+        return ds.dataset(tables)
+
+    def decode(self, table: pa.Table | pa.RecordBatch) -> torch.Tensor:
+        """The activation rows of ``table`` decoded from the run's reduction."""
+        return self.decoder.decode(table, self.hidden_size)
 
     def request_rows(
-        self, request_id: str, layer: int, hook: str = "post_block"
+        self, request_id: str, layer: int, hook: str = "post_block", sample_index: int = 0
     ) -> tuple[np.ndarray, torch.Tensor]:
         """``(positions, activations)`` of one request, sorted by position.
 
         Positions are returned as stored, so callers can check for gaps or repeats.
         """
-        table = self.dataset(layer, hook).to_table(
-            columns=["position", "activation"], filter=pc.field("request_id") == request_id
-        )
+        cols = ["position", *self._activation_columns()]
+        flt = (pc.field("request_id") == request_id) & (pc.field("sample_index") == sample_index)
+        table = self.dataset(layer, hook).to_table(columns=cols, filter=flt)
         if table.num_rows == 0:
-            return np.zeros(0, dtype=np.int64), torch.zeros(0, self.hidden_size)
+            return np.zeros(0, dtype=np.int64), torch.zeros(0, self.width)
         table = table.sort_by("position")
-        positions = table.column("position").to_numpy()
-        return positions, layout.arrow_to_tensor(table.column("activation"), self.dtype)
+        return table.column("position").to_numpy(), self.decode(table)
 
     def request(self, request_id: str, layer: int, hook: str = "post_block") -> torch.Tensor:
-        """One request's activations at ``layer``: ``[n_tokens, hidden]`` by position."""
+        """One request's activations at ``layer``: ``[n_tokens, width]`` by position."""
         return self.request_rows(request_id, layer, hook)[1]
 
     def request_ids(self, layer: int | None = None, hook: str | None = None) -> list[str]:
         table = self.dataset(layer, hook).to_table(columns=["request_id"])
         return sorted(pc.unique(table.column("request_id")).to_pylist())
+
+    def _activation_columns(self) -> list[str]:
+        kind = self.reduction.kind
+        return (
+            ["activation"]
+            + (["scale"] if kind == "int8" else [])
+            + (["topk_index"] if kind == "topk" else [])
+        )
+
+    def verify(self) -> list[str]:
+        """Problems found: listed shards missing, of the wrong size or checksum, or
+        unreadable; shard files on disk the manifest does not list. Empty: all good."""
+        problems = []
+        listed = set()
+        for s in self.manifest["shards"]:
+            p = self.path / s["path"]
+            listed.add(p)
+            if not p.exists():
+                problems.append(f"{s['path']}: listed but missing")
+                continue
+            if p.stat().st_size != s["bytes"]:
+                problems.append(f"{s['path']}: {p.stat().st_size} bytes, manifest {s['bytes']}")
+            elif layout.checksum(p) != s["checksum"]:
+                problems.append(f"{s['path']}: checksum differs from the manifest")
+            elif self.read(p).num_rows != s["rows"]:
+                problems.append(f"{s['path']}: row count differs from the manifest")
+        for p in self.path.glob("layer-*/*/shard-*.arrow"):
+            if p not in listed:
+                problems.append(f"{p.relative_to(self.path)}: on disk, not in the manifest")
+        return problems

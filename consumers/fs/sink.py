@@ -2,220 +2,231 @@
 
 Rows are buffered per (layer, hook) and written as one shard when the buffer
 reaches ``--shard-rows`` or ``--shard-mb``, when ``--flush-s`` has passed since its
-first row, when the publisher shows we are caught up, and at the end. A shard is
-written under a temporary name and renamed when complete, then the manifest is
-replaced atomically, so a reader never sees a partial shard.
+first row, when the publisher shows we are caught up, and at the end (see
+``writer.py`` for crash safety). Before that, rows pass the selection (layers,
+hooks, positions) and, with ``--keep marked``, the window of unmarked requests
+(``selection.py``); the reduction (``reductions.py``) is applied as rows are
+buffered.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import json
+import dataclasses
 import logging
-import os
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from actbus.bus import Batch
+from actbus.bus.protocol import Subscription
 from actbus.consumer import Consumer
 from consumers.fs import layout
+from consumers.fs.reductions import parse_reduction
+from consumers.fs.rows import Rows
+from consumers.fs.selection import (
+    MarkedWindow,
+    Selection,
+    parse_keep_tags,
+    parse_positions,
+)
+from consumers.fs.writer import ShardWriter, WriterConfig
 
 log = logging.getLogger("actbus.fs_sink")
 
 
-@dataclass
-class _Buffer:
-    batches: list[pa.RecordBatch] = field(default_factory=list)
-    rows: int = 0
-    nbytes: int = 0
-    since: float = 0.0
-
-
 class FsSink(Consumer):
-    """Writes every received row to ``OUT`` as Arrow shards."""
+    """Writes the rows it receives (all, or the selected or marked ones) to ``OUT``."""
 
     name = "fs-sink"
     default_policy = "block"  # a dataset should lose nothing
 
     def __init__(
         self,
-        out: str | Path,
+        out: str,
+        config: WriterConfig | None = None,
         *,
-        shard_rows: int = 65536,
-        shard_mb: float = 256.0,
-        flush_s: float = 5.0,
+        selection: Selection | None = None,
+        window: MarkedWindow | None = None,
+        shard_rows: int | None = None,
+        flush_s: float | None = None,
     ) -> None:
-        self.out = Path(out)
-        self.shard_rows = shard_rows
-        self.shard_bytes = int(shard_mb * (1 << 20))
-        self.flush_s = flush_s
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.out / ".lock", "w")  # noqa: SIM115 (held for the sink's life)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RuntimeError(
-                f"--out {self.out}: another fs-sink is writing this run; give each sink its "
-                "own directory"
-            ) from None
-        for stale in self.out.rglob("*.tmp"):  # left by a crash mid-write
-            stale.unlink()
-        self.manifest: dict[str, Any] = layout.read_manifest(self.out) or {
-            "format": layout.FORMAT_VERSION,
-            "model": None,
-            "hidden_size": None,
-            "dtype": None,
-            "layers": [],
-            "hooks": [],
-            "shards": [],
-            "rows": {},
-            "total_rows": 0,
-        }
-        # Shards on disk count too: a crash between a shard's rename and the manifest's
-        # update leaves one the manifest does not list, and it must not be overwritten.
-        on_disk = [p.name for p in self.out.glob("layer-*/*/shard-*.arrow")]
-        listed = [Path(s["path"]).name for s in self.manifest["shards"]]
-        self._next_index = 1 + max((int(n[6:12]) for n in on_disk + listed), default=-1)
-        self._buffers: dict[tuple[int, str], _Buffer] = {}
-        self._schemas: dict[tuple[str, int], pa.Schema] = {}
+        cfg = config or WriterConfig()
+        if shard_rows is not None or flush_s is not None:  # shorthand for tests and scripts
+            cfg = dataclasses.replace(
+                cfg,
+                shard_rows=shard_rows if shard_rows is not None else cfg.shard_rows,
+                flush_s=flush_s if flush_s is not None else cfg.flush_s,
+            )
+        self.selection = selection or Selection()
+        self.window = window
+        self.writer = ShardWriter(out, cfg)
+        self.out = self.writer.out
+        self.counts = self.writer.counts
         self.rows_received = 0
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.writer.manifest
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--out", required=True, help="run directory to write shards into")
-        parser.add_argument("--shard-rows", type=int, default=65536, help="rows per shard")
-        parser.add_argument("--shard-mb", type=float, default=256.0, help="MiB per shard")
-        parser.add_argument(
-            "--flush-s", type=float, default=5.0, help="longest a row waits in memory"
+        g = parser.add_argument_group("fs-sink: files")
+        g.add_argument("--out", required=True, help="run directory to write shards into")
+        g.add_argument("--shard-rows", type=int, default=65536, help="rows per shard")
+        g.add_argument("--shard-mb", type=float, default=256.0, help="MiB per shard")
+        g.add_argument(
+            "--flush-s", type=float, default=5.0, help="longest a row waits in memory (s)"
         )
+        g.add_argument(
+            "--compression", default="none", choices=layout.COMPRESSIONS, help="per shard"
+        )
+        g.add_argument(
+            "--ipc",
+            default="file",
+            choices=layout.IPC_FORMATS,
+            help="IPC file (pyarrow.dataset, load_dataset('arrow')) or stream "
+            "(datasets.Dataset.from_file)",
+        )
+        g.add_argument(
+            "--reduce",
+            default="none",
+            metavar="R",
+            help="storage reduction: none, fp16, bf16, int8, proj:K, pca:K, topk:K",
+        )
+        g.add_argument("--reduce-seed", type=int, default=0, help="seed of proj:K's matrix")
+        g.add_argument(
+            "--pca-warmup", type=int, default=4096, help="rows per layer/hook the PCA is fitted on"
+        )
+        g.add_argument(
+            "--tag-columns",
+            default="",
+            metavar="K1,K2",
+            help="request tag keys that also get a column tag_KEY of their own "
+            "(all tags are in the JSON column 'tags' anyway)",
+        )
+        s = parser.add_argument_group("fs-sink: selection")
+        s.add_argument("--layers", default=None, help="keep only these layers: 0,3")
+        s.add_argument("--hooks", default=None, help="keep only these hooks: post_block,mlp_out")
+        s.add_argument(
+            "--positions", default=None, metavar="START:STOP", help="keep token positions"
+        )
+        s.add_argument(
+            "--keep",
+            default="all",
+            choices=("all", "marked"),
+            help="marked: hold recent requests, store only those marked by --keep-tag or a "
+            "mark on the bus",
+        )
+        s.add_argument(
+            "--keep-tag",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="with --keep marked: requests submitted with this tag are kept at once",
+        )
+        s.add_argument(
+            "--window-requests", type=int, default=1024, help="--keep marked: requests held"
+        )
+        s.add_argument("--window-mb-held", type=float, default=1024, help="--keep marked: MiB held")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FsSink:
-        return cls(
-            args.out, shard_rows=args.shard_rows, shard_mb=args.shard_mb, flush_s=args.flush_s
-        )
+        try:
+            cfg = WriterConfig(
+                shard_rows=args.shard_rows,
+                shard_bytes=int(args.shard_mb * (1 << 20)),
+                flush_s=args.flush_s,
+                compression=args.compression,
+                ipc=args.ipc,
+                reduction=parse_reduction(
+                    args.reduce, seed=args.reduce_seed, warmup=args.pca_warmup
+                ),
+                tag_columns=tuple(k for k in args.tag_columns.split(",") if k),
+            )
+            selection = Selection(
+                layers=_ints(args.layers, "--layers"),
+                hooks=tuple(args.hooks.split(",")) if args.hooks else None,
+                positions=parse_positions(args.positions) if args.positions else None,
+            )
+            window = None
+            if args.keep == "marked":
+                window = MarkedWindow(
+                    args.window_requests,
+                    int(args.window_mb_held * (1 << 20)),
+                    parse_keep_tags(args.keep_tag),
+                )
+            elif args.keep_tag:
+                raise ValueError("--keep-tag applies only with --keep marked")
+        except ValueError as e:
+            raise SystemExit(f"actbus run fs-sink: {e}") from None
+        return cls(args.out, cfg, selection=selection, window=window)
+
+    def subscription(self, *args: Any, **kwargs: Any) -> Subscription:
+        """Layers and hooks are cut at the publisher: unwanted taps never cross the bus."""
+        sub = super().subscription(*args, **kwargs)
+        return dataclasses.replace(sub, layers=self.selection.layers, hooks=self.selection.hooks)
 
     # ------------------------------------------------------------------ events
     def on_welcome(self, info: dict[str, Any]) -> None:
-        m = self.manifest
-        for key in ("model", "hidden_size", "dtype"):
-            if m[key] is not None and info.get(key) is not None and m[key] != info[key]:
-                raise RuntimeError(
-                    f"--out {self.out}: holds a run of {key}={m[key]!r}, but the publisher "
-                    f"sends {key}={info[key]!r}; use a new directory"
-                )
-            m[key] = m[key] if m[key] is not None else info.get(key)
-        self._write_manifest()  # the run directory shows the sink is subscribed
+        self.writer.set_stream(info)
 
     def on_batch(self, batch: Batch) -> None:
         h = batch.header
-        rows = h.rows
-        n = rows.num_rows
-        if n == 0:
+        if h.rows.num_rows == 0:
             return
-        key = (h.layer, h.hook)
-        sch = self._schema(h.dtype, h.shape[1])
-        rb = pa.record_batch(
-            [
-                pa.array(rows.row_request_ids(), pa.string()),
-                pa.array(rows.positions, pa.int64()),
-                pa.array(rows.token_ids, pa.int64()),
-                pa.array(np.full(n, h.step, dtype=np.int64)),
-                pa.array(np.full(n, h.layer, dtype=np.int32)),
-                pa.array([h.hook] * n, pa.string()),
-                layout.tensor_to_arrow(batch.tensor),
-            ],
-            schema=sch,
-        )
-        buf = self._buffers.setdefault(key, _Buffer())
-        if not buf.batches:
-            buf.since = time.monotonic()
-        buf.batches.append(rb)
-        buf.rows += n
-        buf.nbytes += rb.nbytes
-        self.rows_received += n
-        if buf.rows >= self.shard_rows or buf.nbytes >= self.shard_bytes:
-            self._flush(key)
+        self.rows_received += h.rows.num_rows
+        self.counts["rows_received"] += h.rows.num_rows
+        if not self.selection.wants(h.layer, h.hook):
+            self.counts["rows_not_selected"] += h.rows.num_rows
+            return
+        rows = Rows.from_batch(batch)
+        keep = self.selection.position_rows(rows.positions)
+        if keep is not None:
+            self.counts["rows_not_selected"] += len(rows) - len(keep)
+            rows = rows.take(keep)
+        if self.window is None:
+            self.writer.add(rows)
+            return
+        for part in self.window.offer(rows):
+            self.writer.add(part)
+        self._sync_window_counts()
+
+    def on_mark(self, info: dict[str, Any]) -> None:
+        if self.window is None:
+            return
+        rid, index = str(info.get("request_id", "")), int(info.get("sample_index", 0))
+        released = self.window.mark(rid, index, str(info.get("reason", "")))
+        for part in released:
+            self.writer.add(part)
+        self._sync_window_counts()
+        if released:
+            log.info("kept %s/%d (marked by %s)", rid, index, info.get("by") or "?")
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
-        now = time.monotonic()
-        for key, buf in list(self._buffers.items()):
-            if buf.batches and (caught_up or now - buf.since >= self.flush_s):
-                self._flush(key)
+        self.writer.tick(caught_up)
 
     def on_end(self) -> None:
-        self.flush()
+        self.writer.flush(final=True)
 
     def close(self) -> None:
-        try:
-            self.flush()
-        finally:
-            self._lock.close()
+        if self.window is not None:
+            self.window.discard()
+            self._sync_window_counts()
+        self.writer.close()
 
-    # ----------------------------------------------------------------- writing
+    # ----------------------------------------------------------------- helpers
     def flush(self) -> None:
-        for key in list(self._buffers):
-            self._flush(key)
+        self.writer.flush(final=True)
 
-    def _schema(self, dtype: str, hidden: int) -> pa.Schema:
-        if (dtype, hidden) not in self._schemas:
-            self._schemas[(dtype, hidden)] = layout.schema(dtype, hidden)
-        return self._schemas[(dtype, hidden)]
-
-    def _flush(self, key: tuple[int, str]) -> None:
-        buf = self._buffers.pop(key, None)
-        if buf is None or not buf.batches:
-            return
-        layer, hook = key
-        d = layout.shard_dir(self.out, layer, hook)
-        d.mkdir(parents=True, exist_ok=True)
-        final = d / layout.shard_name(self._next_index)
-        self._next_index += 1
-        tmp = final.with_name(final.name + ".tmp")
-        table = pa.Table.from_batches(buf.batches)
-        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-            w.write_table(table, max_chunksize=max(1, table.num_rows))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(d)
-        steps = table.column("step")
-        m = self.manifest
-        m["shards"].append(
-            {
-                "path": str(final.relative_to(self.out)),
-                "layer": layer,
-                "hook": hook,
-                "rows": table.num_rows,
-                "bytes": final.stat().st_size,
-                "steps": [int(pc.min(steps).as_py()), int(pc.max(steps).as_py())],
-            }
-        )
-        rk = f"{layer}/{hook}"
-        m["rows"][rk] = m["rows"].get(rk, 0) + table.num_rows
-        m["total_rows"] += table.num_rows
-        m["layers"] = sorted(set(m["layers"]) | {layer})
-        m["hooks"] = sorted(set(m["hooks"]) | {hook})
-        self._write_manifest()
-
-    def _write_manifest(self) -> None:
-        layout.write_atomic(
-            self.out / layout.MANIFEST, json.dumps(self.manifest, indent=1).encode()
-        )
+    def _sync_window_counts(self) -> None:
+        for k, v in self.window.counts.items():
+            self.counts[f"window_{k}"] = v
+        self.counts["window_held_requests"] = self.window.held_requests
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if not text:
+        return None
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected integers, e.g. 0,3") from None

@@ -1,0 +1,395 @@
+"""Shards and the manifest: how rows become committed, crash-safe files.
+
+A shard is written as ``shard-N.arrow.tmp``, fsynced, renamed, and the directory
+fsynced; only then is the manifest (listing its rows, bytes and sha256) replaced
+atomically. So after a ``kill -9`` at any moment the run holds committed shards
+that match the manifest, at most one complete shard the manifest does not list
+yet (killed between rename and manifest), and stray ``.tmp`` files. A restarted
+writer deletes the ``.tmp`` files, reads every unlisted shard back and, when it
+is whole, adopts it into the manifest (else leaves it, logged and counted), and
+numbers new shards after every one on disk: nothing committed is overwritten or
+written twice.
+
+A write that fails (disk full, permissions) raises ``StorageError`` naming the
+path; the half-written ``.tmp`` is removed and the committed shards stay valid.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from consumers.fs import layout
+from consumers.fs.reductions import Encoder, Reduction, fit_pca, load_basis, save_basis
+from consumers.fs.rows import Rows
+
+log = logging.getLogger("actbus.fs_sink")
+
+
+class StorageError(RuntimeError):
+    """The run directory cannot be written; what is committed is intact."""
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    shard_rows: int = 65536
+    shard_bytes: int = 256 << 20
+    flush_s: float = 5.0
+    compression: str = "none"
+    ipc: str = "file"
+    reduction: Reduction = field(default_factory=Reduction)
+    tag_columns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.shard_rows < 1:
+            raise ValueError(f"--shard-rows must be >= 1, got {self.shard_rows}")
+        if self.shard_bytes < 1:
+            raise ValueError("--shard-mb must be above 0")
+        if self.compression not in layout.COMPRESSIONS:
+            raise ValueError(
+                f"--compression {self.compression!r}: expected one of {layout.COMPRESSIONS}"
+            )
+        if self.ipc not in layout.IPC_FORMATS:
+            raise ValueError(f"--ipc {self.ipc!r}: expected one of {layout.IPC_FORMATS}")
+
+
+@dataclass
+class _Buffer:
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+    rows: int = 0
+    nbytes: int = 0
+    since: float = 0.0
+    steps: tuple[int, int] = (1 << 62, -1)
+
+
+@dataclass
+class _Tap:
+    """Per (layer, hook): its encoder, and for PCA the rows held until the fit."""
+
+    encoder: Encoder
+    schema: pa.Schema | None = None
+    warmup: list[Rows] = field(default_factory=list)
+    warmup_rows: int = 0
+
+
+class ShardWriter:
+    """Owns one run directory (an exclusive lock) and its manifest."""
+
+    def __init__(self, out: str | Path, cfg: WriterConfig) -> None:
+        self.out = Path(out)
+        self.cfg = cfg
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._lock = open(self.out / ".lock", "w")  # noqa: SIM115 (held for the writer's life)
+        except OSError as e:
+            raise StorageError(f"--out {self.out}: cannot create the run directory: {e}") from e
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(
+                f"--out {self.out}: another fs-sink is writing this run; give each sink its "
+                "own directory"
+            ) from None
+        for stale in self.out.rglob("*.tmp"):  # left by a crash mid-write
+            stale.unlink()
+        self.counts: Counter[str] = Counter()
+        self.manifest = self._load_manifest()
+        self._buffers: dict[tuple[int, str], _Buffer] = {}
+        self._taps: dict[tuple[int, str], _Tap] = {}
+        self.failed: StorageError | None = None
+        self._adopt_orphans()
+
+    # ---------------------------------------------------------------- manifest
+    def _load_manifest(self) -> dict[str, Any]:
+        cfg = self.cfg
+        settings = {
+            "ipc": cfg.ipc,
+            "compression": cfg.compression,
+            "reduction": cfg.reduction.to_json(),
+            "tag_columns": list(cfg.tag_columns),
+        }
+        m = layout.read_manifest(self.out)
+        if m is None:
+            return {
+                "format": layout.FORMAT_VERSION,
+                "model": None,
+                "hidden_size": None,
+                "dtype": None,
+                **settings,
+                "layers": [],
+                "hooks": [],
+                "shards": [],
+                "bases": {},
+                "rows": {},
+                "total_rows": 0,
+                "sessions": 0,
+                "counters": {},
+            }
+        if m.get("format") != layout.FORMAT_VERSION:
+            raise RuntimeError(
+                f"--out {self.out}: manifest format {m.get('format')!r}, this sink writes "
+                f"{layout.FORMAT_VERSION}; use a new directory"
+            )
+        for key, value in settings.items():
+            if key != "compression" and m.get(key) != value:  # compression is per file
+                raise RuntimeError(
+                    f"--out {self.out}: the run was written with {key}={m.get(key)!r}, "
+                    f"not {value!r}; pass the same flags to continue it, or use a new directory"
+                )
+        return m
+
+    def write_manifest(self) -> None:
+        self.manifest["counters"] = dict(self.counts)
+        try:
+            layout.write_atomic(
+                self.out / layout.MANIFEST, json.dumps(self.manifest, indent=1).encode()
+            )
+        except OSError as e:
+            (self.out / (layout.MANIFEST + ".tmp")).unlink(missing_ok=True)
+            raise self._fail(f"cannot write {self.out / layout.MANIFEST}", e) from e
+
+    def set_stream(self, info: dict[str, Any]) -> None:
+        """Check the publisher's stream against the run's; record it."""
+        m = self.manifest
+        for key in ("model", "hidden_size", "dtype"):
+            if m[key] is not None and info.get(key) is not None and m[key] != info[key]:
+                raise RuntimeError(
+                    f"--out {self.out}: holds a run of {key}={m[key]!r}, but the publisher "
+                    f"sends {key}={info[key]!r}; use a new directory"
+                )
+            m[key] = m[key] if m[key] is not None else info.get(key)
+        m["sessions"] = m.get("sessions", 0) + 1
+        self.write_manifest()  # the run directory shows the sink is subscribed
+
+    def _adopt_orphans(self) -> None:
+        listed = {s["path"] for s in self.manifest["shards"]}
+        names = [s["path"].rsplit("/", 1)[-1] for s in self.manifest["shards"]]
+        changed = False
+        for p in sorted(self.out.glob("layer-*/*/shard-*.arrow")):
+            names.append(p.name)
+            rel = str(p.relative_to(self.out))
+            if rel in listed:
+                continue
+            try:
+                table = layout.read_shard(p, self.cfg.ipc)
+                layer = int(p.parent.parent.name.removeprefix("layer-"))
+                entry = self._entry(p, layer, p.parent.name, table)
+            except (OSError, pa.ArrowException, ValueError) as e:
+                self.counts["orphans_unreadable"] += 1
+                log.error("%s: not in the manifest and unreadable (%s); left as is", p, e)
+                continue
+            self._record(entry)
+            self.counts["orphans_adopted"] += 1
+            log.info("%s: complete but not in the manifest (a crash); adopted", rel)
+            changed = True
+        idx = [i for n in names if (i := layout.shard_index(n)) is not None]
+        self._next_index = 1 + max(idx, default=-1)
+        if changed:
+            self.write_manifest()
+
+    # ------------------------------------------------------------------- rows
+    def add(self, rows: Rows) -> None:
+        """Buffer rows; a shard is written once its buffer is full."""
+        if not len(rows):
+            return
+        key = (rows.layer, rows.hook)
+        tap = self._tap(key, rows)
+        if not tap.encoder.ready:
+            tap.warmup.append(rows)
+            tap.warmup_rows += len(rows)
+            if tap.warmup_rows < self.cfg.reduction.warmup:
+                return
+            self._fit(key, tap)
+            held, tap.warmup, tap.warmup_rows = tap.warmup, [], 0
+            for r in held:
+                self._append(key, tap, r)
+            return
+        self._append(key, tap, rows)
+
+    def _tap(self, key: tuple[int, str], rows: Rows) -> _Tap:
+        tap = self._taps.get(key)
+        if tap is None:
+            hidden = rows.tensor.shape[1]
+            basis = None
+            entry = self.manifest["bases"].get(f"{key[0]}/{key[1]}")
+            if self.cfg.reduction.kind == "pca" and entry is not None:
+                basis = load_basis(self.out / entry["path"])  # a restart keeps its basis
+            tap = self._taps[key] = _Tap(Encoder(self.cfg.reduction, rows.dtype, hidden, basis))
+        return tap
+
+    def _fit(self, key: tuple[int, str], tap: _Tap) -> None:
+        x = torch.cat([r.tensor for r in tap.warmup])
+        mean, basis = fit_pca(x, self.cfg.reduction.k)
+        d = self.out / "reductions"
+        path = d / f"layer-{key[0]:02d}-{key[1]}.safetensors"
+        try:
+            d.mkdir(exist_ok=True)
+            save_basis(path, mean, basis)
+        except OSError as e:
+            raise self._fail(f"cannot write the PCA basis {path}", e) from e
+        tap.encoder.basis = (mean, basis)
+        self.manifest["bases"][f"{key[0]}/{key[1]}"] = {
+            "path": str(path.relative_to(self.out)),
+            "checksum": layout.checksum(path),
+            "fitted_rows": int(x.shape[0]),
+        }
+        self.write_manifest()
+
+    def _schema(self, tap: _Tap, key: tuple[int, str]) -> pa.Schema:
+        if tap.schema is None:
+            basis = self.manifest["bases"].get(f"{key[0]}/{key[1]}", {}).get("path", "")
+            fields = list(layout.META_FIELDS)
+            fields += [pa.field(layout.tag_column(k), pa.string()) for k in self.cfg.tag_columns]
+            fields += tap.encoder.fields(basis)
+            meta = {
+                "actbus.format": str(layout.FORMAT_VERSION),
+                "actbus.dtype": tap.encoder.dtype,
+                "actbus.hidden_size": str(tap.encoder.hidden),
+                "actbus.reduction": json.dumps(self.cfg.reduction.to_json()),
+            }
+            tap.schema = pa.schema(fields, metadata=meta)
+        return tap.schema
+
+    def _append(self, key: tuple[int, str], tap: _Tap, rows: Rows) -> None:
+        n = len(rows)
+        cols: list[pa.Array] = [
+            pa.array(rows.request_ids, pa.string()),
+            pa.array(rows.sample_index, pa.int32()),
+            pa.array(rows.positions, pa.int64()),
+            pa.array(rows.token_ids, pa.int64()),
+            pa.array(np.full(n, rows.step, dtype=np.int64)),
+            pa.array(np.full(n, rows.layer, dtype=np.int32)),
+            pa.array([rows.hook] * n, pa.string()),
+            pa.array(rows.tags_json(), pa.string()),
+        ]
+        for k in self.cfg.tag_columns:
+            cols.append(pa.array([_tag_value(t.get(k)) for t in rows.tags], pa.string()))
+        cols += tap.encoder.encode(rows.tensor)
+        rb = pa.record_batch(cols, schema=self._schema(tap, key))
+        buf = self._buffers.setdefault(key, _Buffer())
+        if not buf.batches:
+            buf.since = time.monotonic()
+        buf.batches.append(rb)
+        buf.rows += n
+        buf.nbytes += rb.nbytes
+        buf.steps = (min(buf.steps[0], rows.step), max(buf.steps[1], rows.step))
+        self.counts["rows_buffered"] += n
+        if buf.rows >= self.cfg.shard_rows or buf.nbytes >= self.cfg.shard_bytes:
+            self._flush(key)
+
+    # ----------------------------------------------------------------- writing
+    def tick(self, caught_up: bool) -> None:
+        """Write buffers older than ``flush_s`` (all of them when caught up)."""
+        now = time.monotonic()
+        for key, buf in list(self._buffers.items()):
+            if buf.batches and (caught_up or now - buf.since >= self.cfg.flush_s):
+                self._flush(key)
+
+    def flush(self, final: bool = False) -> None:
+        """Write every buffer; ``final`` also fits PCA on a short warm-up."""
+        if final:
+            for key, tap in self._taps.items():
+                if tap.warmup:
+                    self._fit(key, tap)
+                    held, tap.warmup, tap.warmup_rows = tap.warmup, [], 0
+                    for r in held:
+                        self._append(key, tap, r)
+        for key in list(self._buffers):
+            self._flush(key)
+
+    def close(self) -> None:
+        try:
+            if self.failed is None:
+                self.flush(final=True)
+                self.write_manifest()  # final counters
+        finally:
+            self._lock.close()
+
+    def _flush(self, key: tuple[int, str]) -> None:
+        buf = self._buffers.pop(key, None)
+        if buf is None or not buf.batches:
+            return
+        if self.failed is not None:
+            raise self.failed
+        layer, hook = key
+        d = layout.shard_dir(self.out, layer, hook)
+        final = d / layout.shard_name(self._next_index)
+        tmp = final.with_name(final.name + ".tmp")
+        table = pa.Table.from_batches(buf.batches)
+        if len(buf.batches) > 1 and table.num_rows < 1024 * len(buf.batches):
+            table = table.combine_chunks()  # many tiny messages: fewer, larger batches
+        opts = pa.ipc.IpcWriteOptions(
+            compression=None if self.cfg.compression == "none" else self.cfg.compression
+        )
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with pa.OSFile(str(tmp), "wb") as f:
+                new = pa.ipc.new_file if self.cfg.ipc == "file" else pa.ipc.new_stream
+                with new(f, table.schema, options=opts) as w:
+                    w.write_table(table)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            layout.fsync_dir(d)
+        except (OSError, pa.ArrowException) as e:
+            tmp.unlink(missing_ok=True)
+            self.counts["rows_lost_on_storage_error"] += buf.rows
+            raise self._fail(f"cannot write shard {final}", e) from e
+        self._next_index += 1
+        self._record(self._entry(final, layer, hook, table))
+        self.counts["rows_written"] += table.num_rows
+        self.counts["shards_written"] += 1
+        self.write_manifest()
+
+    def _entry(self, path: Path, layer: int, hook: str, table: pa.Table) -> dict[str, Any]:
+        steps = table.column("step")
+        return {
+            "path": str(path.relative_to(self.out)),
+            "layer": layer,
+            "hook": hook,
+            "rows": table.num_rows,
+            "bytes": path.stat().st_size,
+            "checksum": layout.checksum(path),
+            "steps": [int(pc.min(steps).as_py() or 0), int(pc.max(steps).as_py() or 0)],
+        }
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        m = self.manifest
+        m["shards"].append(entry)
+        rk = f"{entry['layer']}/{entry['hook']}"
+        m["rows"][rk] = m["rows"].get(rk, 0) + entry["rows"]
+        m["total_rows"] += entry["rows"]
+        m["layers"] = sorted(set(m["layers"]) | {entry["layer"]})
+        m["hooks"] = sorted(set(m["hooks"]) | {entry["hook"]})
+
+    def _fail(self, what: str, e: Exception) -> StorageError:
+        why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
+        self.failed = StorageError(
+            f"--out {self.out}: {what}: {why}. The {len(self.manifest['shards'])} shards "
+            f"listed in {self.out / layout.MANIFEST} are complete and intact; free space or "
+            "fix permissions, then restart the sink with the same --out to continue the run"
+        )
+        log.error("%s", self.failed)
+        return self.failed
+
+
+def _tag_value(v: Any) -> str | None:
+    if v is None:
+        return None
+    return v if isinstance(v, str) else json.dumps(v)
