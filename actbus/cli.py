@@ -3,6 +3,7 @@
 actbus run --list
 actbus run NAME --connect ADDR [--policy P] [--window N] [consumer flags...]
 actbus stats --connect ADDR [--once | --json]
+actbus dashboard --connect ADDR [--port P]
 actbus serve MODEL [--layers L] [--hooks H] [--publish ADDR] [vllm serve args...]
 """
 
@@ -52,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     keys_p.add_argument("--client", default="client", help="subscriber key name (default client)")
     stats_p = sub.add_parser("stats", help="the publisher's counters: a live table (--once: one)")
     statsview.add_arguments(stats_p)
+    dash_p = sub.add_parser(
+        "dashboard", help="a live web view of the bus and its activations, on 127.0.0.1"
+    )
+    from consumers import dashboard
+
+    dashboard.add_arguments(dash_p)
     args, rest = parser.parse_known_args(argv)
     if args.command == "run":
         return _run(args, rest, run_p)
@@ -63,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             stats_p.error(f"unrecognized arguments: {' '.join(rest)}")
         return statsview.main(args)
+    if args.command == "dashboard":
+        if rest:
+            dash_p.error(f"unrecognized arguments: {' '.join(rest)}")
+        return dashboard.main(args, dash_p)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,55 @@
+"""``actbus dashboard``: a local web view of the bus and its activations.
+
+``actbus dashboard --connect ADDR [--port P]`` subscribes with ``sample:N`` (it
+can never slow generation), keeps the same statistics as the W&B consumer
+(``consumers.stats``) and serves them on 127.0.0.1 only: one page, no assets
+from the internet, updated live over server-sent events. Flags are defined
+here, without importing the web stack, so ``actbus --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 8765
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", required=True, help="publisher address")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port on 127.0.0.1 (default {DEFAULT_PORT}; 0: any free port, printed)",
+    )
+    p.add_argument(
+        "--policy",
+        default="sample:10",
+        help="subscription policy; sample:N (default sample:10) so the dashboard never "
+        "slows generation (a lossless policy would)",
+    )
+    p.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="seconds between updates"
+    )
+    p.add_argument(
+        "--requests", type=int, default=16, metavar="N", help="recent requests kept (default 16)"
+    )
+    p.add_argument("--bins", type=int, default=32, help="histogram bins of the per-token norms")
+    p.add_argument(
+        "--outlier-k",
+        type=float,
+        default=6.0,
+        help="a hidden dimension is an outlier when its peak |x| exceeds K x the RMS "
+        "of the median dimension (default 6)",
+    )
+    p.add_argument("--server-key", default=None, help="CURVE: the publisher's public key file")
+    p.add_argument(
+        "--client-secret-key", default=None, help="CURVE: this subscriber's secret key file"
+    )
+    p.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from consumers.dashboard.app import serve
+
+    return serve(args, parser)

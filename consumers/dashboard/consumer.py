@@ -1,0 +1,30 @@
+"""The web dashboard's consumer: a ``Monitor`` whose reports go to a ``Board``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actbus.bus import Batch
+from consumers.dashboard.board import Board
+from consumers.monitor import Monitor
+
+
+class WebDashboard(Monitor):
+    name = "dashboard"
+
+    def __init__(self, address: str, board: Board, **kw: Any) -> None:
+        super().__init__(address, recent=board.recent, **kw)
+        self.board = board
+
+    @classmethod
+    def from_args(cls, args: Any) -> WebDashboard:
+        raise TypeError("the web dashboard runs with `actbus dashboard`, not `actbus run`")
+
+    def on_batch(self, batch: Batch) -> None:
+        with self.board.lock:  # the server reads recent requests from another thread
+            norms = self.acts.add(batch)
+            self.board.recent.add(batch, norms)
+        self._maybe_report()
+
+    def report(self, snap: dict[str, Any]) -> None:
+        self.board.publish(snap)

@@ -1,0 +1,120 @@
+// actbus dashboard: renders snapshots from /events (server-sent events). No libraries.
+"use strict";
+const $ = (s) => document.querySelector(s);
+const normHistory = {};           // tap -> recent norm means, for the time series
+const HISTORY = 120;
+let updates = 0, source = null, tapWanted = new URLSearchParams(location.search).get("tap");
+
+function fmt(v, digits = 3) {
+  if (v === undefined || v === null) return "-";
+  if (typeof v !== "number") return String(v);
+  if (Number.isInteger(v)) return v.toLocaleString("en");
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e6)) return v.toExponential(2);
+  return v.toFixed(digits);
+}
+function bytes(v) {
+  if (!v) return "0 B";
+  const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
+  while (v >= 1024 && i < u.length - 1) { v /= 1024; i++; }
+  return v.toFixed(1) + " " + u[i];
+}
+function el(tag, attrs = {}, text) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+const NS = "http://www.w3.org/2000/svg";
+function svg(w, h) { const s = document.createElementNS(NS, "svg"); s.setAttribute("width", w); s.setAttribute("height", h); s.setAttribute("viewBox", `0 0 ${w} ${h}`); return s; }
+function rect(s, x, y, w, h, fill) { const r = document.createElementNS(NS, "rect"); for (const [k, v] of Object.entries({ x, y, width: Math.max(w, 0.5), height: Math.max(h, 0), fill })) r.setAttribute(k, v); s.appendChild(r); }
+function bars(values, w, h, fill, title) {
+  const s = svg(w, h), max = Math.max(...values, 1e-12), bw = w / Math.max(values.length, 1);
+  values.forEach((v, i) => rect(s, i * bw, h - (v / max) * h, bw * 0.9, (v / max) * h, fill));
+  if (title) { const t = document.createElementNS(NS, "title"); t.textContent = title; s.appendChild(t); }
+  return s;
+}
+function line(values, w, h, stroke) {
+  const s = svg(w, h); if (values.length < 2) return s;
+  const lo = Math.min(...values), hi = Math.max(...values), span = hi - lo || 1;
+  const pts = values.map((v, i) => `${(i / (values.length - 1)) * w},${h - 2 - ((v - lo) / span) * (h - 4)}`);
+  const p = document.createElementNS(NS, "polyline");
+  p.setAttribute("points", pts.join(" ")); p.setAttribute("fill", "none"); p.setAttribute("stroke", stroke); p.setAttribute("stroke-width", "1.5");
+  s.appendChild(p); return s;
+}
+function cards(root, items) {
+  root.replaceChildren(...items.map(([id, k, v]) => {
+    const c = el("div", { class: "card" }); c.append(el("div", { class: "v", id }, v), el("div", { class: "k" }, k)); return c;
+  }));
+}
+
+function render(s) {
+  updates++;
+  $("#updates").textContent = updates;
+  $("#updated").textContent = s.time ? new Date(s.time * 1000).toLocaleTimeString() : "-";
+  $("#model").textContent = s.model || "";
+  const b = s.bus || {}, me = s.me || {}, acts = s.acts || {};
+  cards($("#bus-cards"), [
+    ["bus-steps-per-s", "steps/s", fmt(b.steps_per_s, 1)],
+    ["bus-tokens-per-s", "tokens/s (est. from samples)", fmt(b.tokens_per_s, 1)],
+    ["bus-bytes-per-s", "sent/s", bytes(b.bytes_per_s || 0) + "/s"],
+    ["bus-last-step", "last step", fmt(b.last_step)],
+    ["bus-published", "messages published", fmt(b.published)],
+    ["bus-drops", "drops (all reasons)", fmt(b.drops_total)],
+    ["bus-spill", "spilled now", bytes(b.spill_bytes || 0)],
+    ["bus-queued", "queued", bytes(b.queued_bytes || 0)],
+    ["bus-stall", "engine stalled (s)", fmt(b.stall_s, 2)],
+    ["bus-latency", "capture→send p50 / p99 ms", `${fmt(b.latency_p50_ms, 2)} / ${fmt(b.latency_p99_ms, 2)}`],
+  ]);
+  const subs = $("#subscribers tbody"); subs.replaceChildren();
+  for (const [name, lag] of Object.entries(b.lag_steps || {})) {
+    const tr = el("tr"); tr.append(el("td", {}, name), el("td", {}, fmt(lag)), el("td", {}, fmt((b.sub_dropped || {})[name] || 0))); subs.append(tr);
+  }
+  cards($("#me-cards"), [
+    ["me-sample", "this dashboard samples every", `${s.sample_every || 1} steps`],
+    ["me-steps", "steps counted", fmt(me.steps_counted)],
+    ["me-received", "messages received", fmt(me.received)],
+    ["me-dropped", "dropped for it", fmt(Object.values(me.dropped || {}).reduce((a, c) => a + c, 0))],
+    ["me-rows", "rows digested", fmt(acts.rows)],
+  ]);
+  const taps = acts.taps || {}, tbody = $("#taps tbody"); tbody.replaceChildren();
+  for (const [key, t] of Object.entries(taps)) {
+    (normHistory[key] = normHistory[key] || []).push(t.norm_mean || 0);
+    if (normHistory[key].length > HISTORY) normHistory[key].shift();
+    const tr = el("tr", { "data-tap": key });
+    const hist = el("td"), ts = el("td");
+    if (t.norm_hist) hist.append(bars(t.norm_hist.counts, 160, 32, "#3b6ea5", `norms ${fmt(t.norm_hist.edges[0])} .. ${fmt(t.norm_hist.edges.at(-1))}`));
+    ts.append(line(normHistory[key], 140, 32, "#c0392b"));
+    tr.append(el("td", {}, key), el("td", {}, fmt(t.rows)), el("td", { class: "norm-mean" }, fmt(t.norm_mean)), el("td", {}, fmt(t.norm_std)),
+      hist, ts, el("td", {}, fmt(t.mean_drift)), el("td", {}, fmt(t.var_drift)), el("td", {}, t.outlier_frac === undefined ? "-" : (100 * t.outlier_frac).toFixed(2) + " %"));
+    tbody.append(tr);
+  }
+  const tags = $("#tags tbody"); tags.replaceChildren();
+  for (const [label, per] of Object.entries(acts.tags || {})) for (const [key, v] of Object.entries(per)) {
+    const tr = el("tr"); tr.append(el("td", {}, label), el("td", {}, key), el("td", {}, fmt(v.rows)), el("td", {}, fmt(v.norm_mean))); tags.append(tr);
+  }
+  const sel = $("#tap"), keys = Object.keys(taps);
+  if ([...sel.options].map((o) => o.value).join() !== keys.join()) sel.replaceChildren(...keys.map((k) => el("option", { value: k }, k)));
+  if (s.tap) sel.value = s.tap;
+  const reqs = $("#requests"); reqs.replaceChildren();
+  for (const r of s.requests || []) {
+    const d = el("div", { class: "req" });
+    const tagText = Object.entries(r.tags || {}).map(([k, v]) => `${k}=${v}`).join(" ");
+    d.append(el("div", {}, ""));
+    d.firstChild.append(el("span", { class: "id" }, r.request_id + (r.sample_index ? `#${r.sample_index}` : "")),
+      el("span", { class: "muted" }, `  ${r.positions.length} tokens sampled${r.ended ? ", ended: " + r.ended : ""}${tagText ? ", " + tagText : ""}`));
+    if (r.norms.length) d.append(bars(r.norms, Math.min(900, 6 * r.norms.length + 20), 48, "#2a7d46", `positions ${r.positions[0]}..${r.positions.at(-1)}`));
+    reqs.append(d);
+  }
+}
+
+function connect() {
+  if (source) source.close();
+  const q = tapWanted ? `?tap=${encodeURIComponent(tapWanted)}` : "";
+  source = new EventSource("/events" + q);
+  source.onopen = () => { $("#status").textContent = "live"; $("#status").className = "pill live"; };
+  source.onerror = () => { $("#status").textContent = "reconnecting"; $("#status").className = "pill"; };
+  source.onmessage = (e) => render(JSON.parse(e.data));
+}
+$("#tap").addEventListener("change", (e) => { tapWanted = e.target.value; connect(); });
+connect();

@@ -1,0 +1,182 @@
+"""The common part of the dashboards: a sampling consumer that keeps statistics.
+
+``Monitor`` digests every batch it receives into ``ActivationStats`` (and, when
+asked, ``RecentRequests``), and every ``interval_s`` asks the publisher for its
+counters through a second, data-less connection (the same client ``actbus stats``
+uses), so it can hand one complete snapshot to ``report``: the W&B logger logs
+it, the web dashboard serves it. It subscribes with ``sample:N`` by default, so a
+slow dashboard loses sampled steps (counted by the publisher), never generation time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+from actbus.bus import Batch, Subscriber, statsview
+from actbus.consumer import Consumer
+from consumers.stats import ActivationStats, BusHealth, RecentRequests, StatsConfig
+
+log = logging.getLogger("actbus.monitor")
+
+
+class Monitor(Consumer):
+    """Statistics of a sampled stream plus the publisher's health, every ``interval_s``."""
+
+    default_policy: ClassVar[str] = "sample:10"
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        interval_s: float = 2.0,
+        config: StatsConfig | None = None,
+        recent: RecentRequests | None = None,
+        server_key: str | None = None,
+        client_secret_key: str | None = None,
+        stats_timeout_s: float = 2.0,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s: must be > 0 seconds, got {interval_s}")
+        self.address = address
+        self.interval_s = interval_s
+        self.acts = ActivationStats(config)
+        self.recent = recent
+        self.health = BusHealth(ignore=(statsview.CLIENT_NAME,))
+        self.sample_every = 1
+        self.welcome: dict[str, Any] = {}
+        self.beat: dict[str, Any] = {}
+        self.stats_failures = 0
+        self._keys = (server_key, client_secret_key)
+        self._stats_timeout_s = stats_timeout_s
+        self._side: Subscriber | None = None
+        self._next = time.monotonic() + interval_s
+        self._ended = False
+        self.reports = 0
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--interval",
+            type=float,
+            default=2.0,
+            metavar="S",
+            help="seconds between two snapshots (stats asked of the publisher, one report)",
+        )
+        parser.add_argument(
+            "--bins", type=int, default=32, help="histogram bins of the per-token norms"
+        )
+        parser.add_argument(
+            "--outlier-k",
+            type=float,
+            default=6.0,
+            help="a hidden dimension is an outlier when its peak |x| exceeds K x the RMS "
+            "of the median dimension (default 6)",
+        )
+
+    @staticmethod
+    def common_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+        """The ``Monitor`` arguments every subclass takes from ``actbus run`` flags."""
+        if args.interval <= 0:
+            raise ValueError(f"--interval: must be > 0 seconds, got {args.interval}")
+        return {
+            "interval_s": args.interval,
+            "config": StatsConfig(bins=args.bins, outlier_k=args.outlier_k),
+            "server_key": getattr(args, "server_key", None),
+            "client_secret_key": getattr(args, "client_secret_key", None),
+        }
+
+    # ----------------------------------------------------------------- callbacks
+    def on_welcome(self, info: dict[str, Any]) -> None:
+        self.welcome = dict(info)
+
+    def subscription(self, policy: str | None = None, **kw: Any):  # type: ignore[override]
+        sub = super().subscription(policy, **kw)
+        self.sample_every = sub.sample_every if sub.policy == "sample" else 1
+        return sub
+
+    def on_batch(self, batch: Batch) -> None:
+        norms = self.acts.add(batch)
+        if self.recent is not None:
+            self.recent.add(batch, norms)
+        self._maybe_report()
+
+    def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
+        self.beat = dict(info)
+        self._maybe_report()
+
+    def on_end(self) -> None:
+        self._ended = True  # the publisher is gone: no stats to ask for any more
+        self.flush()
+
+    def close(self) -> None:
+        if self._side is not None:
+            self._side.close()
+            self._side = None
+
+    # ------------------------------------------------------------------ reports
+    def flush(self) -> dict[str, Any]:
+        """Take a snapshot now (publisher counters included if it answers) and report it."""
+        snap = self.snapshot()
+        self.report(snap)
+        self.reports += 1
+        self._next = time.monotonic() + self.interval_s
+        return snap
+
+    def snapshot(self) -> dict[str, Any]:
+        stats = self._publisher_stats()
+        acts = self.acts.snapshot()
+        bus = (
+            self.health.update(stats, tokens=acts["tokens"], every=self.sample_every)
+            if stats is not None
+            else dict(self.health.latest)
+        )
+        you = self.beat.get("you") or {}
+        return {
+            "time": time.time(),
+            "model": self.welcome.get("model", ""),
+            "sample_every": self.sample_every,
+            "bus": bus,
+            "bus_ok": stats is not None,
+            "stats_failures": self.stats_failures,
+            "me": {
+                "received": acts["messages"],
+                "steps_counted": acts["steps_counted"],
+                "routed": int(you.get("routed", 0)),
+                "sent": int(you.get("sent", 0)),
+                "sampled_out": int(you.get("sampled_out", 0)),
+                "dropped": dict(you.get("dropped") or {}),
+                "lag_steps": int(you.get("lag_steps", 0)),
+            },
+            "acts": acts,
+        }
+
+    @abstractmethod
+    def report(self, snap: dict[str, Any]) -> None:
+        """Publish one snapshot (log it, serve it)."""
+
+    def _maybe_report(self) -> None:
+        if time.monotonic() >= self._next:
+            self.flush()
+
+    def _publisher_stats(self) -> dict[str, Any] | None:
+        if self._ended:
+            return None
+        try:
+            if self._side is None:
+                server_key, client_key = self._keys
+                self._side = Subscriber(
+                    self.address,
+                    statsview.stats_subscription(),
+                    server_key=server_key,
+                    client_secret_key=client_key,
+                )
+                self._side.wait_welcome(self._stats_timeout_s)
+            return statsview.request(self._side, self._stats_timeout_s)
+        except TimeoutError as e:
+            self.stats_failures += 1
+            log.warning("no publisher stats (%d so far): %s", self.stats_failures, e)
+            return None

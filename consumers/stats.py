@@ -1,0 +1,379 @@
+"""Activation statistics and bus health: one implementation for every dashboard.
+
+``ActivationStats`` digests sampled batches into per-(layer, hook) figures: the
+distribution of per-token L2 norms (a histogram over a recent window), the mean
+and variance of the activations and how far they drifted from the first rows
+seen (the reference), the fraction of outlier hidden dimensions, and per-tag
+breakdowns. ``BusHealth`` turns two snapshots of the publisher's own counters
+(``Publisher.stats()``) into rates, lags, drops and spill sizes. ``RecentRequests``
+keeps per-token norms of the last requests seen, for the web view. All snapshots
+are plain JSON-able dicts, so the W&B logger and the web page render the same data.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from actbus.bus import Batch
+
+OTHER_TAG = "(other)"
+"""Tag values past ``StatsConfig.max_tag_values`` are counted under this name."""
+
+
+def tap_key(layer: int, hook: str) -> str:
+    return f"{layer}/{hook}"
+
+
+@dataclass(frozen=True)
+class StatsConfig:
+    """How activations are summarised."""
+
+    bins: int = 32
+    """Histogram bins for the per-token norm distribution."""
+    window_rows: int = 8192
+    """Norms kept per tap for the histogram and the norm mean/std (most recent rows)."""
+    reference_rows: int = 256
+    """Rows whose mean and variance are the reference the drift is measured against."""
+    ema: float = 0.1
+    """Weight of each new batch in the current mean/variance (exponential average)."""
+    outlier_k: float = 6.0
+    """A hidden dimension is an outlier in a batch when its largest magnitude is above
+    ``outlier_k`` times the RMS of the batch's median dimension (LLM.int8()-style
+    outlier features, scale-free)."""
+    outlier_batches: int = 64
+    """Batches averaged for the outlier fraction."""
+    max_tag_values: int = 64
+    """Distinct ``key=value`` tag labels tracked; the rest go to ``(other)`` (counted)."""
+    step_memory: int = 1 << 14
+    """Distinct steps remembered for counting (steps arrive nearly in order)."""
+
+    def __post_init__(self) -> None:
+        for name in ("bins", "window_rows", "reference_rows", "outlier_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StatsConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.ema <= 1:
+            raise ValueError(f"StatsConfig.ema: must be in (0, 1], got {self.ema}")
+        if self.outlier_k <= 0:
+            raise ValueError(f"StatsConfig.outlier_k: must be > 0, got {self.outlier_k}")
+
+
+@dataclass
+class _Tap:
+    """Running figures of one (layer, hook)."""
+
+    layer: int
+    hook: str
+    hidden: int
+    rows: int = 0
+    batches: int = 0
+    norms: deque[np.ndarray] = field(default_factory=deque)
+    window: int = 0  # rows held in ``norms``
+    ref_sum: np.ndarray | None = None
+    ref_sq: np.ndarray | None = None
+    ref_rows: int = 0
+    ref_mean: np.ndarray | None = None
+    ref_var: np.ndarray | None = None
+    m1: np.ndarray | None = None  # exponential averages of x and x**2, per dimension
+    m2: np.ndarray | None = None
+    outliers: deque[float] = field(default_factory=deque)
+
+
+class ActivationStats:
+    """Per-(layer, hook) activation statistics from sampled batches."""
+
+    def __init__(self, config: StatsConfig | None = None) -> None:
+        self.config = config or StatsConfig()
+        self.taps: dict[str, _Tap] = {}
+        self.tags: dict[str, dict[str, list[float]]] = {}  # label -> tap -> [rows, norm sum]
+        self.tag_overflow_rows = 0
+        self.messages = 0
+        self.rows = 0
+        self.bytes = 0
+        self.steps_counted = 0
+        self.last_step = -1
+        self._steps: set[int] = set()
+        self._max_step = -1
+
+    def add(self, batch: Batch) -> np.ndarray:
+        """Digest one batch; returns its per-row norms (float64, numpy)."""
+        h = batch.header
+        self.messages += 1
+        self.bytes += h.nbytes
+        self._count_step(h.step)
+        x = batch.tensor
+        if x.dim() != 2:
+            x = x.reshape(x.shape[0], -1)
+        x = x.to(torch.float32)
+        n = x.shape[0]
+        self.rows += n
+        key = tap_key(h.layer, h.hook)
+        t = self.taps.get(key)
+        if t is None:
+            t = self.taps[key] = _Tap(h.layer, h.hook, int(x.shape[1]))
+        t.batches += 1
+        if n == 0:
+            return np.zeros(0)
+        norms = torch.linalg.vector_norm(x, dim=1).double().numpy()
+        t.rows += n
+        self._window(t, norms)
+        xd = x.double()
+        # Moments, not per-batch variances: a batch of a few rows would bias those low.
+        m1, m2 = xd.mean(0).numpy(), (xd * xd).mean(0).numpy()
+        self._reference(t, xd)
+        a = self.config.ema
+        t.m1 = m1 if t.m1 is None else (1 - a) * t.m1 + a * m1
+        t.m2 = m2 if t.m2 is None else (1 - a) * t.m2 + a * m2
+        # Against the median dimension's RMS: the outliers themselves do not raise the bar.
+        typical = float(torch.sqrt(torch.mean(x * x, dim=0)).median())
+        peak = x.abs().amax(0)
+        frac = float((peak > self.config.outlier_k * typical).double().mean()) if typical else 0.0
+        t.outliers.append(frac)
+        if len(t.outliers) > self.config.outlier_batches:
+            t.outliers.popleft()
+        self._tags(h.rows, norms, key)
+        return norms
+
+    def _count_step(self, step: int) -> None:
+        if step in self._steps:
+            return
+        if step < self._max_step - self.config.step_memory:
+            return  # far older than anything remembered: a duplicate of a forgotten step
+        self._steps.add(step)
+        self.steps_counted += 1
+        self.last_step = max(self.last_step, step)
+        if step > self._max_step:
+            self._max_step = step
+        if len(self._steps) > 2 * self.config.step_memory:
+            floor = self._max_step - self.config.step_memory
+            self._steps = {s for s in self._steps if s >= floor}
+
+    def _window(self, t: _Tap, norms: np.ndarray) -> None:
+        t.norms.append(norms)
+        t.window += len(norms)
+        while t.window - len(t.norms[0]) >= self.config.window_rows:
+            t.window -= len(t.norms.popleft())
+
+    def _reference(self, t: _Tap, xd: torch.Tensor) -> None:
+        if t.ref_mean is not None:
+            return
+        take = xd[: self.config.reference_rows - t.ref_rows]
+        s, sq = take.sum(0).numpy(), (take * take).sum(0).numpy()
+        t.ref_sum = s if t.ref_sum is None else t.ref_sum + s
+        t.ref_sq = sq if t.ref_sq is None else t.ref_sq + sq
+        t.ref_rows += take.shape[0]
+        if t.ref_rows >= self.config.reference_rows:
+            t.ref_mean = t.ref_sum / t.ref_rows
+            t.ref_var = np.maximum(t.ref_sq / t.ref_rows - t.ref_mean**2, 0.0)
+
+    def _tags(self, rows: Any, norms: np.ndarray, key: str) -> None:
+        if not rows.tags:
+            return
+        offsets = rows.offsets
+        for i in range(len(rows.request_ids)):
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            if a == b:
+                continue
+            for k, v in sorted(rows.request_tags(i).items()):
+                label = f"{k}={v}"
+                if label not in self.tags and len(self.tags) >= self.config.max_tag_values:
+                    self.tag_overflow_rows += b - a
+                    label = OTHER_TAG
+                acc = self.tags.setdefault(label, {}).setdefault(key, [0, 0.0])
+                acc[0] += b - a
+                acc[1] += float(norms[a:b].sum())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every figure, JSON-able; ``taps`` sorted by layer then hook."""
+        taps: dict[str, Any] = {}
+        for key, t in sorted(self.taps.items(), key=lambda kv: (kv[1].layer, kv[1].hook)):
+            taps[key] = self._tap_snapshot(t)
+        tags = {
+            label: {
+                k: {"rows": int(r), "norm_mean": s / r if r else 0.0} for k, (r, s) in v.items()
+            }
+            for label, v in sorted(self.tags.items())
+        }
+        return {
+            "messages": self.messages,
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "steps_counted": self.steps_counted,
+            "last_step": self.last_step,
+            "tokens": max((t.rows for t in self.taps.values()), default=0),
+            "taps": taps,
+            "tags": tags,
+            "tag_overflow_rows": self.tag_overflow_rows,
+        }
+
+    def _tap_snapshot(self, t: _Tap) -> dict[str, Any]:
+        out: dict[str, Any] = {"layer": t.layer, "hook": t.hook, "hidden": t.hidden}
+        out.update(rows=t.rows, batches=t.batches)
+        norms = np.concatenate(list(t.norms)) if t.norms else np.zeros(0)
+        if len(norms):
+            counts, edges = np.histogram(norms, bins=self.config.bins)
+            out.update(
+                norm_mean=float(norms.mean()),
+                norm_std=float(norms.std()),
+                norm_p50=float(np.median(norms)),
+                norm_max=float(norms.max()),
+                norm_hist={"counts": counts.tolist(), "edges": edges.tolist()},
+            )
+        if t.outliers:
+            out["outlier_frac"] = float(np.mean(t.outliers))
+        if t.m1 is None or t.m2 is None:
+            return out
+        mean, var = t.m1, np.maximum(t.m2 - t.m1**2, 0.0)
+        out.update(act_mean=float(mean.mean()), act_var=float(var.mean()))
+        if t.ref_mean is not None and t.ref_var is not None:
+            ref_norm = float(np.linalg.norm(t.ref_mean))
+            scale = math.sqrt(float(t.ref_var.sum())) or 1.0
+            # Relative to the reference's mean or spread, whichever is larger: a
+            # figure comparable across layers whose scales differ by orders.
+            out["mean_drift"] = float(np.linalg.norm(mean - t.ref_mean)) / max(ref_norm, scale)
+            ref_v = float(t.ref_var.mean())
+            out["var_drift"] = float(var.mean()) / ref_v - 1.0 if ref_v > 0 else 0.0
+        return out
+
+
+@dataclass
+class _Seq:
+    request_id: str
+    sample_index: int
+    tags: dict[str, Any]
+    norms: dict[str, dict[int, tuple[int, float]]] = field(default_factory=dict)
+    """tap -> position -> (token id, norm)"""
+    ended: str = ""
+    updated: float = 0.0
+
+
+class RecentRequests:
+    """Per-token norms of the last ``keep`` requests (sampled steps only), per tap."""
+
+    def __init__(self, keep: int = 16, max_positions: int = 4096) -> None:
+        if keep < 1:
+            raise ValueError(f"RecentRequests.keep: must be >= 1, got {keep}")
+        self.keep = keep
+        self.max_positions = max_positions
+        self._seqs: OrderedDict[tuple[str, int], _Seq] = OrderedDict()
+        self.forgotten = 0
+
+    def add(self, batch: Batch, norms: np.ndarray) -> None:
+        h = batch.header
+        rows = h.rows
+        key = tap_key(h.layer, h.hook)
+        now = time.time()
+        for i, rid in enumerate(rows.request_ids):
+            a, b = int(rows.offsets[i]), int(rows.offsets[i + 1])
+            if a == b:
+                continue
+            s = self._seq(rid, rows.request_sample_index(i), rows.request_tags(i))
+            per = s.norms.setdefault(key, {})
+            for j in range(a, b):
+                if len(per) < self.max_positions:
+                    per[int(rows.positions[j])] = (int(rows.token_ids[j]), float(norms[j]))
+            s.updated = now
+        for e in h.ended:
+            s = self._seqs.get((e.request_id, e.sample_index))
+            if s is not None:
+                s.ended = e.reason
+
+    def _seq(self, rid: str, index: int, tags: dict[str, Any]) -> _Seq:
+        k = (rid, index)
+        s = self._seqs.get(k)
+        if s is None:
+            s = self._seqs[k] = _Seq(rid, index, dict(tags))
+            while len(self._seqs) > self.keep:
+                self._seqs.popitem(last=False)
+                self.forgotten += 1
+        else:
+            self._seqs.move_to_end(k)
+        return s
+
+    def snapshot(self, tap: str | None) -> list[dict[str, Any]]:
+        """Newest first; per-token norms of ``tap`` only (None: no per-token data)."""
+        out = []
+        for s in reversed(self._seqs.values()):
+            per = s.norms.get(tap, {}) if tap else {}
+            pos = sorted(per)
+            out.append(
+                {
+                    "request_id": s.request_id,
+                    "sample_index": s.sample_index,
+                    "tags": s.tags,
+                    "ended": s.ended,
+                    "updated": s.updated,
+                    "taps": sorted(s.norms),
+                    "positions": pos,
+                    "token_ids": [per[p][0] for p in pos],
+                    "norms": [per[p][1] for p in pos],
+                }
+            )
+        return out
+
+
+class BusHealth:
+    """Rates and totals from successive ``Publisher.stats()`` snapshots."""
+
+    def __init__(self, ignore: tuple[str, ...] = ()) -> None:
+        self.ignore = ignore
+        self._prev: tuple[float, dict[str, Any]] | None = None
+        self._prev_tokens: tuple[float, int] | None = None
+        self.latest: dict[str, Any] = {}
+
+    def update(
+        self, stats: dict[str, Any], now: float | None = None, tokens: int = 0, every: int = 1
+    ) -> dict[str, Any]:
+        """Digest one snapshot. ``tokens`` is the rows this consumer received of its
+        busiest tap and ``every`` its sampling period: tokens/s is estimated from them."""
+        now = time.monotonic() if now is None else now
+        subs = {k: v for k, v in (stats.get("subscribers") or {}).items() if k not in self.ignore}
+        subs = {k: v for k, v in subs.items() if v.get("name") not in self.ignore}
+        drops: Counter[str] = Counter()
+        for v in subs.values():
+            drops.update(v.get("dropped") or {})
+        bytes_sent = sum(int(v.get("bytes_sent", 0)) for v in subs.values())
+        out: dict[str, Any] = {
+            "published": int(stats.get("published", 0)),
+            "last_step": int(stats.get("last_step", -1)),
+            "source_drops": int(stats.get("source_drops", 0)),
+            "queued": int(stats.get("queued", 0)),
+            "queued_bytes": int(stats.get("queued_bytes", 0)),
+            "stall_s": float(stats.get("stall_s", 0.0)),
+            "latency_p50_ms": float((stats.get("latency") or {}).get("p50_ms", 0.0)),
+            "latency_p99_ms": float((stats.get("latency") or {}).get("p99_ms", 0.0)),
+            "subscribers": len(subs),
+            "drops": dict(sorted(drops.items())),
+            "drops_total": sum(drops.values()) + int(stats.get("source_drops", 0)),
+            "spill_bytes": sum(int(v.get("spill_bytes", 0)) for v in subs.values()),
+            "bytes_sent": bytes_sent,
+            "lag_steps": {k: int(v.get("lag_steps", 0)) for k, v in sorted(subs.items())},
+            "sub_dropped": {k: sum((v.get("dropped") or {}).values()) for k, v in subs.items()},
+            "steps_per_s": 0.0,
+            "messages_per_s": 0.0,
+            "bytes_per_s": 0.0,
+            "tokens_per_s": 0.0,
+        }
+        if self._prev is not None:
+            t0, p = self._prev
+            dt = now - t0
+            if dt > 0:
+                steps = out["last_step"] - p["last_step"]
+                out["steps_per_s"] = max(0, steps) / dt
+                out["messages_per_s"] = max(0, out["published"] - p["published"]) / dt
+                # Departed subscribers take their bytes with them: never a negative rate.
+                out["bytes_per_s"] = max(0, bytes_sent - p["bytes_sent"]) / dt
+        if self._prev_tokens is not None and now > self._prev_tokens[0]:
+            out["tokens_per_s"] = (
+                max(0, tokens - self._prev_tokens[1]) * every / (now - self._prev_tokens[0])
+            )
+        self._prev = (now, out)
+        self._prev_tokens = (now, tokens)
+        self.latest = out
+        return out

@@ -1,0 +1,179 @@
+"""W&B dashboard consumer: bus health and activation statistics, logged to W&B.
+
+``actbus run wandb --connect ADDR --project P [--wandb-group G] [--policy sample:N]``
+
+Every ``--interval`` seconds it logs one row: the publisher's health (steps/s,
+tokens/s, bytes/s, per-subscriber lag, drops by reason, spill size, from the
+publisher's own counters), what this consumer sampled (steps counted, messages,
+drops), and per (layer, hook) the per-token norm histogram, mean/variance and
+their drift, and the outlier-dimension fraction, plus per-tag breakdowns.
+
+Convention: capture and training share one W&B project and group, so one
+workspace shows both; set ``WANDB_PROJECT`` and ``WANDB_RUN_GROUP`` once (W&B reads
+them), or pass ``--project``/``--wandb-group`` here and the same to the trainers.
+This run's ``job_type`` is ``bus``. ``WANDB_MODE=offline`` works; ``wandb sync``
+uploads the run later. (``--group`` is taken by ``actbus run``: it is the bus's
+load-balancing group, hence ``--wandb-group``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from consumers.monitor import Monitor
+
+DEFAULT_PROJECT = "actbus"
+
+
+def _name(text: str) -> str:
+    """A metric path segment: W&B splits keys on '/', so none inside a segment."""
+    return re.sub(r"[^A-Za-z0-9_.=:+-]", "_", str(text))
+
+
+def flatten(snap: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot as one W&B row; histograms as ``(counts, edges)`` pairs."""
+    bus, me, acts = snap.get("bus") or {}, snap["me"], snap["acts"]
+    row: dict[str, Any] = {}
+    for k in (
+        "steps_per_s",
+        "tokens_per_s",
+        "bytes_per_s",
+        "messages_per_s",
+        "published",
+        "last_step",
+        "source_drops",
+        "drops_total",
+        "spill_bytes",
+        "queued_bytes",
+        "stall_s",
+        "latency_p50_ms",
+        "latency_p99_ms",
+        "subscribers",
+    ):
+        if k in bus:
+            row[f"bus/{k}"] = bus[k]
+    for reason, n in (bus.get("drops") or {}).items():
+        row[f"bus/drops/{_name(reason)}"] = n
+    for sub, lag in (bus.get("lag_steps") or {}).items():
+        row[f"bus/lag_steps/{_name(sub)}"] = lag
+    row["sampled/sample_every"] = snap.get("sample_every", 1)
+    row["sampled/steps_counted"] = me["steps_counted"]
+    row["sampled/received"] = me["received"]
+    row["sampled/routed"] = me["routed"]
+    row["sampled/sent"] = me["sent"]
+    row["sampled/sampled_out"] = me["sampled_out"]
+    row["sampled/dropped"] = sum(me["dropped"].values())
+    row["sampled/rows"] = acts["rows"]
+    row["sampled/last_step"] = acts["last_step"]
+    for t in acts["taps"].values():
+        base = f"acts/L{t['layer']}.{_name(t['hook'])}"
+        for k in (
+            "rows",
+            "norm_mean",
+            "norm_std",
+            "norm_p50",
+            "norm_max",
+            "act_mean",
+            "act_var",
+            "mean_drift",
+            "var_drift",
+            "outlier_frac",
+        ):
+            if k in t:
+                row[f"{base}/{k}"] = t[k]
+        if "norm_hist" in t:
+            h = t["norm_hist"]
+            row[f"{base}/norm_hist"] = (np.asarray(h["counts"]), np.asarray(h["edges"]))
+    for label, per in (acts.get("tags") or {}).items():
+        for key, v in per.items():
+            layer, hook = key.split("/", 1)
+            base = f"tags/{_name(label)}/L{layer}.{_name(hook)}"
+            row[f"{base}/rows"] = v["rows"]
+            row[f"{base}/norm_mean"] = v["norm_mean"]
+    return row
+
+
+class WandbDashboard(Monitor):
+    """Logs each snapshot as one W&B row (histograms as ``wandb.Histogram``)."""
+
+    name = "wandb"
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        project: str = DEFAULT_PROJECT,
+        group: str | None = None,
+        run_name: str | None = None,
+        wandb_dir: str | None = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(address, **kw)
+        import wandb
+
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=project,
+            group=group or None,
+            name=run_name or None,
+            job_type="bus",
+            dir=wandb_dir or None,
+            config={"actbus": {"connect": address, "interval_s": self.interval_s}},
+            reinit="finish_previous",
+        )
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument(
+            "--project",
+            default=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
+            help="W&B project (default $WANDB_PROJECT or 'actbus'); trainers use the same",
+        )
+        parser.add_argument(
+            "--wandb-group",
+            default=os.environ.get("WANDB_RUN_GROUP"),
+            help="W&B run group shared with the trainers (default $WANDB_RUN_GROUP)",
+        )
+        parser.add_argument("--run-name", default=None, help="W&B run name (default: W&B's)")
+        parser.add_argument(
+            "--wandb-dir", default=None, help="where W&B writes its run files (default ./wandb)"
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WandbDashboard:
+        return cls(
+            args.connect,
+            project=args.project,
+            group=args.wandb_group,
+            run_name=args.run_name,
+            wandb_dir=args.wandb_dir,
+            recent=None,
+            **cls.common_kwargs(args),
+        )
+
+    def on_welcome(self, info: dict[str, Any]) -> None:
+        super().on_welcome(info)
+        self.run.config.update(
+            {"actbus": {"model": info.get("model", ""), "sample_every": self.sample_every}},
+            allow_val_change=True,
+        )
+
+    def report(self, snap: dict[str, Any]) -> None:
+        row = flatten(snap)
+        for k, v in row.items():
+            if isinstance(v, tuple):
+                row[k] = self._wandb.Histogram(np_histogram=v)
+        self.run.log(row)
+
+    def close(self) -> None:
+        try:
+            self.flush()  # the last figures, so the run ends with the final counts
+        finally:
+            super().close()
+            self.run.finish()
