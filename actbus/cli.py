@@ -5,6 +5,7 @@ actbus run NAME --connect ADDR [--policy P] [--window N] [consumer flags...]
 actbus stats --connect ADDR [--once | --json]
 actbus dashboard --connect ADDR [--port P]
 actbus serve MODEL [--layers L] [--hooks H] [--publish ADDR] [vllm serve args...]
+actbus replay RUN_DIR --publish ADDR [--rate STEPS_PER_S]
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     from consumers import dashboard
 
     dashboard.add_arguments(dash_p)
+    replay_p = sub.add_parser("replay", help="publish a stored run (fs-sink) back on the bus")
+    from actbus import replay as replay_mod
+
+    replay_mod.add_arguments(replay_p)
     args, rest = parser.parse_known_args(argv)
     if args.command == "run":
         return _run(args, rest, run_p)
@@ -66,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             keys_p.error(f"unrecognized arguments: {' '.join(rest)}")
         return _keys(args.dir, args.client)
+    if args.command == "replay":
+        if rest:
+            replay_p.error(f"unrecognized arguments: {' '.join(rest)}")
+        return replay_mod.main(args)
     if args.command == "stats":
         if rest:
             stats_p.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -82,14 +82,21 @@ class ActivationRun:
         return self.decoder.decode(table, self.hidden_size)
 
     def request_rows(
-        self, request_id: str, layer: int, hook: str = "post_block", sample_index: int = 0
+        self,
+        request_id: str,
+        layer: int,
+        hook: str = "post_block",
+        sample_index: int | None = None,
     ) -> tuple[np.ndarray, torch.Tensor]:
-        """``(positions, activations)`` of one request, sorted by position.
+        """``(positions, activations)`` of one request (of one ``n > 1`` child when
+        ``sample_index`` is given), sorted by position.
 
         Positions are returned as stored, so callers can check for gaps or repeats.
         """
         cols = ["position", *self._activation_columns()]
-        flt = (pc.field("request_id") == request_id) & (pc.field("sample_index") == sample_index)
+        flt = pc.field("request_id") == request_id
+        if sample_index is not None:
+            flt &= pc.field("sample_index") == sample_index
         table = self.dataset(layer, hook).to_table(columns=cols, filter=flt)
         if table.num_rows == 0:
             return np.zeros(0, dtype=np.int64), torch.zeros(0, self.width)

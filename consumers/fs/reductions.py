@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import torch
 from safetensors.torch import load_file, save_file
@@ -223,7 +224,7 @@ class Decoder:
         if kind in ("none", "fp16", "bf16", "proj"):
             return values
         if kind == "int8":
-            scale = torch.from_numpy(batch.column("scale").to_numpy(zero_copy_only=False))
+            scale = torch.from_numpy(np.require(batch.column("scale").to_numpy(), requirements="W"))
             return values.float() * scale[:, None]
         if kind == "pca":
             mean, basis = self._basis(meta["actbus.basis"])
