@@ -17,12 +17,15 @@ import logging
 import signal
 import sys
 import threading
+from importlib.metadata import entry_points
 
 from actbus import consumer as consumers
 from actbus.bus import POLICIES, SubscriptionRejected, statsview
 from actbus.bus.protocol import parse_policy, parse_tags
 from actbus.bus.security import ClientAuth
 from actbus.config import ConfigError
+
+TRAINERS = "actbus.trainers"  # entry points: main(argv) -> exit code (trainers/cli.py)
 
 
 def consumer_command(name: str, address: str, *flags: str) -> list[str]:
@@ -115,13 +118,18 @@ another subscriber: actbus keys {directory} --client NAME2"""
 
 
 def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentParser) -> int:
+    trainers = {ep.name: ep for ep in entry_points(group=TRAINERS)}
     if args.list:
         for name, target in sorted(consumers.available().items()):
             print(f"{name:16s} {target}")
+        for name, ep in sorted(trainers.items()):
+            print(f"{name:16s} {ep.value} (trainer)")
         return 0
     if not args.name:
         run_p.print_help()
         return 0 if args.help else 2
+    if args.name in trainers:  # Lightning owns the loop: see trainers/cli.py
+        return int(trainers[args.name].load()(rest + (["-h"] if args.help else [])) or 0)
     try:
         cls = consumers.load(args.name)
     except (KeyError, TypeError) as e:

@@ -1,0 +1,56 @@
+"""Lightning callbacks of the trainers: periodic SAE checkpoints and data-path metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+from trainers.checkpoint import save_sae
+
+
+class SaveSAEs(pl.Callback):
+    """Every ``every_steps`` optimizer steps, and at the end: ``out/<name>/`` per SAE."""
+
+    def __init__(self, out: str | Path, every_steps: int = 1000, model: str = "") -> None:
+        self.out = Path(out)
+        self.every = every_steps
+        self.model = model
+        self.saved: list[Path] = []
+
+    def _save(self, trainer: pl.Trainer, module) -> None:
+        if not trainer.is_global_zero:
+            return
+        for c in module.configs:
+            sae = module.sae(c.name)
+            if bool(sae.initialized):
+                extra = {"step": trainer.global_step}
+                self.saved.append(save_sae(sae, self.out / c.name, model=self.model, extra=extra))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.every and trainer.global_step and trainer.global_step % self.every == 0:
+            self._save(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save(trainer, pl_module)
+
+
+class DataStats(pl.Callback):
+    """Logs the data path's counters (bus drops, buffer fill, overflow) every few steps."""
+
+    def __init__(self, datamodule, every_steps: int = 10) -> None:
+        self.dm = datamodule
+        self.every = max(1, every_steps)
+        self.last: dict[str, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx % self.every == 0:
+            self._log(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._log(trainer)
+
+    def _log(self, trainer) -> None:
+        self.last = {f"data/{k}": float(v) for k, v in self.dm.stats().items()}
+        if trainer.logger is not None and trainer.is_global_zero:
+            trainer.logger.log_metrics(self.last, step=trainer.global_step)

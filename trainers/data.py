@@ -1,0 +1,440 @@
+"""Training data from the live bus or from a stored run, through one DataModule.
+
+A source thread (``BusSource``: a subscriber; ``RunSource``: a run the sink wrote)
+puts rows into a ``TokenHub``: one shuffle buffer per (layer, hook) stream. The
+trainer's ``TokenStream`` takes batches out: the first after a warm-up, then one
+whenever every stream has a batch's worth. A batch is ``{stream_key: {"activation",
+"position", "request_id", "split", "label"}}`` (see ``Rows``), so several SAEs or
+probes on different layers train from one subscription.
+
+Nothing is lost silently: the publisher's drops for this subscriber (its
+``drop_oldest`` policy when the trainer is slower than the engine) come back as
+``missed`` and the heartbeat's view, and rows the hub itself had to let go (one
+stream's buffer full while another starves) are counted as ``overflow``.
+
+With several ranks (DDP) each rank subscribes on its own, in one load-balancing
+group, so each message (and so each token) goes to exactly one rank; a rank whose
+stream ended yields empty batches until every rank has ended (the trainer stops
+them together), so no rank waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from trainers.buffer import Rows, ShuffleBuffer
+from trainers.config import DataConfig, stream_key
+
+log = logging.getLogger("actbus.trainers")
+
+try:  # Lightning is optional for the benchmark, which uses TokenHub/BusSource alone.
+    from lightning.pytorch import LightningDataModule
+except ImportError:  # pragma: no cover
+    LightningDataModule = object  # type: ignore[misc,assignment]
+
+
+class TokenHub:
+    """Per-stream shuffle buffers shared by one source thread and the trainer."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg = cfg
+        self.keys = [stream_key(layer, hook) for layer, hook in cfg.streams]
+        self._buffers: dict[str, ShuffleBuffer] = {}
+        self._cond = threading.Condition()
+        self._finished = False
+        self._warm = cfg.warmup_tokens == 0
+        self.error: BaseException | None = None
+        self.counters: dict[str, float] = {"messages": 0, "rows_in": 0}
+        self.overflow: dict[str, int] = dict.fromkeys(self.keys, 0)
+        self.handed_out: dict[str, int] = dict.fromkeys(self.keys, 0)
+        self.first_data_at: float | None = None
+
+    # -------------------------------------------------------------- source side
+    def put(self, key: str, rows: Rows, stop: threading.Event) -> None:
+        """Add rows; waits while the buffer is full and the trainer can make progress."""
+        if key not in self.keys:
+            return
+        with self._cond:
+            buf = self._buffers.get(key)
+            if buf is None:
+                buf = self._buffers[key] = ShuffleBuffer(
+                    self.cfg.buffer_tokens,
+                    rows.activation.shape[1],
+                    rows.activation.dtype,
+                    rows.label.shape[1],
+                    seed=self.cfg.seed + len(self._buffers),
+                )
+            if self.first_data_at is None:
+                self.first_data_at = time.monotonic()
+            self.counters["messages"] += 1
+            self.counters["rows_in"] += len(rows)
+            done = 0
+            while done < len(rows):
+                done += buf.put(rows.slice(done, len(rows)))
+                self._cond.notify_all()
+                if done == len(rows) or stop.is_set():
+                    break
+                if self._can_progress():
+                    self._cond.wait(timeout=0.25)
+                else:  # another stream starves: waiting here would wait forever
+                    self.overflow[key] += len(rows) - done
+                    break
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._finished = True
+            self.error = self.error or error
+            self._cond.notify_all()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def _filled(self, key: str) -> int:
+        buf = self._buffers.get(key)
+        return buf.n if buf is not None else 0
+
+    def _can_progress(self) -> bool:
+        need = self.cfg.batch_tokens if self._warm else self.cfg.warmup_tokens
+        return all(self._filled(k) >= max(need, 1) for k in self.keys)
+
+    # ------------------------------------------------------------- trainer side
+    def next_batch(self, stop: threading.Event) -> dict[str, dict[str, Any]] | None:
+        """The next batch, or None once the source finished and the buffers are empty."""
+        cfg = self.cfg
+        with self._cond:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"trainer data source failed: {self.error}") from self.error
+                if self._max_reached():
+                    return None
+                if self._can_progress():
+                    self._warm = True
+                    sizes = dict.fromkeys(self.keys, cfg.batch_tokens)
+                    break
+                if self._finished or stop.is_set():
+                    if not any(self._filled(k) for k in self.keys):
+                        return None
+                    sizes = {k: min(cfg.batch_tokens, self._filled(k)) for k in self.keys}
+                    break
+                self._cond.wait(timeout=0.25)
+            out = {}
+            for k, n in sizes.items():
+                if cfg.max_tokens is not None:
+                    n = min(n, cfg.max_tokens - self.handed_out[k])
+                rows = self._buffers[k].take(max(n, 0)) if k in self._buffers else None
+                self.handed_out[k] += len(rows) if rows is not None else 0
+                out[k] = rows
+            self._cond.notify_all()
+        d = next((r.activation.shape[1] for r in out.values() if r is not None), 0)
+        return {k: (r if r is not None else _empty(d)).as_batch() for k, r in out.items()}
+
+    def _max_reached(self) -> bool:
+        m = self.cfg.max_tokens
+        return m is not None and all(self.handed_out[k] >= m for k in self.keys)
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            out: dict[str, float] = dict(self.counters)
+            for k in self.keys:
+                out[f"buffer/{k}"] = self._filled(k)
+                out[f"overflow/{k}"] = self.overflow[k]
+                out[f"tokens/{k}"] = self.handed_out[k]
+            return out
+
+
+def _empty(d: int) -> Rows:
+    return Rows(
+        torch.zeros(0, d),
+        torch.zeros(0, dtype=torch.long),
+        np.empty(0, dtype=object),
+        torch.zeros(0, dtype=torch.float64),
+        torch.zeros(0, 0),
+    )
+
+
+class BusSource(threading.Thread):
+    """A subscriber on a thread of its own, feeding a hub until the stream ends."""
+
+    def __init__(self, cfg: DataConfig, hub: TokenHub, group: str = "") -> None:
+        super().__init__(name="actbus-trainer-bus", daemon=True)
+        self.cfg = cfg
+        self.hub = hub
+        self.group = group
+        self.stop_event = threading.Event()
+        self.stats: dict[str, Any] = {}
+        self.welcomed = threading.Event()
+
+    def subscription(self):
+        from actbus.bus import Subscription
+        from actbus.bus.protocol import parse_policy
+
+        cfg = self.cfg
+        return Subscription(
+            **parse_policy(cfg.policy),
+            window=cfg.window,
+            window_bytes=int(cfg.window_mb * (1 << 20)),
+            layers=tuple(sorted({layer for layer, _ in cfg.streams})),
+            hooks=tuple(sorted({hook for _, hook in cfg.streams})),
+            tags=cfg.tags,
+            group=self.group,
+            name=cfg.name,
+        )
+
+    def run(self) -> None:
+        from actbus.bus import Batch, Subscriber
+
+        cfg = self.cfg
+        error: BaseException | None = None
+        sub = None
+        try:
+            sub = Subscriber(
+                cfg.address,
+                self.subscription(),
+                server_key=cfg.server_key,
+                client_secret_key=cfg.client_secret_key,
+            )
+            last = time.monotonic()
+            while not self.stop_event.is_set():
+                out = sub.recv(timeout=0.25)
+                now = time.monotonic()
+                if out is None:
+                    if cfg.idle_s is not None and now - last > cfg.idle_s:
+                        log.info("no data for %.1fs: ending the stream", cfg.idle_s)
+                        break
+                    continue
+                if isinstance(out, Batch):
+                    last = now
+                    self._put(out)
+                elif out.kind == "welcome":
+                    self.welcomed.set()
+                elif out.kind == "end":
+                    log.info("the publisher ended the stream")
+                    break
+                self._note(sub)
+        except BaseException as e:  # reported to the trainer, which raises it
+            error = e
+        finally:
+            if sub is not None:
+                self._note(sub)
+                sub.close()
+            self.hub.finish(error)
+
+    def _put(self, batch) -> None:
+        h = batch.header
+        ri = h.rows
+        rows = Rows.from_requests(
+            batch.tensor, ri.request_ids, ri.offsets, ri.positions, ri.tags, self.cfg.label_tags
+        )
+        if self.cfg.labelled_only and self.cfg.label_tags:
+            keep = ~torch.isnan(rows.label).any(1)
+            if not bool(keep.all()):
+                self.stats["unlabelled_rows"] = self.stats.get("unlabelled_rows", 0) + int(
+                    (~keep).sum()
+                )
+                idx = keep.nonzero().squeeze(1)
+                rows = Rows(
+                    rows.activation[idx],
+                    rows.position[idx],
+                    rows.request_id[idx.numpy()],
+                    rows.split[idx],
+                    rows.label[idx],
+                )
+        if len(rows):
+            self.hub.put(stream_key(h.layer, h.hook), rows, self.stop_event)
+
+    def _note(self, sub) -> None:
+        s = sub.stats
+        view = s.publisher_view or {}
+        dropped = view.get("dropped", {})
+        self.stats.update(
+            {
+                "bus/received": s.received,
+                "bus/missed": s.missed,
+                "bus/rejected": s.rejected,
+                "bus/publisher_dropped": sum(dropped.values())
+                if isinstance(dropped, dict)
+                else dropped,
+            }
+        )
+
+
+class RunSource(threading.Thread):
+    """A stored run read with ``TokenDataset``, fed into a hub (streams interleaved)."""
+
+    def __init__(self, cfg: DataConfig, hub: TokenHub, rank: int, world_size: int) -> None:
+        super().__init__(name="actbus-trainer-run", daemon=True)
+        self.cfg = cfg
+        self.hub = hub
+        self.rank = rank
+        self.world_size = world_size
+        self.stop_event = threading.Event()
+        self.stats: dict[str, Any] = {}
+        self.welcomed = threading.Event()
+        self.welcomed.set()
+        self._labels = _load_labels(cfg.labels_file)
+
+    def run(self) -> None:
+        from consumers.fs.torch_dataset import TokenDataset
+
+        cfg = self.cfg
+        error = None
+        try:
+            its = {}
+            for layer, hook in cfg.streams:
+                ds = TokenDataset(
+                    cfg.run_dir,
+                    layer,
+                    hook,
+                    batch_tokens=min(cfg.batch_tokens, 8192),
+                    shuffle_buffer=0,  # the hub shuffles
+                    seed=cfg.seed,
+                    columns=("tags",) if cfg.label_tags and not self._labels else (),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+                its[stream_key(layer, hook)] = iter(ds)
+            while its and not self.stop_event.is_set():
+                for key in list(its):
+                    chunk = next(its[key], None)
+                    if chunk is None:
+                        del its[key]
+                        continue
+                    rows = self._rows(chunk)
+                    if len(rows):
+                        self.hub.put(key, rows, self.stop_event)
+        except BaseException as e:
+            error = e
+        finally:
+            self.hub.finish(error)
+
+    def _rows(self, chunk: dict[str, Any]) -> Rows:
+        from trainers.buffer import split_value
+
+        rid = np.array(chunk["request_id"], dtype=object)
+        n = len(rid)
+        tags_cols = self.cfg.label_tags
+        label = torch.full((n, len(tags_cols)), float("nan"))
+        if tags_cols:
+            if self._labels is not None:
+                per = [self._labels.get(r, {}) for r in rid]
+            else:
+                per = [json.loads(t) if t else {} for t in chunk["tags"]]
+            label = torch.tensor(
+                [[float(p[t]) if t in p else float("nan") for t in tags_cols] for p in per],
+                dtype=torch.float32,
+            ).reshape(n, len(tags_cols))
+        split = torch.tensor([split_value(r) for r in rid], dtype=torch.float64)
+        rows = Rows(chunk["activation"], chunk["position"], rid, split, label)
+        if self.cfg.labelled_only and tags_cols:
+            keep = (~torch.isnan(label).any(1)).nonzero().squeeze(1)
+            rows = Rows(
+                rows.activation[keep],
+                rows.position[keep],
+                rid[keep.numpy()],
+                split[keep],
+                label[keep],
+            )
+        return rows
+
+
+def _load_labels(path: str | None) -> dict[str, dict[str, Any]] | None:
+    if path is None:
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"labels_file {path}: expected a JSON object request_id -> {{tag: value}}")
+    return data
+
+
+class TokenStream(IterableDataset):
+    """Batches from a hub; starts its source on first iteration (on the rank that uses it)."""
+
+    def __init__(self, cfg: DataConfig, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.hub = TokenHub(cfg)
+        self.source: BusSource | RunSource | None = None
+        self.stop_event = threading.Event()
+        self.ledger: Any = None
+        """A file to write every handed-out (request_id, position) to (tests, audits)."""
+
+    def start(self) -> None:
+        if self.source is not None:
+            return
+        if self.cfg.address is not None:
+            group = self.cfg.group or (f"{self.cfg.name}-ddp" if self.world_size > 1 else "")
+            self.source = BusSource(self.cfg, self.hub, group=group)
+        else:
+            self.source = RunSource(self.cfg, self.hub, self.rank, self.world_size)
+        self.source.start()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.start()
+        while True:
+            batch = self.hub.next_batch(self.stop_event)
+            if batch is None:
+                break
+            if self.ledger is not None:
+                for k, b in batch.items():
+                    for r, p in zip(b["request_id"], b["position"].tolist(), strict=True):
+                        self.ledger.write(f"{k}\t{r}\t{p}\n")
+            yield batch
+        if self.world_size > 1:  # keep step with the other ranks until all have ended
+            while not self.stop_event.is_set():
+                yield {"_exhausted": True, **{k: _empty(0).as_batch() for k in self.hub.keys}}
+
+    def stats(self) -> dict[str, float]:
+        out = self.hub.stats()
+        if self.source is not None:
+            out.update({k: float(v) for k, v in self.source.stats.items()})
+        return out
+
+    def close(self) -> None:
+        self.stop_event.set()
+        if self.source is not None:
+            self.source.stop_event.set()
+            self.source.join(timeout=10)
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
+
+
+class ActivationDataModule(LightningDataModule):
+    """The same DataModule for a live publisher (``address``) or a stored run (``run_dir``)."""
+
+    def __init__(self, cfg: DataConfig, ledger_path: str | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ledger_path = ledger_path
+        self.stream: TokenStream | None = None
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = getattr(self, "trainer", None)
+        rank = trainer.global_rank if trainer is not None else 0
+        world = trainer.world_size if trainer is not None else 1
+        if self.stream is None:
+            self.stream = TokenStream(self.cfg, rank=rank, world_size=world)
+            if self.ledger_path:
+                self.stream.ledger = open(f"{self.ledger_path}.rank{rank}", "w")  # noqa: SIM115
+        # batch_size=None: the stream batches; workers=0: the source is a thread here.
+        return DataLoader(self.stream, batch_size=None, num_workers=0)
+
+    def stats(self) -> dict[str, float]:
+        return self.stream.stats() if self.stream is not None else {}
+
+    def teardown(self, stage: str) -> None:
+        if self.stream is not None:
+            self.stream.close()

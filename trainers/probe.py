@@ -1,0 +1,175 @@
+"""Linear probes as a LightningModule: logistic or linear heads on one or more streams.
+
+Labels are request tags carried on the bus (``extra_args["actbus"]["tags"]``),
+one head per tag. The held-out split is by request (a hash of the request id), so
+no request's tokens are in both: each batch's held-out rows only update the
+metrics (accuracy and AUROC, or R²), the others train.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+
+from trainers.config import ProbeConfig
+from trainers.sae_module import module_key
+
+
+class LinearProbe(nn.Module):
+    """Standardise (per-feature mean/std from the first batch), then one linear layer."""
+
+    def __init__(self, cfg: ProbeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.linear = nn.Linear(cfg.d_in, len(cfg.labels))
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.register_buffer("mean", torch.zeros(cfg.d_in))
+        self.register_buffer("inv_std", torch.ones(cfg.d_in))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+
+    @torch.no_grad()
+    def initialize(self, x: torch.Tensor) -> None:
+        if self.cfg.normalize:
+            x = x.float()
+            self.mean.copy_(x.mean(0))
+            self.inv_std.copy_(1.0 / x.std(0).clamp_min(1e-6) if len(x) > 1 else self.inv_std)
+        self.initialized.fill_(True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (logistic) or predictions (linear), ``[rows, heads]``."""
+        return self.linear((x.float() - self.mean) * self.inv_std)
+
+
+class ProbeTrainer(pl.LightningModule):
+    """Probes on streams of ``ActivationDataModule`` batches (with ``label_tags``)."""
+
+    def __init__(self, configs: list[ProbeConfig], label_tags: tuple[str, ...]) -> None:
+        super().__init__()
+        self.configs = list(configs)
+        self.label_tags = tuple(label_tags)
+        for c in configs:
+            missing = [t for t in c.labels if t not in self.label_tags]
+            if missing:
+                raise ValueError(f"probe {c.name}: labels {missing} are not read from the stream")
+        self.probes = nn.ModuleDict({module_key(c.name): LinearProbe(c) for c in configs})
+        self.metrics = nn.ModuleDict()
+        for c in configs:
+            for t in c.labels:
+                key = module_key(f"{c.name}/{t}")
+                if c.kind == "logistic":
+                    self.metrics[key] = torchmetrics.MetricCollection(
+                        {
+                            "accuracy": torchmetrics.classification.BinaryAccuracy(),
+                            "auroc": torchmetrics.classification.BinaryAUROC(),
+                        }
+                    )
+                else:
+                    self.metrics[key] = torchmetrics.MetricCollection(
+                        {"r2": torchmetrics.R2Score()}
+                    )
+        self.last_metrics: dict[str, float] = {}
+        self.heldout_rows = 0
+        self._updated: set[str] = set()
+
+    def configure_optimizers(self):
+        groups = [
+            {
+                "params": list(self.probes[module_key(c.name)].parameters()),
+                "lr": c.lr,
+                "weight_decay": c.weight_decay,
+            }
+            for c in self.configs
+        ]
+        return torch.optim.AdamW(groups)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        exhausted = bool(batch.get("_exhausted", False))
+        loss = torch.zeros((), device=self.device)
+        logs: dict[str, float] = {}
+        for c in self.configs:
+            probe = self.probes[module_key(c.name)]
+            b = batch[c.stream]
+            x = b["activation"]
+            if x.shape[0] == 0:
+                loss = loss + 0.0 * sum(p.sum() for p in probe.parameters())
+                continue
+            if not bool(probe.initialized):
+                probe.initialize(x)
+                if dist.is_available() and dist.is_initialized():
+                    for t in (probe.mean, probe.inv_std, probe.initialized):
+                        dist.broadcast(t, src=0)
+            cols = [self.label_tags.index(t) for t in c.labels]
+            y = b["label"][:, cols].to(self.device)
+            held = (b["split"] < c.heldout).to(self.device)
+            out = probe(x)
+            known = ~torch.isnan(y)
+            train = known & ~held[:, None]
+            yz = torch.nan_to_num(y)
+            if c.kind == "logistic":
+                per = F.binary_cross_entropy_with_logits(out, yz, reduction="none")
+            else:
+                per = (out - yz).pow(2)
+            n_train = train.sum()
+            head_loss = (per * train).sum() / n_train.clamp_min(1)
+            loss = loss + head_loss
+            logs[f"{c.name}/loss"] = float(head_loss.detach())
+            with torch.no_grad():
+                for j, t in enumerate(c.labels):
+                    m = known[:, j] & held
+                    if m.any():
+                        pred = out[m, j]
+                        target = yz[m, j]
+                        if c.kind == "logistic":
+                            self.metrics[module_key(f"{c.name}/{t}")].update(
+                                torch.sigmoid(pred), target.long()
+                            )
+                        else:
+                            self.metrics[module_key(f"{c.name}/{t}")].update(pred, target)
+                        self.heldout_rows += int(m.sum())
+                        self._updated.add(module_key(f"{c.name}/{t}"))
+        self._sync_stop(exhausted)
+        if logs:
+            self.log_dict(logs, on_step=True, batch_size=1, rank_zero_only=True)
+        if batch_idx % 10 == 9:
+            self._log_heldout()
+        return loss
+
+    def _sync_stop(self, exhausted: bool) -> None:
+        if self.trainer.world_size > 1:
+            flag = torch.tensor([0.0 if exhausted else 1.0], device=self.device)
+            if float(self.trainer.strategy.reduce(flag, reduce_op="sum")) == 0:
+                self.trainer.should_stop = True
+
+    def _log_heldout(self, final: bool = False) -> None:
+        """Held-out metrics over the window since the last call, then a fresh window."""
+        out: dict[str, float] = {}
+        for key, coll in self.metrics.items():
+            if key not in self._updated:
+                continue
+            try:
+                vals = coll.compute()
+            except (ValueError, RuntimeError):  # e.g. one class only so far
+                continue
+            for name, v in vals.items():
+                if torch.isfinite(v):
+                    out[f"{key}/heldout_{name}"] = float(v)
+            coll.reset()
+        self._updated.clear()
+        if not out:
+            return
+        self.last_metrics.update(out)
+        if final:  # Lightning allows self.log only inside steps
+            if self.logger is not None and self.trainer.is_global_zero:
+                self.logger.log_metrics(out, step=self.global_step)
+        else:
+            self.log_dict(out, on_step=True, batch_size=1, rank_zero_only=True)
+
+    def on_train_end(self) -> None:
+        self._log_heldout(final=True)

@@ -1,0 +1,100 @@
+"""SAEs as one LightningModule: any number of them, each on its own stream.
+
+Several SAEs (different layers, sizes or k) share one DataModule, so one
+subscription feeds them all. Their parameters are disjoint, so one Adam over all
+of them (a parameter group each, with its own learning rate) updates each exactly
+as its own optimizer would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainers.config import SAEConfig
+from trainers.sae import SparseAutoencoder
+
+
+def module_key(name: str) -> str:
+    """``nn.ModuleDict`` keys may not contain dots."""
+    return name.replace(".", "_")
+
+
+class SAETrainer(pl.LightningModule):
+    """Trains ``SparseAutoencoder``s on batches from ``ActivationDataModule``."""
+
+    def __init__(self, configs: list[SAEConfig]) -> None:
+        super().__init__()
+        if not configs:
+            raise ValueError("configs: give at least one SAEConfig")
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"SAE names must be unique, got {names}")
+        self.configs = list(configs)
+        self.saes = nn.ModuleDict({module_key(c.name): SparseAutoencoder(c) for c in configs})
+        self.last_metrics: dict[str, float] = {}
+        self.fvu_history: dict[str, list[float]] = {c.name: [] for c in configs}
+
+    def _items(self):
+        for c in self.configs:
+            yield c, self.saes[module_key(c.name)]
+
+    def configure_optimizers(self):
+        groups = [{"params": list(sae.parameters()), "lr": c.lr} for c, sae in self._items()]
+        return torch.optim.Adam(groups, betas=(0.9, 0.999))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        exhausted = bool(batch.get("_exhausted", False))
+        loss = torch.zeros((), device=self.device)
+        logs: dict[str, float] = {}
+        for c, sae in self._items():
+            x = batch[c.stream]["activation"]
+            if x.shape[0] == 0:  # this rank's stream ended: join the collectives, learn nothing
+                loss = loss + 0.0 * sum(p.sum() for p in sae.parameters())
+                continue
+            if not bool(sae.initialized):
+                sae.initialize(x)
+                self._broadcast_init(sae)
+            out = sae.training_loss(x)
+            loss = loss + out["loss"]
+            for k, v in out.items():
+                logs[f"{c.name}/{k}"] = float(v.detach())
+            self.fvu_history[c.name].append(logs[f"{c.name}/fvu"])
+        self._sync_stop(exhausted)
+        if logs:
+            self.last_metrics = logs
+            first = self.configs[0].name
+            self.log_dict(logs, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)
+            if f"{first}/fvu" in logs:
+                self.log("fvu", logs[f"{first}/fvu"], prog_bar=True, logger=False)
+        return loss
+
+    def _broadcast_init(self, sae: SparseAutoencoder) -> None:
+        """Ranks initialise from different first batches: rank 0's values win."""
+        if dist.is_available() and dist.is_initialized():
+            for t in (sae.norm_scale, sae.b_dec.data, sae.initialized):
+                dist.broadcast(t, src=0)
+
+    def _sync_stop(self, exhausted: bool) -> None:
+        """Stop every rank once all of them ran out of data (single process: never needed)."""
+        if self.trainer.world_size > 1:
+            flag = torch.tensor([0.0 if exhausted else 1.0], device=self.device)
+            flag = self.trainer.strategy.reduce(flag, reduce_op="sum")
+            if float(flag) == 0:
+                self.trainer.should_stop = True
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        for _, sae in self._items():
+            sae.remove_parallel_grad()
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        for _, sae in self._items():
+            sae.normalize_decoder()
+
+    def sae(self, name: str) -> SparseAutoencoder:
+        return self.saes[module_key(name)]
