@@ -16,6 +16,8 @@ import time
 from abc import abstractmethod
 from typing import Any, ClassVar
 
+import torch
+
 from actbus.bus import Batch, Subscriber, statsview
 from actbus.consumer import Consumer
 from consumers.stats import ActivationStats, BusHealth, RecentRequests, StatsConfig
@@ -41,6 +43,9 @@ class Monitor(Consumer):
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s: must be > 0 seconds, got {interval_s}")
+        # Batches are small: one thread is plenty, and the engine (often on the same
+        # host) keeps the cores that torch's default thread pool would spin on.
+        torch.set_num_threads(1)
         self.address = address
         self.interval_s = interval_s
         self.acts = ActivationStats(config)

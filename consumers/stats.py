@@ -110,30 +110,32 @@ class ActivationStats:
         x = batch.tensor
         if x.dim() != 2:
             x = x.reshape(x.shape[0], -1)
-        x = x.to(torch.float32)
-        n = x.shape[0]
+        # numpy from here: these arrays are small, and numpy's per-call cost is a
+        # fraction of torch's (this runs on every sampled message).
+        xd = (x if x.dtype == torch.float32 else x.float()).numpy().astype(np.float64)
+        n = xd.shape[0]
         self.rows += n
         key = tap_key(h.layer, h.hook)
         t = self.taps.get(key)
         if t is None:
-            t = self.taps[key] = _Tap(h.layer, h.hook, int(x.shape[1]))
+            t = self.taps[key] = _Tap(h.layer, h.hook, int(xd.shape[1]))
         t.batches += 1
         if n == 0:
             return np.zeros(0)
-        norms = torch.linalg.vector_norm(x, dim=1).double().numpy()
+        sq = xd * xd
+        norms = np.sqrt(sq.sum(1))
         t.rows += n
         self._window(t, norms)
-        xd = x.double()
         # Moments, not per-batch variances: a batch of a few rows would bias those low.
-        m1, m2 = xd.mean(0).numpy(), (xd * xd).mean(0).numpy()
-        self._reference(t, xd)
+        m1, m2 = xd.mean(0), sq.mean(0)
+        self._reference(t, xd, sq)
         a = self.config.ema
         t.m1 = m1 if t.m1 is None else (1 - a) * t.m1 + a * m1
         t.m2 = m2 if t.m2 is None else (1 - a) * t.m2 + a * m2
         # Against the median dimension's RMS: the outliers themselves do not raise the bar.
-        typical = float(torch.sqrt(torch.mean(x * x, dim=0)).median())
-        peak = x.abs().amax(0)
-        frac = float((peak > self.config.outlier_k * typical).double().mean()) if typical else 0.0
+        typical = float(np.sqrt(np.median(m2)))
+        peak = np.abs(xd).max(0)
+        frac = float((peak > self.config.outlier_k * typical).mean()) if typical else 0.0
         t.outliers.append(frac)
         if len(t.outliers) > self.config.outlier_batches:
             t.outliers.popleft()
@@ -160,13 +162,14 @@ class ActivationStats:
         while t.window - len(t.norms[0]) >= self.config.window_rows:
             t.window -= len(t.norms.popleft())
 
-    def _reference(self, t: _Tap, xd: torch.Tensor) -> None:
+    def _reference(self, t: _Tap, xd: np.ndarray, sq: np.ndarray) -> None:
         if t.ref_mean is not None:
             return
-        take = xd[: self.config.reference_rows - t.ref_rows]
-        s, sq = take.sum(0).numpy(), (take * take).sum(0).numpy()
+        want = self.config.reference_rows - t.ref_rows
+        take, take_sq = xd[:want], sq[:want]
+        s, s2 = take.sum(0), take_sq.sum(0)
         t.ref_sum = s if t.ref_sum is None else t.ref_sum + s
-        t.ref_sq = sq if t.ref_sq is None else t.ref_sq + sq
+        t.ref_sq = s2 if t.ref_sq is None else t.ref_sq + s2
         t.ref_rows += take.shape[0]
         if t.ref_rows >= self.config.reference_rows:
             t.ref_mean = t.ref_sum / t.ref_rows
@@ -269,15 +272,18 @@ class RecentRequests:
         rows = h.rows
         key = tap_key(h.layer, h.hook)
         now = time.time()
+        pos, tok, nl = rows.positions.tolist(), rows.token_ids.tolist(), norms.tolist()
+        offsets = rows.offsets.tolist()
         for i, rid in enumerate(rows.request_ids):
-            a, b = int(rows.offsets[i]), int(rows.offsets[i + 1])
+            a, b = offsets[i], offsets[i + 1]
             if a == b:
                 continue
             s = self._seq(rid, rows.request_sample_index(i), rows.request_tags(i))
             per = s.norms.setdefault(key, {})
-            for j in range(a, b):
-                if len(per) < self.max_positions:
-                    per[int(rows.positions[j])] = (int(rows.token_ids[j]), float(norms[j]))
+            room = self.max_positions - len(per)
+            if room > 0:
+                seg = zip(tok[a:b][:room], nl[a:b][:room], strict=True)
+                per.update(zip(pos[a:b][:room], seg, strict=True))
             s.updated = now
         for e in h.ended:
             s = self._seqs.get((e.request_id, e.sample_index))

@@ -1,0 +1,255 @@
+"""Generation throughput with and without the web dashboard attached, in one run.
+
+One engine (the CPU tiny Llama, layers 0 and 3, all four hooks captured) serves
+the same batch of requests round after round. Rounds alternate (ABBA pairs, so a
+trend in the machine's load hits both arms alike) between:
+
+    without   no subscriber: the capture worker copies nothing (taps nobody wants)
+    with      ``actbus dashboard --policy sample:N`` attached (its own process,
+              started before the round and stopped after it), with a page's SSE
+              stream open on it (a ``curl`` reading ``/events``)
+
+Throughput is generated tokens / wall time of ``llm.generate``. The ratio is, per
+ABBA block, the mean of its with-rounds over the mean of its without-rounds; the
+median over blocks is reported (with the ratio of the arms' medians beside it).
+``--null`` adds a third arm, ``actbus run null`` with the same policy: the bus's
+share of the cost, without the dashboard's own work. Prints a table,
+then one JSON line whose ``ratio_with_dashboard`` is the figure.
+
+    flock /tmp/actbus-engine.lock python benchmarks/bench_dashboard.py [--pairs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from actbus.cli import consumer_command
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = [0, 3]
+HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
+
+
+def start_dashboard(
+    address: str, policy: str, interval: float, log: Path
+) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "actbus.cli", "dashboard", "--connect", address, "--port", "0"]
+    flags = ["--policy", policy, "--interval", str(interval), "--log-level", "WARNING"]
+    proc = subprocess.Popen(
+        [*cmd, *flags],
+        stdout=open(log, "wb"),  # noqa: SIM115 (lives with the process)
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = re.search(r"http://127\.0\.0\.1:\d+/", log.read_text(errors="replace"))
+        if m:
+            return proc, m.group(0)
+        if proc.poll() is not None:
+            raise SystemExit(f"the dashboard exited {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"the dashboard did not start in 60 s:\n{log.read_text()}")
+
+
+def wait_subscribed(address: str, name: str, timeout: float = 60.0) -> dict:
+    from actbus.bus import Subscriber, statsview
+
+    with Subscriber(address, statsview.stats_subscription()) as sub:
+        sub.wait_welcome(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            subs = statsview.request(sub, 10)["subscribers"]
+            if name in subs:
+                return subs[name]
+            time.sleep(0.2)
+    raise SystemExit(f"{name} did not subscribe within {timeout}s")
+
+
+def subscriber_view(address: str, name: str) -> dict:
+    from actbus.bus import Subscriber, statsview
+
+    with Subscriber(address, statsview.stats_subscription()) as sub:
+        sub.wait_welcome(10)
+        return statsview.request(sub, 10)["subscribers"].get(name, {})
+
+
+def cpu_s(proc: subprocess.Popen | None) -> float:
+    """CPU seconds the process used so far (user + system), from /proc."""
+    if proc is None:
+        return 0.0
+    fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.terminate()
+    try:
+        return proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=4, help="ABBA pairs (2 rounds per arm each)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--output", type=int, default=384, help="new tokens per request")
+    ap.add_argument("--policy", default="sample:10", help="the dashboard's policy")
+    ap.add_argument(
+        "--null", action="store_true", help="a third arm: `actbus run null` with the same policy"
+    )
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds after subscribing")
+    ap.add_argument("--no-page", action="store_true", help="no SSE client on the dashboard")
+    ap.add_argument("--interval", type=float, default=1.0, help="the dashboard's --interval")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from actbus.tiny_models import build_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
+    address = f"ipc://{tmp}/bus.sock"
+    t0 = time.monotonic()
+    llm = LLM(
+        str(build_tiny_model("llama")),
+        dtype="float32",
+        gpu_memory_utilization=0.3,  # on CPU: the share of host memory it reserves
+        max_model_len=512,
+        max_num_seqs=args.prompts,
+        num_gpu_blocks_override=128,
+        enable_prefix_caching=False,
+        seed=0,
+        additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": HOOKS}},
+    )
+    start_s = time.monotonic() - t0
+    prompts = [
+        TokensPrompt(prompt_token_ids=[(17 * i + 5 * j) % 900 + 10 for j in range(32 + i)])
+        for i in range(args.prompts)
+    ]
+    sp = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
+
+    def round_() -> tuple[float, int]:
+        t = time.monotonic()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.monotonic() - t
+        return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    round_()  # warm-up (compile, caches)
+    arms = ["without", "with"] + (["null"] if args.null else [])
+    order = [*arms, *reversed(arms)] * args.pairs
+    rows: list[dict] = []
+    for i, arm in enumerate(order):
+        proc = curl = None
+        name = {"with": "dashboard", "null": "null"}.get(arm, "")
+        if arm == "with":
+            proc, url = start_dashboard(address, args.policy, args.interval, tmp / f"dash-{i}.log")
+            curl = (
+                None
+                if args.no_page
+                else subprocess.Popen(
+                    ["curl", "-sN", f"{url}events"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        elif arm == "null":
+            proc = subprocess.Popen(
+                consumer_command(
+                    "null", address, "--policy", args.policy, "--log-level", "WARNING"
+                ),
+                stdout=subprocess.DEVNULL,
+                cwd=ROOT,
+            )
+        if proc is not None:
+            wait_subscribed(address, name)
+            time.sleep(args.settle)  # start-up work (imports, first report) done
+        cpu0 = cpu_s(proc)
+        dt, tokens = round_()
+        row = {"round": i, "arm": arm, "gen_s": round(dt, 3), "tokens": tokens}
+        row["tok_per_s"] = round(tokens / dt, 1)
+        if proc is not None:
+            row["consumer_cpu_s"] = round(cpu_s(proc) - cpu0, 3)
+            time.sleep(1.5)  # let it acknowledge what it got
+            view = subscriber_view(address, name)
+            row["received"] = view.get("sent", 0)
+            row["dropped"] = sum((view.get("dropped") or {}).values())
+            if curl is not None:
+                curl.terminate()
+                curl.wait(timeout=10)
+            rc = stop(proc)
+            if rc != 0 or not row["received"]:
+                raise SystemExit(f"round {i}: {name} rc={rc}, got nothing: {view}")
+        rows.append(row)
+        extra = (
+            f"  {name} got {row['received']} msgs, dropped {row['dropped']}, "
+            f"used {row['consumer_cpu_s']:.2f} CPU s"
+            if proc is not None
+            else ""
+        )
+        print(
+            f"round {i:2d}  {arm:8s}  {row['tok_per_s']:8.1f} tok/s  {dt:6.2f} s{extra}", flush=True
+        )
+    llm.llm_engine.engine_core.shutdown()
+
+    per = {a: [r["tok_per_s"] for r in rows if r["arm"] == a] for a in arms}
+    med = {a: statistics.median(v) for a, v in per.items()}
+    blocks = [rows[i : i + 2 * len(arms)] for i in range(0, len(rows), 2 * len(arms))]
+
+    def block_ratio(arm: str) -> float:
+        """Median over ABBA blocks of mean(arm) / mean(without) within the block: load
+        that drifts across the run hits both arms of a block alike."""
+        return statistics.median(
+            statistics.mean(r["tok_per_s"] for r in b if r["arm"] == arm)
+            / statistics.mean(r["tok_per_s"] for r in b if r["arm"] == "without")
+            for b in blocks
+        )
+
+    ratio = block_ratio("with")
+    null_ratio = block_ratio("null") if "null" in arms else None
+    print()
+    print(f"{'arm':10s} {'median tok/s':>14s} {'min':>10s} {'max':>10s} {'rounds':>7s}")
+    for a in arms:
+        print(f"{a:10s} {med[a]:14.1f} {min(per[a]):10.1f} {max(per[a]):10.1f} {len(per[a]):7d}")
+    print(
+        f"ratio_with_dashboard = {ratio:.3f} (median of {len(blocks)} ABBA blocks; "
+        f"ratio of medians {med['with'] / med['without']:.3f}; target >= 0.97)"
+    )
+    if null_ratio is not None:
+        print(f"ratio_with_null_sampler = {null_ratio:.3f}")
+    load = os.getloadavg()
+    summary = {
+        "ratio_with_dashboard": round(ratio, 4),
+        "ratio_of_medians": round(med["with"] / med["without"], 4),
+        "ratio_with_null_sampler": None if null_ratio is None else round(null_ratio, 4),
+        "median_tok_per_s": {a: round(v, 1) for a, v in med.items()},
+        "policy": args.policy,
+        "prompts": args.prompts,
+        "output_tokens": args.output,
+        "taps": len(LAYERS) * len(HOOKS),
+        "engine_start_s": round(start_s, 1),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_at_end": round(load[0], 2),
+        "rounds": rows,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
