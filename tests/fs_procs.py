@@ -15,15 +15,24 @@ import numpy as np
 import torch
 
 from actbus.bus import Publisher
+from actbus.replay import drain
 from actbus.wire import DTYPES, Header, RowIndex
 from tests.procs import manifest, start_sink, wait_for
 
 HIDDEN = 64
 
 
+class _Publisher(Publisher):
+    """Waits for every subscriber's acknowledgements before closing (see ``drain``)."""
+
+    def close(self, timeout: float = 5.0) -> None:
+        drain(self, 30.0)
+        super().close(timeout)
+
+
 def publisher(address: str, dtype: str = "float32", hidden: int = HIDDEN, **kw) -> Publisher:
     info = {"model": "synthetic", "hidden_size": hidden, "dtype": dtype}
-    return Publisher(address, info=info, heartbeat_s=0.1, **kw)
+    return _Publisher(address, info=info, heartbeat_s=0.1, **kw)
 
 
 def activations(seed: int, rows: int, hidden: int = HIDDEN) -> torch.Tensor:

@@ -16,10 +16,13 @@ path; the half-written ``.tmp`` is removed and the committed shards stay valid.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,6 +39,9 @@ from consumers.fs.reductions import Encoder, Reduction, fit_pca, load_basis, sav
 from consumers.fs.rows import Rows
 
 log = logging.getLogger("actbus.fs_sink")
+# Pending rows are appended to the open shard file once they reach either size.
+CHUNK_BYTES = 4 << 20
+CHUNK_ROWS = 8192
 
 
 class StorageError(RuntimeError):
@@ -66,12 +72,24 @@ class WriterConfig:
 
 
 @dataclass
-class _Buffer:
-    batches: list[pa.RecordBatch] = field(default_factory=list)
+class _Shard:
+    """A shard being written: its open ``.tmp`` file and what it holds so far."""
+
+    key: tuple[int, str]
+    final: Path
+    schema: pa.Schema
+    since: float
+    file: Any = None
+    writer: Any = None
+    pending: list[pa.RecordBatch] = field(default_factory=list)
+    pending_bytes: int = 0
     rows: int = 0
     nbytes: int = 0
-    since: float = 0.0
     steps: tuple[int, int] = (1 << 62, -1)
+
+    @property
+    def tmp(self) -> Path:
+        return self.final.with_name(self.final.name + ".tmp")
 
 
 @dataclass
@@ -107,10 +125,19 @@ class ShardWriter:
             stale.unlink()
         self.counts: Counter[str] = Counter()
         self.manifest = self._load_manifest()
-        self._buffers: dict[tuple[int, str], _Buffer] = {}
+        self._open: dict[tuple[int, str], _Shard] = {}
         self._taps: dict[tuple[int, str], _Tap] = {}
         self.failed: StorageError | None = None
+        self._mlock = threading.RLock()  # the manifest and counters, shared with the committer
+        self._options = pa.ipc.IpcWriteOptions(
+            compression=None if cfg.compression == "none" else cfg.compression
+        )
         self._adopt_orphans()
+        self._commits: queue.Queue[_Shard | None] = queue.Queue(maxsize=1)
+        self._committer = threading.Thread(
+            target=self._commit_loop, name="fs-sink-commit", daemon=True
+        )
+        self._committer.start()
 
     # ---------------------------------------------------------------- manifest
     def _load_manifest(self) -> dict[str, Any]:
@@ -152,14 +179,19 @@ class ShardWriter:
         return m
 
     def write_manifest(self) -> None:
-        self.manifest["counters"] = dict(self.counts)
-        try:
-            layout.write_atomic(
-                self.out / layout.MANIFEST, json.dumps(self.manifest, indent=1).encode()
-            )
-        except OSError as e:
-            (self.out / (layout.MANIFEST + ".tmp")).unlink(missing_ok=True)
-            raise self._fail(f"cannot write {self.out / layout.MANIFEST}", e) from e
+        with self._mlock:
+            for _ in range(10):  # the main thread may add a counter meanwhile
+                try:
+                    self.manifest["counters"] = dict(self.counts)
+                    data = json.dumps(self.manifest, indent=1).encode()
+                    break
+                except RuntimeError:
+                    continue
+            try:
+                layout.write_atomic(self.out / layout.MANIFEST, data)
+            except OSError as e:
+                (self.out / (layout.MANIFEST + ".tmp")).unlink(missing_ok=True)
+                raise self._fail(f"cannot write {self.out / layout.MANIFEST}", e) from e
 
     def set_stream(self, info: dict[str, Any]) -> None:
         """Check the publisher's stream against the run's; record it."""
@@ -279,27 +311,96 @@ class ShardWriter:
             cols.append(pa.array([_tag_value(t.get(k)) for t in rows.tags], pa.string()))
         cols += tap.encoder.encode(rows.tensor)
         rb = pa.record_batch(cols, schema=self._schema(tap, key))
-        buf = self._buffers.setdefault(key, _Buffer())
-        if not buf.batches:
-            buf.since = time.monotonic()
-        buf.batches.append(rb)
-        buf.rows += n
-        buf.nbytes += rb.nbytes
-        buf.steps = (min(buf.steps[0], rows.step), max(buf.steps[1], rows.step))
-        self.counts["rows_buffered"] += n
-        if buf.rows >= self.cfg.shard_rows or buf.nbytes >= self.cfg.shard_bytes:
-            self._flush(key)
+        self._buffered(key, rb, rows.step)
 
     # ----------------------------------------------------------------- writing
+    def _buffered(self, key: tuple[int, str], rb: pa.RecordBatch, step: int) -> None:
+        self._check()
+        shard = self._open.get(key)
+        if shard is None:
+            shard = self._open[key] = self._start(key, rb.schema)
+        shard.pending.append(rb)
+        shard.pending_bytes += rb.nbytes
+        shard.rows += rb.num_rows
+        shard.nbytes += rb.nbytes
+        shard.steps = (min(shard.steps[0], step), max(shard.steps[1], step))
+        self.counts["rows_buffered"] += rb.num_rows
+        if shard.pending_bytes >= CHUNK_BYTES or sum(b.num_rows for b in shard.pending) >= (
+            CHUNK_ROWS
+        ):
+            self._write_pending(shard)
+        if shard.rows >= self.cfg.shard_rows or shard.nbytes >= self.cfg.shard_bytes:
+            self._rotate(key)
+
+    def _start(self, key: tuple[int, str], schema: pa.Schema) -> _Shard:
+        """A new shard, opened lazily (on its first write) as ``shard-N.arrow.tmp``."""
+        d = layout.shard_dir(self.out, *key)
+        final = d / layout.shard_name(self._next_index)
+        self._next_index += 1
+        return _Shard(key=key, final=final, schema=schema, since=time.monotonic())
+
+    def _write_pending(self, shard: _Shard) -> None:
+        """Append the pending record batches to the shard's open file: the kernel
+        writes back while more rows arrive, instead of in one burst at rotation."""
+        if not shard.pending:
+            return
+        try:
+            if shard.writer is None:
+                shard.final.parent.mkdir(parents=True, exist_ok=True)
+                shard.file = pa.OSFile(str(shard.tmp), "wb")
+                new = pa.ipc.new_file if self.cfg.ipc == "file" else pa.ipc.new_stream
+                shard.writer = new(shard.file, shard.schema, options=self._options)
+            if (
+                len(shard.pending) == 1
+                or shard.pending_bytes >= CHUNK_BYTES * len(shard.pending) / 4
+            ):
+                for rb in shard.pending:  # large batches: written as they came, no copy
+                    shard.writer.write_batch(rb)
+            else:  # many small messages: one larger record batch
+                shard.writer.write_table(pa.Table.from_batches(shard.pending).combine_chunks())
+        except (OSError, pa.ArrowException) as e:
+            self._abandon(shard)
+            raise self._fail(f"cannot write shard {shard.final}", e) from e
+        shard.pending, shard.pending_bytes = [], 0
+
+    def _abandon(self, shard: _Shard) -> None:
+        self._open.pop(shard.key, None)
+        self.counts["rows_lost_on_storage_error"] += shard.rows
+        with contextlib.suppress(Exception):
+            if shard.writer is not None:
+                shard.writer.close()
+        with contextlib.suppress(Exception):
+            if shard.file is not None:
+                shard.file.close()
+        shard.tmp.unlink(missing_ok=True)
+
+    def _rotate(self, key: tuple[int, str]) -> None:
+        """Finish the shard's file and hand it to the committer thread."""
+        shard = self._open.get(key)
+        if shard is None:
+            return
+        self._write_pending(shard)
+        try:
+            shard.writer.close()
+            shard.file.close()
+        except (OSError, pa.ArrowException) as e:
+            self._abandon(shard)
+            raise self._fail(f"cannot write shard {shard.final}", e) from e
+        del self._open[key]
+        self._commits.put(shard)  # blocks while one shard is still being committed
+        self._check()
+
     def tick(self, caught_up: bool) -> None:
-        """Write buffers older than ``flush_s`` (all of them when caught up)."""
+        """Rotate shards older than ``flush_s`` (all of them when caught up)."""
+        self._check()
         now = time.monotonic()
-        for key, buf in list(self._buffers.items()):
-            if buf.batches and (caught_up or now - buf.since >= self.cfg.flush_s):
-                self._flush(key)
+        for key, shard in list(self._open.items()):
+            if caught_up or now - shard.since >= self.cfg.flush_s:
+                self._rotate(key)
 
     def flush(self, final: bool = False) -> None:
-        """Write every buffer; ``final`` also fits PCA on a short warm-up."""
+        """Commit every open shard and wait for it; ``final`` also fits PCA on a
+        short warm-up."""
         if final:
             for key, tap in self._taps.items():
                 if tap.warmup:
@@ -307,8 +408,10 @@ class ShardWriter:
                     held, tap.warmup, tap.warmup_rows = tap.warmup, [], 0
                     for r in held:
                         self._append(key, tap, r)
-        for key in list(self._buffers):
-            self._flush(key)
+        for key in list(self._open):
+            self._rotate(key)
+        self._commits.join()
+        self._check()
 
     def close(self) -> None:
         try:
@@ -316,45 +419,61 @@ class ShardWriter:
                 self.flush(final=True)
                 self.write_manifest()  # final counters
         finally:
+            for shard in list(self._open.values()):
+                self._abandon(shard)
+            self._commits.put(None)
+            self._committer.join(timeout=60)
             self._lock.close()
 
-    def _flush(self, key: tuple[int, str]) -> None:
-        buf = self._buffers.pop(key, None)
-        if buf is None or not buf.batches:
-            return
+    def _check(self) -> None:
         if self.failed is not None:
             raise self.failed
-        layer, hook = key
-        d = layout.shard_dir(self.out, layer, hook)
-        final = d / layout.shard_name(self._next_index)
-        tmp = final.with_name(final.name + ".tmp")
-        table = pa.Table.from_batches(buf.batches)
-        if len(buf.batches) > 1 and table.num_rows < 1024 * len(buf.batches):
-            table = table.combine_chunks()  # many tiny messages: fewer, larger batches
-        opts = pa.ipc.IpcWriteOptions(
-            compression=None if self.cfg.compression == "none" else self.cfg.compression
-        )
+
+    def _commit_loop(self) -> None:
+        """Committer thread: fsync, rename, fsync the directory, list in the manifest."""
+        while True:
+            shard = self._commits.get()
+            try:
+                if shard is None:
+                    return
+                if self.failed is None:
+                    self._commit(shard)
+                else:
+                    shard.tmp.unlink(missing_ok=True)
+            except StorageError:
+                pass  # self.failed is set; the main thread raises it
+            except Exception as e:  # never die silently: the main thread reports it
+                self._fail(f"cannot commit shard {shard.final}", e)
+            finally:
+                self._commits.task_done()
+
+    def _commit(self, shard: _Shard) -> None:
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            with pa.OSFile(str(tmp), "wb") as f:
-                new = pa.ipc.new_file if self.cfg.ipc == "file" else pa.ipc.new_stream
-                with new(f, table.schema, options=opts) as w:
-                    w.write_table(table)
-            fd = os.open(tmp, os.O_RDONLY)
+            fd = os.open(shard.tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
-            layout.fsync_dir(d)
-        except (OSError, pa.ArrowException) as e:
-            tmp.unlink(missing_ok=True)
-            self.counts["rows_lost_on_storage_error"] += buf.rows
-            raise self._fail(f"cannot write shard {final}", e) from e
-        self._next_index += 1
-        self._record(self._entry(final, layer, hook, table))
-        self.counts["rows_written"] += table.num_rows
-        self.counts["shards_written"] += 1
+            os.replace(shard.tmp, shard.final)
+            layout.fsync_dir(shard.final.parent)
+        except OSError as e:
+            shard.tmp.unlink(missing_ok=True)
+            with self._mlock:
+                self.counts["rows_lost_on_storage_error"] += shard.rows
+            raise self._fail(f"cannot write shard {shard.final}", e) from e
+        entry = {
+            "path": str(shard.final.relative_to(self.out)),
+            "layer": shard.key[0],
+            "hook": shard.key[1],
+            "rows": shard.rows,
+            "bytes": shard.final.stat().st_size,
+            "checksum": layout.checksum(shard.final),
+            "steps": list(shard.steps),
+        }
+        with self._mlock:
+            self._record(entry)
+            self.counts["rows_written"] += shard.rows
+            self.counts["shards_written"] += 1
         self.write_manifest()
 
     def _entry(self, path: Path, layer: int, hook: str, table: pa.Table) -> dict[str, Any]:
