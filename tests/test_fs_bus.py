@@ -238,3 +238,19 @@ def test_replay_into_a_second_sink_gives_identical_rows(tmp_path):
     assert a.num_rows == 192 and a.equals(b.select(a.column_names))
     assert ActivationRun(second).manifest["dtype"] == "bfloat16"
     assert not np.array_equal(a.column("layer").to_numpy(), np.zeros(a.num_rows))
+
+
+def test_layers_and_hooks_selected_at_the_publisher(tmp_path):
+    out = tmp_path / "run"
+    pub = publisher(f"ipc://{tmp_path}/bus.sock")
+    try:
+        proc = sink(pub.address, out, "--layers", "2", "--hooks", "mlp_out")
+        _publish_steps(pub, 5, layers=(0, 2), hooks=("post_block", "mlp_out"))
+        wait_sent(pub, "fs-sink", 5)
+        routed = pub.stats()["subscribers"]["fs-sink"]["routed"]
+    finally:
+        pub.close()
+    assert wait_exit(proc, out) == 0, log_of(out)
+    assert routed == 5  # the other 15 messages never crossed the bus to the sink
+    run = ActivationRun(out)
+    assert run.manifest["rows"] == {"2/mlp_out": 40} and run.verify() == []

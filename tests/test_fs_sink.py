@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from actbus.bus import Batch
 from actbus.wire import Header, RowIndex
-from consumers.fs import ActivationRun, FsSink
+from consumers.fs import ActivationRun, FsSink, WriterConfig, parse_reduction
+from consumers.fs.selection import Selection
+from consumers.fs.torch_dataset import TokenDataset
 
 INFO = {"model": "m", "hidden_size": 8, "dtype": "float32", "layers": [1], "hooks": ["post_block"]}
 
@@ -75,3 +79,68 @@ def test_run_of_another_model_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="holds a run of hidden_size=8"):
         sink.on_welcome({**INFO, "hidden_size": 16})
     sink.close()
+
+
+def test_rotation_by_time(tmp_path):
+    sink = FsSink(str(tmp_path / "run"), flush_s=0.3)
+    sink.on_welcome(INFO)
+    sink.on_batch(_batch(0, "a", [0, 1]))
+    sink.on_heartbeat({}, caught_up=False)
+    assert ActivationRun(tmp_path / "run").manifest["shards"] == []  # young: still open
+    time.sleep(0.4)
+    sink.on_heartbeat({}, caught_up=False)
+    sink.writer._commits.join()
+    assert len(ActivationRun(tmp_path / "run").manifest["shards"]) == 1
+    sink.on_batch(_batch(1, "a", [2]))
+    sink.on_heartbeat({}, caught_up=True)  # caught up: written at once
+    sink.writer._commits.join()
+    assert len(ActivationRun(tmp_path / "run").manifest["shards"]) == 2
+    sink.close()
+
+
+def test_restart_keeps_the_run_settings_and_the_pca_basis(tmp_path):
+    out = tmp_path / "run"
+    cfg = WriterConfig(reduction=parse_reduction("pca:2", warmup=4))
+    sink = FsSink(str(out), cfg)
+    sink.on_welcome(INFO)
+    for s in range(3):
+        sink.on_batch(_batch(s, "a", [2 * s, 2 * s + 1]))
+    sink.close()
+    basis = (out / ActivationRun(out).manifest["bases"]["1/post_block"]["path"]).read_bytes()
+    with pytest.raises(RuntimeError, match=r"written with reduction=.*pass the same flags"):
+        FsSink(str(out), WriterConfig(reduction=parse_reduction("int8")))
+    sink = FsSink(str(out), cfg)  # same flags: continues, with the stored basis
+    sink.on_welcome(INFO)
+    for s in range(3, 8):
+        sink.on_batch(_batch(s, "a", [2 * s, 2 * s + 1]))
+    sink.close()
+    run = ActivationRun(out)
+    assert (out / run.manifest["bases"]["1/post_block"]["path"]).read_bytes() == basis
+    positions, x = run.request_rows("a", 1)
+    assert positions.tolist() == list(range(16)) and x.shape == (16, 8)
+    assert run.verify() == []
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:3", "proj:4"])
+def test_token_dataset_decodes_reduced_runs(tmp_path, spec):
+    out = tmp_path / "run"
+    sink = FsSink(str(out), WriterConfig(reduction=parse_reduction(spec), shard_rows=4))
+    sink.on_welcome(INFO)
+    for s in range(4):
+        sink.on_batch(_batch(s, "a", [2 * s, 2 * s + 1]))
+    sink.close()
+    run = ActivationRun(out)
+    batches = list(TokenDataset(out, 1, batch_tokens=3, shuffle_buffer=0))
+    x = torch.cat([b["activation"] for b in batches])
+    assert x.shape == (8, run.width) and torch.equal(x, run.request_rows("a", 1)[1])
+    assert x.abs().sum() > 0
+
+
+def test_positions_selected_and_counted(tmp_path):
+    sink = FsSink(str(tmp_path / "run"), selection=Selection(positions=(1, 3)))
+    sink.on_welcome(INFO)
+    sink.on_batch(_batch(0, "a", [0, 1, 2, 3]))
+    sink.close()
+    run = ActivationRun(tmp_path / "run")
+    assert run.request_rows("a", 1)[0].tolist() == [1, 2]
+    assert run.manifest["counters"]["rows_not_selected"] == 2
