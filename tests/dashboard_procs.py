@@ -103,7 +103,10 @@ class Browser:
                 pages = [t for t in json.loads(r.read()) if t.get("type") == "page"]
             return pages[0]["webSocketDebuggerUrl"] if pages else None
 
-        self.ws = connect(wait_for(page, timeout, "a Chromium page"), max_size=64 << 20)
+        self._stack = contextlib.ExitStack()
+        self.ws = self._stack.enter_context(
+            connect(wait_for(page, timeout, "a Chromium page"), max_size=64 << 20)
+        )
         self._ids = itertools.count(1)
 
     def call(self, method: str, timeout: float = 30.0, **params: Any) -> dict[str, Any]:
@@ -130,7 +133,7 @@ class Browser:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.ws.close()
+            self._stack.close()
         stop(self.proc, timeout=10)
 
 

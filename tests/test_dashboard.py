@@ -176,6 +176,8 @@ def test_dashboard_streams_live_snapshots_on_loopback_only(tmp_path):
             with pytest.raises(OSError), socket.create_connection((lan, port), timeout=2):
                 pass
         wait_for(lambda: dash.snapshot().get("acts", {}).get("taps"), 30, "activation stats")
+        assert dash.snapshot()["tap"] == "3/post_block"  # default: the deepest post_block
+        assert dash.snapshot("0/post_block")["tap"] == "0/post_block"
         events = sse_events(f"{dash.url}events?tap=3/post_block", 3, timeout=30)
         steps = [e["bus"]["last_step"] for e in events]
         assert steps == sorted(steps) and steps[-1] > steps[0], steps

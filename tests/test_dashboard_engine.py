@@ -230,3 +230,5 @@ def test_dashboards_show_the_engine_live(sched_engine, tmp_path):
         assert np.isfinite(last[f"{base}/mean_drift"]) and np.isfinite(last[f"{base}/var_drift"])
         for split in ("train", "eval"):
             assert last[f"tags/split={split}/{base[5:]}/rows"] > 0
+    if why_no_browser is not None:  # everything else passed; say what was not checked
+        pytest.skip(f"W&B checks passed; the page was not checked: {why_no_browser}")

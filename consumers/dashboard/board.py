@@ -33,7 +33,7 @@ class Board:
             snap = self._snap
             taps = list((snap.get("acts") or {}).get("taps") or {})
             if tap not in taps:
-                tap = taps[-1] if taps else None
+                tap = _default_tap(taps)
             return {
                 **snap,
                 "version": self.version,
@@ -41,3 +41,11 @@ class Board:
                 "requests": self.recent.snapshot(tap),
                 "requests_forgotten": self.recent.forgotten,
             }
+
+
+def _default_tap(taps: list[str]) -> str | None:
+    """The residual stream leaving the deepest tapped layer, if tapped; else the last tap."""
+    if not taps:
+        return None
+    deepest = max(int(t.split("/", 1)[0]) for t in taps)
+    return f"{deepest}/post_block" if f"{deepest}/post_block" in taps else taps[-1]
