@@ -124,7 +124,11 @@ class ShardWriter:
         for stale in self.out.rglob("*.tmp"):  # left by a crash mid-write
             stale.unlink()
         self.counts: Counter[str] = Counter()
-        self.manifest = self._load_manifest()
+        try:
+            self.manifest = self._load_manifest()
+        except Exception:
+            self._lock.close()
+            raise
         self._open: dict[tuple[int, str], _Shard] = {}
         self._taps: dict[tuple[int, str], _Tap] = {}
         self.failed: StorageError | None = None
@@ -171,7 +175,9 @@ class ShardWriter:
                 f"{layout.FORMAT_VERSION}; use a new directory"
             )
         for key, value in settings.items():
-            if key != "compression" and m.get(key) != value:  # compression is per file
+            if key == "compression":  # per shard: each entry names its own
+                m[key] = value
+            elif m.get(key) != value:
                 raise RuntimeError(
                     f"--out {self.out}: the run was written with {key}={m.get(key)!r}, "
                     f"not {value!r}; pass the same flags to continue it, or use a new directory"
@@ -469,6 +475,7 @@ class ShardWriter:
             "bytes": shard.final.stat().st_size,
             "checksum": layout.checksum(shard.final),
             "steps": list(shard.steps),
+            "compression": self.cfg.compression,
         }
         with self._mlock:
             self._record(entry)
