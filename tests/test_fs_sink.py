@@ -10,7 +10,7 @@ import torch
 
 from actbus.bus import Batch
 from actbus.wire import Header, RowIndex
-from consumers.fs import ActivationRun, FsSink, WriterConfig, parse_reduction
+from consumers.fs import ActivationRun, FsSink, StorageError, WriterConfig, parse_reduction
 from consumers.fs.selection import Selection
 from consumers.fs.torch_dataset import TokenDataset
 
@@ -144,3 +144,9 @@ def test_positions_selected_and_counted(tmp_path):
     run = ActivationRun(tmp_path / "run")
     assert run.request_rows("a", 1)[0].tolist() == [1, 2]
     assert run.manifest["counters"]["rows_not_selected"] == 2
+
+
+def test_unwritable_out_is_named(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(StorageError, match=r"--out .*file/run: cannot create the run directory"):
+        FsSink(str(tmp_path / "file" / "run"))
