@@ -254,3 +254,12 @@ def test_layers_and_hooks_selected_at_the_publisher(tmp_path):
     assert routed == 5  # the other 15 messages never crossed the bus to the sink
     run = ActivationRun(out)
     assert run.manifest["rows"] == {"2/mlp_out": 40} and run.verify() == []
+
+
+def test_replay_of_a_non_run_is_named(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "actbus.cli", "replay", str(tmp_path), "--publish",
+         f"ipc://{tmp_path}/r.sock", "--wait-s", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1 and f"{tmp_path}: no manifest.json" in r.stderr, r.stderr
