@@ -9,6 +9,7 @@ the header as a per-step request table plus packed int arrays, so a message for
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +150,8 @@ class RowIndex:
                 raise WireError(f"row index: {name} must have one entry per request")
         if len(rows.positions) != n or len(rows.token_ids) != n:
             raise WireError("row index: positions/token_ids length differs from the row count")
-        if len(rows.offsets) and (rows.offsets[0] != 0 or np.any(np.diff(rows.offsets) < 0)):
+        off = rows.offsets
+        if len(off) and (off[0] != 0 or bool((off[1:] < off[:-1]).any())):
             raise WireError("row index: offsets must start at 0 and never decrease")
         return rows
 
@@ -249,7 +251,7 @@ class Header:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
 def unpack_map(raw: bytes | memoryview) -> dict[str, Any]:
@@ -284,8 +286,9 @@ def tensor_to_frame(t: torch.Tensor) -> memoryview:
         raise ValueError("tensor_to_frame needs a CPU tensor")
     if t.numel() == 0:  # a message with no rows (it still carries request ends)
         return memoryview(b"")
-    t = t.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
 
 
 def frame_to_tensor(buf: memoryview | bytes, hdr: Header) -> torch.Tensor:
@@ -294,8 +297,12 @@ def frame_to_tensor(buf: memoryview | bytes, hdr: Header) -> torch.Tensor:
         raise WireError(f"tensor frame has {len(buf)} bytes, header says {hdr.nbytes}")
     if hdr.nbytes == 0:
         return torch.empty(hdr.shape, dtype=DTYPES[hdr.dtype])
-    with warnings.catch_warnings():
-        # zmq frames are read-only; consumers must not write into them.
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.frombuffer(buf, dtype=DTYPES[hdr.dtype])
-    return t.view(hdr.shape)
+    return torch.frombuffer(buf, dtype=DTYPES[hdr.dtype]).view(hdr.shape)
+
+
+# zmq frames are read-only and consumers must not write into them; torch warns
+# about that on every message. Silenced once here, for this module's calls only
+# (a catch_warnings block per message cost more than the rest of the decode).
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=__name__
+)

@@ -156,13 +156,20 @@ class Subscriber:
             self._check_publisher()
             if why := self._auth.failure():  # a refused handshake is not a silent publisher
                 raise SubscriptionRejected(why)
-            wait = 250 if deadline is None else min(250, max(0, deadline - time.monotonic()) * 1e3)
-            if self._sock.poll(int(wait), zmq.POLLIN):
-                out = self._handle(self._sock.recv_multipart(copy=False))
-                if out is not None:
-                    return out
-            elif deadline is not None and time.monotonic() >= deadline:
-                return None
+            try:  # a busy stream has a message waiting: no poll call needed
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                wait = (
+                    250 if deadline is None else min(250, max(0, deadline - time.monotonic()) * 1e3)
+                )
+                if not self._sock.poll(int(wait), zmq.POLLIN):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return None
+                    continue
+                frames = self._sock.recv_multipart(copy=False)
+            out = self._handle(frames)
+            if out is not None:
+                return out
 
     def request_stats(self) -> None:
         """Ask for the publisher's full counters; they arrive as an ``Event("stats")``."""
