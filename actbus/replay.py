@@ -44,6 +44,7 @@ class ReplayConfig:
     wait_subscribers: int = 1
     wait_s: float = 60.0
     drain_s: float = 600.0
+    """Longest wait, at the end, for subscribers to acknowledge everything."""
     layers: tuple[int, ...] | None = None
     hooks: tuple[str, ...] | None = None
 
@@ -134,21 +135,6 @@ def _message(run: Any, rows: pa.Table) -> tuple[Header, Any]:
     return header, t
 
 
-def drain(pub: Publisher, timeout: float) -> bool:
-    """Wait until every subscriber acknowledged everything published (True), or
-    ``timeout``. Call before ``Publisher.close``: close sends END once messages are
-    handed to ZeroMQ, then closes its socket without linger, which drops what
-    ZeroMQ had not yet transmitted (large messages on a busy host)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = pub.stats()
-        subs = st["subscribers"].values()
-        if not st["queued"] and not any(s["queue_depth"] or s["inflight"] for s in subs):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def replay(cfg: ReplayConfig) -> dict[str, Any]:
     """Publish the run; returns counts (steps, messages, rows, seconds, publisher stats)."""
     from consumers.fs.reader import ActivationRun
@@ -212,11 +198,12 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
             pub.publish(header, tensor)
             out["messages"] += 1
             out["rows"] += rows.num_rows
-        drain(pub, cfg.drain_s)
-        out["seconds"] = round(time.monotonic() - t0, 3)
-        out["publisher"] = {k: v for k, v in pub.stats().items() if k != "latency"}
-    finally:
+    except BaseException:
         pub.close(timeout=10.0)
+        raise
+    pub.close(timeout=cfg.drain_s)  # waits for every subscriber's acknowledgement
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    out["publisher"] = {k: v for k, v in pub.stats().items() if k != "latency"}
     return out
 
 

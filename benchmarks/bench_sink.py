@@ -39,7 +39,6 @@ import torch
 
 from actbus.bus import Batch, Publisher
 from actbus.cli import consumer_command
-from actbus.replay import drain
 from actbus.wire import Header, RowIndex
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,8 +109,7 @@ def sink_rate(d: Path, total: int, shard_mb: float) -> dict:
         for step in range(n):
             h = Header(step, 0, "post_block", "float32", (ROWS, HIDDEN), "bench", ri)
             pub.publish(h, tensors[step % 4])
-        drain(pub, 300)  # every message acknowledged (see actbus.replay.drain)
-        pub.close(timeout=10)  # END: the sink flushes and exits
+        pub.close(timeout=300)  # every message acknowledged, then END: the sink exits
         proc.wait(timeout=300)
         m = json.loads((out / "manifest.json").read_text())
         # the commit time of the last shard: the manifest's mtime

@@ -107,6 +107,7 @@ def _subscriber(address: str, spec: str) -> None:
     seqs: list[int] = []
     steps: list[int] = []
     bad_values = 0
+    ended = False
     try:
         sub.wait_welcome(60)
         say(f"ready {name}")
@@ -119,6 +120,7 @@ def _subscriber(address: str, spec: str) -> None:
                 bad_values += int(float(out.tensor[0, 0]) != out.step)
                 time.sleep(float(delay))
             elif isinstance(out, Event) and out.kind == "end":
+                ended = True
                 break
     finally:
         sub.close()
@@ -130,6 +132,7 @@ def _subscriber(address: str, spec: str) -> None:
                 "seqs": seqs,
                 "steps": steps,
                 "bad_values": bad_values,
+                "ended": ended,
                 "received": s.received,
                 "missed": s.missed,
                 "rejected": s.rejected,

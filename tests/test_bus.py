@@ -15,6 +15,7 @@ import zmq
 
 from actbus.bus import Event, Publisher, Subscriber, Subscription, SubscriptionRejected
 from actbus.wire import HELLO, SCHEMA_VERSION, Header, RowIndex
+from tests.bus_procs import Proc
 from tests.conftest import ROOT
 from tests.procs import recv_batches, wait_for
 
@@ -309,3 +310,21 @@ def test_parse_policy_rejects_with_the_choices(text):
 
     with pytest.raises(ValueError, match=r"policy|sample|spill"):
         parse_policy(text)
+
+
+def test_close_delivers_what_is_in_flight_and_then_end(address):
+    """Closing right after publishing large messages loses none of them, nor END:
+    close waits for acknowledgements, and the socket lingers for what is on its way."""
+    pub = Publisher(address, info={"model": "test"}, queue_bytes=256 << 20, heartbeat_s=0.1)
+    subs = Proc("subscribers", address, "slow:block:0.02:64")
+    try:
+        subs.ready(1)
+        for step in range(40):  # 2 MiB each: ZeroMQ holds several when close is called
+            pub.publish(*_msg(step, rows=128, hidden=4096))
+        pub.close(timeout=60)
+        r = subs.results(1, timeout=60)["slow"]
+    finally:
+        pub.close(timeout=1)
+        subs.kill()
+    assert r["steps"] == list(range(40)) and r["missed"] == 0
+    assert r["ended"], "END was lost"

@@ -92,6 +92,8 @@ log = logging.getLogger("actbus.publisher")
 # How many messages a subscriber may have waiting beyond its credit before its
 # policy applies (block: hold the shared queue; drop_newest: drop; spill: to disk).
 PENDING_LIMIT = 8
+# How long the socket may still deliver END (and what was sent) once closed.
+CLOSE_LINGER_MS = 1000
 _SNDMORE = int(zmq.SNDMORE)
 # Largest control frame accepted; control messages are small maps.
 MAX_CONTROL_BYTES = 256 << 10
@@ -457,7 +459,11 @@ class Publisher:
             }
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (up to ``timeout``), tell subscribers, stop. Idempotent."""
+        """Send what is queued and wait until subscribers acknowledged it (up to
+        ``timeout``), tell them, stop. Idempotent.
+
+        Acknowledged, not just handed to ZeroMQ: a large message still in the
+        socket's buffers when it closes would be lost, and the END behind it."""
         with self._cond:
             if self._closed:
                 return
@@ -474,7 +480,7 @@ class Publisher:
     # ------------------------------------------------------------ publisher thread
     def _busy(self) -> bool:
         with self._cond:
-            return bool(self._queue) or any(s.queued for s in self._subs.values())
+            return bool(self._queue) or any(s.queued or s.inflight for s in self._subs.values())
 
     def _wake(self) -> None:
         """Called with ``_cond`` held, so the pipe is never closed underneath."""
@@ -520,7 +526,7 @@ class Publisher:
             if self._spill_root is not None:
                 shutil.rmtree(self._spill_root, ignore_errors=True)
             self._monitor.close(linger=0)
-            self._sock.close(linger=0)
+            self._sock.close(linger=CLOSE_LINGER_MS)  # END reaches live subscribers
             self._auth.close()  # only now: without it, a CURVE socket admits anyone
             self._ctx.term()
             with self._cond:
