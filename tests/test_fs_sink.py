@@ -150,3 +150,18 @@ def test_unwritable_out_is_named(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(StorageError, match=r"--out .*file/run: cannot create the run directory"):
         FsSink(str(tmp_path / "file" / "run"))
+
+
+def test_mark_after_eviction_counted_even_when_later_rows_are_held_again():
+    """A request evicted, then held again by its later rows, then marked: only the
+    later rows are kept, and the mark is counted (and logged) as after eviction."""
+    from consumers.fs.rows import Rows
+    from consumers.fs.selection import MarkedWindow
+
+    w = MarkedWindow(1, 1 << 30, {})
+    w.offer(Rows.from_batch(_batch(0, "x", [0, 1])))
+    w.offer(Rows.from_batch(_batch(1, "y", [0, 1])))  # evicts x
+    w.offer(Rows.from_batch(_batch(2, "x", [2, 3])))  # x held again, y evicted
+    released = w.mark("x", 0, "late")
+    assert [p for r in released for p in r.positions.tolist()] == [2, 3]
+    assert w.counts["marks_after_eviction"] == 1 and w.counts["evicted_rows"] == 4

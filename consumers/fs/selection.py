@@ -130,12 +130,9 @@ class MarkedWindow:
             self.counts["marks_repeated"] += 1
             return []
         self._keep(key, "mark")
-        held = self._held.pop(key, None)
-        if held is not None:
-            self._bytes -= held.nbytes
-            self.counts["kept_by_mark"] += 1
-            return held.rows
-        if key in self._evicted:
+        # Evicted before, even if later rows of it are held again: its first rows are lost.
+        evicted = key in self._evicted
+        if evicted:
             self.counts["marks_after_eviction"] += 1
             log.warning(
                 "mark for %s/%d (%s) came after it left the window: its earlier rows are "
@@ -144,7 +141,12 @@ class MarkedWindow:
                 sample_index,
                 reason or "no reason",
             )
-        else:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._bytes -= held.nbytes
+            self.counts["kept_by_mark"] += 1
+            return held.rows
+        if not evicted:
             self.counts["marks_before_rows"] += 1  # kept once its rows arrive
         return []
 
