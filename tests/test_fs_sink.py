@@ -165,3 +165,23 @@ def test_mark_after_eviction_counted_even_when_later_rows_are_held_again():
     released = w.mark("x", 0, "late")
     assert [p for r in released for p in r.positions.tolist()] == [2, 3]
     assert w.counts["marks_after_eviction"] == 1 and w.counts["evicted_rows"] == 4
+
+
+def test_pca_rows_of_several_layers_decode_each_with_its_own_basis(tmp_path):
+    """A table of the whole run (its schema names only the first shard's basis)
+    decodes like each layer's own table."""
+    out = tmp_path / "run"
+    sink = FsSink(str(out), WriterConfig(reduction=parse_reduction("pca:2", warmup=4)))
+    sink.on_welcome(INFO)
+    for s in range(3):
+        for layer in (1, 2):
+            b = _batch(s, "a", [2 * s, 2 * s + 1])
+            b.header.layer = layer
+            sink.on_batch(Batch(header=b.header, tensor=b.tensor * layer + 50 * layer, seq=s))
+    sink.close()
+    run = ActivationRun(out)
+    assert len(run.manifest["bases"]) == 2
+    whole = run.dataset().to_table().sort_by([("layer", "ascending"), ("position", "ascending")])
+    per_layer = torch.cat([run.request_rows("a", layer)[1] for layer in (1, 2)])
+    assert torch.allclose(run.decode(whole), per_layer)
+    assert torch.allclose(run.decode(whole.to_batches()[0].slice(0, 2)), per_layer[:2])

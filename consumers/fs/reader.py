@@ -78,8 +78,26 @@ class ActivationRun:
         return ds.dataset(tables)
 
     def decode(self, table: pa.Table | pa.RecordBatch) -> torch.Tensor:
-        """The activation rows of ``table`` decoded from the run's reduction."""
-        return self.decoder.decode(table, self.hidden_size)
+        """The activation rows of ``table`` decoded from the run's reduction.
+
+        PCA rows of several layers/hooks are decoded each with its own basis (found
+        by their ``layer`` and ``hook`` columns)."""
+        taps = None
+        if self.reduction.kind == "pca" and {"layer", "hook"} <= set(table.schema.names):
+            taps = pa.table({"layer": table.column("layer"), "hook": table.column("hook")})
+            taps = taps.group_by(["layer", "hook"]).aggregate([]).to_pylist()
+        if not taps or len(taps) == 1:
+            return self.decoder.decode(table, self.hidden_size)
+        out = torch.empty(table.num_rows, self.width)
+        for tap in taps:
+            mask = pc.and_(
+                pc.equal(table.column("layer"), tap["layer"]),
+                pc.equal(table.column("hook"), tap["hook"]),
+            )
+            rows = torch.from_numpy(np.flatnonzero(mask.to_numpy(zero_copy_only=False)))
+            basis = self.manifest["bases"][f"{tap['layer']}/{tap['hook']}"]["path"]
+            out[rows] = self.decoder.decode(table.filter(mask), self.hidden_size, basis)
+        return out
 
     def request_rows(
         self,

@@ -213,8 +213,12 @@ class Decoder:
         self._bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._proj: dict[tuple[int, int, int], torch.Tensor] = {}
 
-    def decode(self, batch: pa.RecordBatch | pa.Table, hidden: int) -> torch.Tensor:
-        """``[rows, width]``: see the module table for what each reduction gives."""
+    def decode(
+        self, batch: pa.RecordBatch | pa.Table, hidden: int, basis: str | None = None
+    ) -> torch.Tensor:
+        """``[rows, width]``: see the module table for what each reduction gives.
+        ``basis``: the PCA basis file of these rows, in place of the one the schema
+        names (a table of several layers/hooks carries only its first shard's)."""
         field = batch.schema.field("activation")
         meta = {k.decode(): v.decode() for k, v in (field.metadata or {}).items()}
         stored = meta.get("actbus.dtype", "float32")
@@ -227,8 +231,8 @@ class Decoder:
             scale = torch.from_numpy(np.require(batch.column("scale").to_numpy(), requirements="W"))
             return values.float() * scale[:, None]
         if kind == "pca":
-            mean, basis = self._basis(meta["actbus.basis"])
-            return values @ basis + mean
+            mean, b = self._basis(basis or meta["actbus.basis"])
+            return values @ b + mean
         index = layout.arrow_to_tensor(batch.column("topk_index"), "int32")
         dense = torch.zeros(values.shape[0], hidden, dtype=values.dtype)
         return dense.scatter_(1, index.long(), values)
