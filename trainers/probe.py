@@ -97,14 +97,15 @@ class ProbeTrainer(pl.LightningModule):
             probe = self.probes[module_key(c.name)]
             b = batch[c.stream]
             x = b["activation"]
+            if not bool(probe.initialized) and x.shape[0]:
+                probe.initialize(x)
+            if batch_idx == 0 and dist.is_available() and dist.is_initialized():
+                for t in (probe.mean, probe.inv_std):  # rank 0's wins
+                    dist.broadcast(t, src=0)
+                probe.initialized.fill_(True)
             if x.shape[0] == 0:
                 loss = loss + 0.0 * sum(p.sum() for p in probe.parameters())
                 continue
-            if not bool(probe.initialized):
-                probe.initialize(x)
-                if dist.is_available() and dist.is_initialized():
-                    for t in (probe.mean, probe.inv_std, probe.initialized):
-                        dist.broadcast(t, src=0)
             cols = [self.label_tags.index(t) for t in c.labels]
             y = b["label"][:, cols].to(self.device)
             held = (b["split"] < c.heldout).to(self.device)

@@ -53,12 +53,13 @@ class SAETrainer(pl.LightningModule):
         logs: dict[str, float] = {}
         for c, sae in self._items():
             x = batch[c.stream]["activation"]
+            if not bool(sae.initialized) and x.shape[0]:
+                sae.initialize(x)
+            if batch_idx == 0:  # every rank takes part, whatever its first batch held
+                self._broadcast_init(sae)
             if x.shape[0] == 0:  # this rank's stream ended: join the collectives, learn nothing
                 loss = loss + 0.0 * sum(p.sum() for p in sae.parameters())
                 continue
-            if not bool(sae.initialized):
-                sae.initialize(x)
-                self._broadcast_init(sae)
             out = sae.training_loss(x)
             loss = loss + out["loss"]
             for k, v in out.items():
@@ -76,8 +77,9 @@ class SAETrainer(pl.LightningModule):
     def _broadcast_init(self, sae: SparseAutoencoder) -> None:
         """Ranks initialise from different first batches: rank 0's values win."""
         if dist.is_available() and dist.is_initialized():
-            for t in (sae.norm_scale, sae.b_dec.data, sae.initialized):
+            for t in (sae.norm_scale, sae.b_dec.data):
                 dist.broadcast(t, src=0)
+            sae.initialized.fill_(True)
 
     def _sync_stop(self, exhausted: bool) -> None:
         """Stop every rank once all of them ran out of data (single process: never needed)."""
