@@ -430,6 +430,15 @@ class ShardWriter:
             self._commits.put(None)
             self._committer.join(timeout=60)
             self._lock.close()
+            if self.failed is not None:
+                self.counts["rows_lost_on_storage_error"] += sum(
+                    t.warmup_rows for t in self._taps.values()
+                )
+                log.error(
+                    "--out %s: %d rows received were not stored (storage error)",
+                    self.out,
+                    self.counts["rows_lost_on_storage_error"],
+                )
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -444,8 +453,10 @@ class ShardWriter:
                     return
                 if self.failed is None:
                     self._commit(shard)
-                else:
+                else:  # queued behind the shard that failed
                     shard.tmp.unlink(missing_ok=True)
+                    with self._mlock:
+                        self.counts["rows_lost_on_storage_error"] += shard.rows
             except StorageError:
                 pass  # self.failed is set; the main thread raises it
             except Exception as e:  # never die silently: the main thread reports it
