@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,6 +178,9 @@ def test_dashboard_streams_live_snapshots_on_loopback_only(tmp_path):
                 pass
         wait_for(lambda: dash.snapshot().get("acts", {}).get("taps"), 30, "activation stats")
         assert dash.snapshot()["tap"] == "3/post_block"  # default: the deepest post_block
+        # It yields the CPU to the engine: niceness 10 (field 19 of /proc/PID/stat).
+        stat = Path(f"/proc/{dash.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert int(stat[16]) == 10
         assert dash.snapshot("0/post_block")["tap"] == "0/post_block"
         events = sse_events(f"{dash.url}events?tap=3/post_block", 3, timeout=30)
         steps = [e["bus"]["last_step"] for e in events]
