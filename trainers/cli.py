@@ -216,7 +216,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
     summary = {
         "rank": trainer.global_rank,
         "steps": trainer.global_step,
-        "metrics": getattr(module, "last_metrics", {}),
+        "metrics": {k: float(v) for k, v in getattr(module, "last_metrics", {}).items()},
         "data": dm.stats(),
         "wandb_dir": str(out / "wandb"),
     }

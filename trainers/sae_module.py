@@ -36,7 +36,7 @@ class SAETrainer(pl.LightningModule):
             raise ValueError(f"SAE names must be unique, got {names}")
         self.configs = list(configs)
         self.saes = nn.ModuleDict({module_key(c.name): SparseAutoencoder(c) for c in configs})
-        self.last_metrics: dict[str, float] = {}
+        self.last_metrics: dict[str, torch.Tensor] = {}
         self.fvu_history: dict[str, list[float]] = {c.name: [] for c in configs}
 
     def _items(self):
@@ -53,7 +53,7 @@ class SAETrainer(pl.LightningModule):
         logs: dict[str, float] = {}
         for c, sae in self._items():
             x = batch[c.stream]["activation"]
-            if not bool(sae.initialized) and x.shape[0]:
+            if batch_idx == 0 and not bool(sae.initialized) and x.shape[0]:
                 sae.initialize(x)
             if batch_idx == 0:  # every rank takes part, whatever its first batch held
                 self._broadcast_init(sae)
@@ -63,11 +63,12 @@ class SAETrainer(pl.LightningModule):
             out = sae.training_loss(x)
             loss = loss + out["loss"]
             for k, v in out.items():
-                logs[f"{c.name}/{k}"] = float(v.detach())
-            self.fvu_history[c.name].append(logs[f"{c.name}/fvu"])
+                logs[f"{c.name}/{k}"] = v.detach()  # tensors: no device sync per step
+            if self.device.type == "cpu" or batch_idx % 100 == 0:
+                self.fvu_history[c.name].append(float(out["fvu"]))
         self._sync_stop(exhausted)
         if logs:
-            self.last_metrics = logs
+            self.last_metrics = logs  # type: ignore[assignment]
             first = self.configs[0].name
             self.log_dict(logs, on_step=True, prog_bar=False, batch_size=1, rank_zero_only=True)
             if f"{first}/fvu" in logs:
