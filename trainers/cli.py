@@ -71,7 +71,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     t.add_argument("--out", default="out/trainers", help="checkpoints and the W&B run go here")
     t.add_argument("--checkpoint-every", type=int, default=1000, help="optimizer steps")
     t.add_argument("--log-every", type=int, default=10, help="steps between logged metrics")
-    t.add_argument("--wandb-project", default="actbus")
+    t.add_argument(
+        "--wandb-project",
+        default=os.environ.get("WANDB_PROJECT", "actbus"),
+        help="W&B project (default $WANDB_PROJECT or actbus); group: $WANDB_RUN_GROUP",
+    )
     t.add_argument("--run-name", default=None)
     t.add_argument("--no-progress", action="store_true", help="no rich progress bar")
     t.add_argument("--ledger", help=argparse.SUPPRESS)  # every trained (request, position)

@@ -122,9 +122,15 @@ class SparseAutoencoder(nn.Module):
             )
             z = z.index_put((bag, cols), values)
             return z @ self.W_dec
-        return F.embedding_bag(
-            cols, self.W_dec, offsets, mode="sum", per_sample_weights=values.to(self.W_dec.dtype)
-        )
+        # A gather, memory-bound: kept in the weights' dtype whatever autocast would pick.
+        with torch.autocast(device_type=values.device.type, enabled=False):
+            return F.embedding_bag(
+                cols,
+                self.W_dec,
+                offsets,
+                mode="sum",
+                per_sample_weights=values.to(self.W_dec.dtype),
+            )
 
     def _sparse_code(
         self, pre: torch.Tensor, training: bool
