@@ -138,3 +138,5 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
         keys = set().union(*read_history(f))
         assert any(k.endswith(key) for k in keys), sorted(keys)
         assert any(k.startswith("data/") for k in keys)
+        if out is probe_out:
+            assert any(k.endswith("label/heldout_accuracy") for k in keys), sorted(keys)

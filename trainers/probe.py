@@ -77,6 +77,7 @@ class ProbeTrainer(pl.LightningModule):
         self.last_metrics: dict[str, float] = {}
         self.heldout_rows = 0
         self._updated: set[str] = set()
+        self._classes: dict[str, set[int]] = {}  # per window: AUROC needs both classes
 
     def configure_optimizers(self):
         groups = [
@@ -134,7 +135,11 @@ class ProbeTrainer(pl.LightningModule):
                         else:
                             self.metrics[module_key(f"{c.name}/{t}")].update(pred, target)
                         self.heldout_rows += int(m.sum())
-                        self._updated.add(module_key(f"{c.name}/{t}"))
+                        key = module_key(f"{c.name}/{t}")
+                        self._updated.add(key)
+                        seen = self._classes.setdefault(key, set())
+                        if c.kind == "logistic" and len(seen) < 2:
+                            seen.update(target.long().unique().tolist())
         self._sync_stop(exhausted)
         if logs:
             self.log_dict(logs, on_step=True, batch_size=1, rank_zero_only=True)
@@ -159,10 +164,13 @@ class ProbeTrainer(pl.LightningModule):
             except (ValueError, RuntimeError):  # e.g. one class only so far
                 continue
             for name, v in vals.items():
+                if name == "auroc" and len(self._classes.get(key, ())) < 2:
+                    continue  # undefined with one class in the window (torchmetrics says 0)
                 if torch.isfinite(v):
                     out[f"{key}/heldout_{name}"] = float(v)
             coll.reset()
         self._updated.clear()
+        self._classes.clear()
         if not out:
             return
         self.last_metrics.update(out)
