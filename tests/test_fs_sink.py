@@ -185,3 +185,13 @@ def test_pca_rows_of_several_layers_decode_each_with_its_own_basis(tmp_path):
     per_layer = torch.cat([run.request_rows("a", layer)[1] for layer in (1, 2)])
     assert torch.allclose(run.decode(whole), per_layer)
     assert torch.allclose(run.decode(whole.to_batches()[0].slice(0, 2)), per_layer[:2])
+
+
+def test_request_of_a_layer_not_stored_is_named(tmp_path):
+    sink = FsSink(tmp_path / "run")
+    sink.on_welcome(INFO)
+    sink.on_batch(_batch(0, "a", [0, 1]))
+    sink.close()
+    named = r"no committed shards for layer 5 .*'1/post_block'"
+    with pytest.raises(FileNotFoundError, match=named):
+        ActivationRun(tmp_path / "run").request("a", layer=5)

@@ -70,12 +70,14 @@ class ActivationRun:
         """The committed shards (optionally of one layer/hook) as a pyarrow dataset
         (lazy for ``--ipc file`` runs; memory-mapped tables for ``stream`` runs)."""
         paths = self.shards(layer, hook)
+        if not paths:  # else an empty dataset, and a filter fails with "No match for FieldRef"
+            raise FileNotFoundError(
+                f"{self.path}: no committed shards for layer {layer} hook {hook!r}; the run "
+                f"has (layer/hook) {sorted(self.manifest.get('rows', {}))}"
+            )
         if self.ipc == "file":
             return ds.dataset([str(p) for p in paths], format="ipc")
-        tables = [self.read(p) for p in paths]
-        if not tables:
-            raise FileNotFoundError(f"{self.path}: no committed shards for {layer}/{hook}")
-        return ds.dataset(tables)
+        return ds.dataset([self.read(p) for p in paths])
 
     def decode(self, table: pa.Table | pa.RecordBatch) -> torch.Tensor:
         """The activation rows of ``table`` decoded from the run's reduction.
