@@ -88,7 +88,10 @@ class MarkedWindow:
 
     def __init__(self, max_requests: int, max_bytes: int, keep_tags: dict[str, Any]) -> None:
         if max_requests < 1 or max_bytes < 1:
-            raise ValueError("--window-requests and --window-mb must be above 0")
+            raise ValueError(
+                f"--window-requests {max_requests} / --window-mb-held {max_bytes / (1 << 20):g}: "
+                "both must be above 0"
+            )
         self.max_requests = max_requests
         self.max_bytes = max_bytes
         self.keep_tags = keep_tags
@@ -136,7 +139,7 @@ class MarkedWindow:
             self.counts["marks_after_eviction"] += 1
             log.warning(
                 "mark for %s/%d (%s) came after it left the window: its earlier rows are "
-                "lost, later ones are kept; a larger --window-requests/--window-mb holds it",
+                "lost, later ones are kept; a larger --window-requests/--window-mb-held holds it",
                 request_id,
                 sample_index,
                 reason or "no reason",
