@@ -10,6 +10,7 @@ the publisher only sees a subscriber leave, and a new one join.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -224,6 +225,11 @@ def _run_once(
             server_key=server_key,
             client_secret_key=client_secret_key,
         )
+        # Everything made so far (torch, the consumer's model...) lives as long as the
+        # process: moved out of the collector's sight, so the collections that a
+        # stream of messages triggers stop rescanning it (py-spy: 21% and 44% of the
+        # null consumer's samples at 2 MiB messages, under 2% once frozen).
+        gc.freeze()
         while not stop.is_set():
             out = sub.recv(timeout=0.25)
             if out is not None and _deliver(consumer, sub, out) and exit_on_end:
