@@ -55,14 +55,17 @@ def _autocast(device: str, precision: str):
 
 
 def make_batches(n: int, tokens: int, d: int, device: str, seed: int = 0) -> list[torch.Tensor]:
-    """Sparse-ish synthetic rows (bf16), distinct per batch, made once up front."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    atoms = torch.nn.functional.normalize(torch.randn(4 * d, d, generator=g), dim=1)
+    """Sparse-ish synthetic rows (bf16), distinct per batch, made once up front on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_atoms = 4 * d
+    atoms = torch.randn(n_atoms, d, generator=g, device=device)
+    atoms = torch.nn.functional.normalize(atoms, dim=1)
     out = []
     for _ in range(n):
-        idx = torch.randint(0, atoms.shape[0], (tokens, 8), generator=g)
-        x = (torch.rand(tokens, 8, 1, generator=g) * atoms[idx]).sum(1)
-        out.append(x.to(torch.bfloat16).to(device))
+        idx = torch.randint(0, n_atoms, (tokens, 8), generator=g, device=device)
+        coef = torch.rand(tokens, 8, generator=g, device=device)
+        z = torch.zeros(tokens, n_atoms, device=device).scatter_(1, idx, coef)
+        out.append((z @ atoms).to(torch.bfloat16))
     return out
 
 
