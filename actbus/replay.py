@@ -77,7 +77,10 @@ def _index(run: Any, layers: tuple[int, ...] | None, hooks: tuple[str, ...] | No
             )
         )
     if not parts:
-        raise ValueError(f"{run.path}: no committed shards to replay (for the layers/hooks asked)")
+        raise ValueError(
+            f"{run.path}: no committed shards to replay for --layers {layers} --hooks {hooks}; "
+            f"the run has (layer/hook) {sorted(run.manifest.get('rows', {}))}"
+        )
     table = pa.concat_tables(parts)
     order = pc.sort_indices(
         table,

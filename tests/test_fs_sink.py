@@ -195,3 +195,22 @@ def test_request_of_a_layer_not_stored_is_named(tmp_path):
     named = r"no committed shards for layer 5 .*'1/post_block'"
     with pytest.raises(FileNotFoundError, match=named):
         ActivationRun(tmp_path / "run").request("a", layer=5)
+
+
+def test_replay_of_hooks_not_stored_is_named(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    sink = FsSink(tmp_path / "run")
+    sink.on_welcome(INFO)
+    sink.on_batch(_batch(0, "a", [0, 1]))
+    sink.close()
+    r = subprocess.run(
+        [sys.executable, "-m", "actbus.cli", "replay", str(tmp_path / "run"), "--publish",
+         f"ipc://{tmp_path}/r.sock", "--hooks", "mlp_out", "--wait-s", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1 and "--hooks ('mlp_out',)" in r.stderr, r.stderr
+    assert "the run has (layer/hook) ['1/post_block']" in r.stderr, r.stderr
