@@ -214,3 +214,17 @@ def test_replay_of_hooks_not_stored_is_named(tmp_path):
     )  # fmt: skip
     assert r.returncode == 1 and "--hooks ('mlp_out',)" in r.stderr, r.stderr
     assert "the run has (layer/hook) ['1/post_block']" in r.stderr, r.stderr
+
+
+def test_rotation_by_size(tmp_path):
+    """--shard-mb: a shard closes once its rows' bytes reach the limit."""
+    one = 2 * 8 * 4  # the activation bytes of one 2-row message; its row columns add more
+    sink = FsSink(str(tmp_path / "run"), WriterConfig(shard_bytes=3 * one, flush_s=60))
+    sink.on_welcome(INFO)
+    for s in range(6):
+        sink.on_batch(_batch(s, "a", [2 * s, 2 * s + 1]))
+    sink.writer._commits.join()
+    committed = [s["rows"] for s in ActivationRun(tmp_path / "run").manifest["shards"]]
+    assert committed and max(committed) < 6 * 2  # rotated before the end, by bytes alone
+    sink.close()
+    assert ActivationRun(tmp_path / "run").manifest["total_rows"] == 12
