@@ -228,3 +228,20 @@ def test_rotation_by_size(tmp_path):
     assert committed and max(committed) < 6 * 2  # rotated before the end, by bytes alone
     sink.close()
     assert ActivationRun(tmp_path / "run").manifest["total_rows"] == 12
+
+
+def test_restart_removes_its_own_tmp_files_only(tmp_path):
+    out = tmp_path / "run"
+    sink = FsSink(out)
+    sink.on_welcome(INFO)
+    sink.on_batch(_batch(0, "a", [0, 1]))
+    sink.close()
+    half = out / "layer-01" / "post_block" / "shard-000003.arrow.tmp"  # a crash mid-write
+    half.write_bytes(b"half")
+    (out / "manifest.json.tmp").write_bytes(b"half")
+    theirs = out / "notes" / "draft.tmp"  # not the sink's
+    theirs.parent.mkdir()
+    theirs.write_text("keep me")
+    FsSink(out).close()
+    assert not half.exists() and not (out / "manifest.json.tmp").exists()
+    assert theirs.read_text() == "keep me"

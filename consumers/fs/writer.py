@@ -121,8 +121,11 @@ class ShardWriter:
                 f"--out {self.out}: another fs-sink is writing this run; give each sink its "
                 "own directory"
             ) from None
-        for stale in self.out.rglob("*.tmp"):  # left by a crash mid-write
-            stale.unlink()
+        # Left by a crash mid-write; only the sink's own (--out may hold other files).
+        own = ("layer-*/*/shard-*.arrow.tmp", "reductions/*.tmp", layout.MANIFEST + ".tmp")
+        for pattern in own:
+            for stale in self.out.glob(pattern):
+                stale.unlink()
         self.counts: Counter[str] = Counter()
         try:
             self.manifest = self._load_manifest()
