@@ -132,6 +132,8 @@ class WandbDashboard(Monitor):
         super().add_arguments(parser)
         parser.add_argument(
             "--project",
+            "--wandb-project",  # the trainers' spelling
+            dest="project",
             default=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
             help="W&B project (default $WANDB_PROJECT or 'actbus'); trainers use the same",
         )
