@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from actbus.bus import Publisher
 from actbus.wire import Header, RowIndex
@@ -113,6 +114,8 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
     acc = [v for k, v in p["metrics"].items() if k.endswith("heldout_accuracy")]
     print(f"\nprobe from the stored run: {p['metrics']}")
     assert acc and acc[0] >= 0.95
+    (saved,) = (tmp_path / "probe").glob("*/probe.safetensors")
+    assert load_file(str(saved))["linear.weight"].shape == (1, 64)
 
 
 def test_bad_flags_are_named():

@@ -114,3 +114,14 @@ def load_sae(path: str | Path, device: str = "cpu") -> SparseAutoencoder:
             lt = s.get("log_threshold")
             sae.log_threshold.copy_(lt if lt is not None else w["threshold"].log())
     return sae.to(device)
+
+
+def save_probe(probe, path: str | Path, *, metrics: dict[str, float] | None = None) -> Path:
+    """A probe: ``probe.safetensors`` (weight, bias, standardisation) + ``probe.json``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _save({k: v.detach() for k, v in probe.state_dict().items()}, path / "probe.safetensors")
+    tmp = path / "probe.json.tmp"
+    tmp.write_text(json.dumps({"actbus": probe.cfg.to_dict(), "metrics": metrics or {}}, indent=2))
+    os.replace(tmp, path / "probe.json")
+    return path

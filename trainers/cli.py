@@ -226,6 +226,13 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
     }
     if hasattr(module, "fvu_history"):
         summary["fvu_history"] = module.fvu_history
+    if hasattr(module, "probes") and trainer.is_global_zero:
+        from trainers.checkpoint import save_probe
+        from trainers.sae_module import module_key
+
+        for c in configs:
+            m = {k: v for k, v in summary["metrics"].items() if k.startswith(f"{c.name}/")}
+            save_probe(module.probes[module_key(c.name)], out / c.name, metrics=m)
     if opts.summary and trainer.is_global_zero:
         Path(opts.summary).write_text(json.dumps(summary))
     return summary
