@@ -96,6 +96,19 @@ def test_same_seed_and_epoch_same_batches_other_epoch_other_order(tmp_path):
     assert a != _rows_of(unshuffled) and sorted(a) == sorted(_rows_of(unshuffled))
 
 
+def test_set_epoch_reaches_persistent_workers(tmp_path):
+    """Persistent workers keep their own dataset copy; the epoch must reach them."""
+    total = _make_run(tmp_path / "run")
+    ds = TokenDataset(tmp_path / "run", 1, batch_tokens=8, shuffle_buffer=32, seed=0)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    epochs = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        epochs.append(_rows_of(loader))
+    assert all(len(set(e)) == len(e) == total for e in epochs)
+    assert epochs[0] != epochs[1]
+
+
 def test_extra_columns_and_bad_column_named(tmp_path):
     _make_run(tmp_path / "run", steps=5)
     ds = TokenDataset(tmp_path / "run", 1, batch_tokens=4, columns=("tags", "step"))

@@ -17,6 +17,7 @@ batches. Call ``set_epoch`` before each epoch, as with ``DistributedSampler``.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,9 @@ class TokenDataset(IterableDataset):
         self.columns = tuple(columns)
         self.unit_rows = unit_rows
         self.drop_last = drop_last
-        self.epoch = 0
+        # Shared memory, so persistent DataLoader workers (which keep their own copy
+        # of the dataset) still see set_epoch.
+        self._epoch = multiprocessing.Value("q", 0, lock=False)
         if (rank is None) != (world_size is None):
             raise ValueError("give both rank and world_size, or neither")
         if world_size is None and dist.is_available() and dist.is_initialized():
@@ -107,8 +110,13 @@ class TokenDataset(IterableDataset):
         """Rows per epoch over all ranks and workers."""
         return sum(int(e["rows"]) for e in self.entries)
 
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch.value)
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Call before each epoch; reaches DataLoader workers, persistent ones too."""
+        self._epoch.value = epoch
 
     # ------------------------------------------------------------ partitioning
     def units(self, consumer: int, consumers: int) -> list[tuple[int, int, int]]:
