@@ -24,6 +24,7 @@ def _train(cfg: SAEConfig, steps: int) -> tuple[SparseAutoencoder, list[float]]:
     sae = SparseAutoencoder(cfg)
     opt = torch.optim.Adam(sae.parameters(), lr=cfg.lr)
     fvus = []
+    l0s = []
     for _ in range(steps):
         x = 3.0 * sample(256, g, atoms) + 0.5  # off-centre and off-scale: normalisation matters
         if not bool(sae.initialized):
@@ -35,6 +36,8 @@ def _train(cfg: SAEConfig, steps: int) -> tuple[SparseAutoencoder, list[float]]:
         opt.step()
         sae.normalize_decoder()
         fvus.append(float(out["fvu"].detach()))
+        l0s.append(float(out["l0"].detach()))
+    sae.l0_history = l0s
     return sae, fvus
 
 
@@ -45,6 +48,8 @@ def test_every_kind_learns_and_reloads_bit_for_bit(kind, tmp_path):
     print(kind, fvus[:3], fvus[-3:])
     assert sum(fvus[-10:]) / 10 < 0.8 * sum(fvus[:3]) / 3, (fvus[:3], fvus[-10:])
     assert torch.allclose(sae.W_dec.norm(dim=1), torch.ones(256), atol=1e-5)
+    # Sparse, not just small: relu/jumprelu's penalties bring L0 well below d_sae.
+    assert sae.l0_history[-1] <= (8 if kind == "topk" else 8 * 1.5 if kind == "batchtopk" else 64)
     # The scale makes the mean squared norm of the scaled inputs d_in.
     x = 3.0 * sample(4096, torch.Generator().manual_seed(9), planted()[0]) + 0.5
     assert float((x * sae.norm_scale).pow(2).sum(-1).mean()) == pytest.approx(64, rel=0.05)

@@ -41,12 +41,13 @@ class SAEConfig:
     aux_coeff: float = 1 / 32
     dead_tokens: int = 10_000_000
     """A latent that fired on none of the last this many tokens is dead."""
-    l1_coeff: float = 0.02
+    l1_coeff: float = 0.2
     """relu: weight of the L1 penalty (per token, over sqrt(d_in), on normalised inputs)."""
-    l0_coeff: float = 0.002
+    l0_coeff: float = 0.01
     """jumprelu: weight of the L0 penalty (active latents per token)."""
-    jumprelu_init_threshold: float = 0.001
-    jumprelu_bandwidth: float = 0.001
+    jumprelu_init_threshold: float = 0.5
+    """On normalised inputs (about unit scale per dimension)."""
+    jumprelu_bandwidth: float = 0.1
     lr: float = 2e-4
     b_dec_init: str = "geometric_median"
     normalize: bool = True
