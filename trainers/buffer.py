@@ -136,12 +136,12 @@ class ShuffleBuffer:
         count = min(count, self.n)
         n = self.n
         pick = torch.randperm(n, generator=self._gen)[:count]
-        out = Rows(
-            self.x[pick].clone(),
-            self.position[pick].clone(),
-            self.request_id[pick.numpy()].copy(),
-            self.split[pick].clone(),
-            self.label[pick].clone(),
+        out = Rows(  # advanced indexing copies: the rows are the batch's own
+            self.x[pick],
+            self.position[pick],
+            self.request_id[pick.numpy()],
+            self.split[pick],
+            self.label[pick],
         )
         # Move the rows of the tail that were not taken into the holes below it.
         keep_tail = torch.ones(count, dtype=torch.bool)
