@@ -129,3 +129,35 @@ def test_bad_flags_are_named():
     r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
              "--policy", "sometimes")  # fmt: skip
     assert r.returncode == 2 and "sometimes" in r.stderr
+
+
+def test_several_saes_from_one_subscription(tmp_path):
+    """--layer 0,3 --k 4,8: four SAEs (2 layers x 2 k) fed by one subscriber, every
+    token of both layers trained on by the two SAEs of its layer."""
+    address = f"ipc://{tmp_path}/synth.sock"
+    messages = 40
+    pub = SynthPublisher(address, messages, "--rows", "256", "--layers", "0,3")
+    try:
+        r = _run(
+            "sae", "--connect", address, "--d-in", "64", "--layer", "0,3", "--k", "4,8",
+            "--expansion", "2", "--policy", "block", "--batch-tokens", "256",
+            "--buffer-tokens", "2048", "--warmup-tokens", "512", "--idle-s", "5",
+            "--out", str(tmp_path / "out"), "--no-progress",
+            "--summary", str(tmp_path / "summary.json"),
+        )  # fmt: skip
+    finally:
+        pub.stop()
+    assert r.returncode == 0, r.stderr[-4000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["data"]["bus/received"] == 2 * messages  # one subscriber got both layers
+    for layer in (0, 3):
+        assert s["data"][f"tokens/L{layer}/post_block"] == messages * 256
+    saved = sorted(p.name for p in (tmp_path / "out").iterdir() if (p / "cfg.json").exists())
+    assert saved == [
+        "L0-post_block-topk-k4-x2",
+        "L0-post_block-topk-k8-x2",
+        "L3-post_block-topk-k4-x2",
+        "L3-post_block-topk-k8-x2",
+    ]
+    assert load_sae(tmp_path / "out" / saved[3]).cfg.layer == 3
+    assert set(s["fvu_history"]) == set(saved)
