@@ -156,6 +156,11 @@ class _Sub:
     # Messages published for it and not yet routed (each side written by one thread).
     queued_in: int = 0  # by publishers, under the queue lock
     queued_out: int = 0  # by the publisher thread
+    sampled_at_source: int = 0  # by the engine thread: steps skipped in admit
+
+    def skips(self, step: int) -> bool:
+        """A sampler's step it does not take."""
+        return self.sub.policy == "sample" and step % self.sub.sample_every != 0
 
     def may_send(self, nbytes: int) -> bool:
         """Within both credits; an oversized message goes alone when nothing is in flight."""
@@ -216,7 +221,7 @@ class _Sub:
         drop from here to the publisher thread or back; both are counted.
         """
         p = self.sub
-        if p.policy == "sample" and step % p.sample_every:
+        if self.skips(step):
             return 0
         if p.policy not in ("drop_newest", "sample"):
             return 1 << 30
@@ -308,10 +313,16 @@ class Publisher:
         self._closed = False
         self._stopped = threading.Event()
         self._counters: Counter[str] = Counter()
-        self.last_step = -1
+        self._routed_step = -1  # by the publisher thread
+        self._skipped_step = -1  # by the engine thread: a step every sampler skipped
         self.stall_s = 0.0  # time the engine spent waiting for queue space
         self._thread = threading.Thread(target=self._run, name="actbus-publisher", daemon=True)
         self._thread.start()
+
+    @property
+    def last_step(self) -> int:
+        """The newest step routed, or skipped at the source by every sampler."""
+        return max(self._routed_step, self._skipped_step)
 
     # ---------------------------------------------------------------- engine side
     def admit(self, step: int, taps: list[tuple[int, str, int, bool]]) -> list[Admission]:
@@ -339,6 +350,15 @@ class Publisher:
             wanted = [s for s in subs if s.wants(layer, hook, for_return)]
             if not wanted:
                 self._engine_counts["not_wanted"] += 1
+                out.append(Admission.NONE)
+                continue
+            if all(s.skips(step) for s in wanted):
+                # Only samplers want it, and none samples this step: nothing to copy,
+                # queue or route (a sampled-out step is neither a drop nor a gap).
+                for s in wanted:
+                    s.sampled_at_source += 1
+                self._engine_counts["sampled_out"] += 1
+                self._skipped_step = max(self._skipped_step, step)
                 out.append(Admission.NONE)
                 continue
             lossless = any(s.lossless for s in wanted)
@@ -725,7 +745,7 @@ class Publisher:
             lost |= self._route(member, item)
         for s in item.counted:
             s.queued_out += 1
-        self.last_step = max(self.last_step, h.step)
+        self._routed_step = max(self._routed_step, h.step)
         if dropped:
             self._counters["source_drops"] += lost  # a skipped sample step is not a drop
             return
@@ -760,7 +780,7 @@ class Publisher:
     def _route(self, s: _Sub, item: _Item) -> bool:
         """Route ``item`` to ``s``; True if that was a drop at the source."""
         policy = s.sub.policy
-        if policy == "sample" and item.header.step % s.sub.sample_every:
+        if s.skips(item.header.step):
             s.c.sampled_out += 1  # not wanted: neither a drop nor a gap
             return False
         if item.tensor is None:  # dropped at the source (admit): a counted gap
@@ -913,6 +933,7 @@ class Publisher:
             "policy": s.policy_text(),
             "group": s.sub.group,
             **s.c.as_dict(),
+            "sampled_out": s.c.sampled_out + s.sampled_at_source,
             "pending": len(s.pending),
             "spill_depth": s.spilled_now,
             "spill_bytes": s.spill.nbytes if s.spill is not None else 0,
