@@ -220,10 +220,11 @@ def bench_bus(a) -> dict[str, float]:
     steps = a.warmup + a.tokens // a.batch_tokens
     with tempfile.TemporaryDirectory() as tmp:
         address = f"ipc://{tmp}/bench.sock"
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         pub = subprocess.Popen(
             [sys.executable, __file__, "--publish", address, "--d", str(a.d),
              "--batch-tokens", str(a.batch_tokens), "--messages", str(steps + 8)],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path},
         )  # fmt: skip
         try:
             assert pub.stdout.readline().strip() == "ready"
