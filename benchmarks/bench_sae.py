@@ -119,7 +119,9 @@ def bench_baseline(a, batches) -> dict[str, float]:
 
 
 def _cfg(a) -> SAEConfig:
-    return SAEConfig(d_in=a.d, expansion=a.expansion, k=a.k, kind="topk", lr=1e-4)
+    return SAEConfig(
+        d_in=a.d, expansion=a.expansion, k=a.k, kind="topk", lr=1e-4, decoder=a.decoder
+    )
 
 
 def bench_module(a, batches) -> dict[str, float]:
@@ -282,6 +284,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--precision", default=None, help="bf16-mixed (GPU default) or 32-true")
     p.add_argument("--bus", action="store_true", help="also time the data path from a bus")
+    p.add_argument("--decoder", default="sparse", choices=["sparse", "dense"], help="SAE decode")
     p.add_argument("--publish", help=argparse.SUPPRESS)
     p.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -322,6 +325,7 @@ def main() -> None:
         "headline_path": head,
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
         "config": {
+            "decoder": a.decoder,
             "d": a.d,
             "d_sae": a.d * a.expansion,
             "k": a.k,

@@ -20,6 +20,9 @@ from torch import nn
 
 from trainers.config import SAEConfig
 
+# Steps between checks, on an accelerator, for whether any latent is dead (AuxK).
+DEAD_CHECK_EVERY = 16
+
 
 def geometric_median(x: torch.Tensor, iters: int = 30, eps: float = 1e-6) -> torch.Tensor:
     """Weiszfeld's algorithm: the point minimising the sum of distances to the rows."""
@@ -90,6 +93,8 @@ class SparseAutoencoder(nn.Module):
         # batchtopk at inference: a per-token threshold, the running minimum kept value.
         self.register_buffer("threshold", torch.full((), -1.0))
         self.register_buffer("since_fired", torch.zeros(n, dtype=torch.long))
+        self._steps = 0
+        self._dead_seen = False
 
     # ------------------------------------------------------------------ set-up
     @torch.no_grad()
@@ -191,9 +196,8 @@ class SparseAutoencoder(nn.Module):
         total_var = (xn - xn.mean(0)).pow(2).sum().clamp_min(1e-12).detach()
         fvu = err.pow(2).sum() / total_var
         out = {"fvu": fvu, "mse": err.pow(2).mean(), "l0": l0}
-        with torch.no_grad():
-            self.since_fired += rows
-            self.since_fired[fired] = 0
+        with torch.no_grad():  # masked_fill_, not boolean indexing: no device sync
+            self.since_fired.add_(rows).masked_fill_(fired, 0)
         dead = self.since_fired >= cfg.dead_tokens
         out["dead_frac"] = dead.float().mean()
         # Trained on the squared error per token (summed over dimensions), not on the
@@ -201,10 +205,11 @@ class SparseAutoencoder(nn.Module):
         per_token = total_var / max(rows, 1)
         loss = fvu * per_token
         if cfg.kind in ("topk", "batchtopk") and cfg.aux_k:
-            n_dead = int(dead.sum())
             aux = torch.zeros((), device=pre.device)
-            if n_dead:
-                ka = min(int(cfg.aux_k), n_dead)
+            if self._any_dead(dead):
+                # Non-dead latents are masked to -inf: past the dead ones, topk picks
+                # zeros, so a fixed k needs no count of the dead (a device sync).
+                ka = min(int(cfg.aux_k), int(cfg.d_sae))
                 v, i = pre.masked_fill(~dead, -torch.inf).topk(ka, dim=-1, sorted=False)
                 offs = torch.arange(rows, device=pre.device) * ka
                 e_hat = self._decode_bags(F.relu(v).reshape(-1), i.reshape(-1), offs, rows)
@@ -221,6 +226,15 @@ class SparseAutoencoder(nn.Module):
             loss = loss + cfg.l0_coeff * l0_ste * per_token
         out["loss"] = loss
         return out
+
+    def _any_dead(self, dead: torch.Tensor) -> bool:
+        """Whether AuxK has dead latents to work on. Asking costs a device sync, so
+        on an accelerator the answer is refreshed every ``DEAD_CHECK_EVERY`` steps
+        (latents die over millions of tokens; a few steps late changes nothing)."""
+        self._steps += 1
+        if dead.device.type == "cpu" or self._steps % DEAD_CHECK_EVERY == 1:
+            self._dead_seen = bool(dead.any())
+        return self._dead_seen
 
     @torch.no_grad()
     def remove_parallel_grad(self) -> None:
