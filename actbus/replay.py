@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actbus.bus import Publisher
+from actbus.flags import int_list
 from actbus.wire import DTYPE_NAMES, Header, RowIndex
 
 log = logging.getLogger("actbus.replay")
@@ -218,7 +219,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--wait-subscribers", type=int, default=1, help="subscribers to wait for before step 0"
     )
     p.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for them")
-    p.add_argument("--layers", default=None, help="replay only these layers: 0,3")
+    p.add_argument("--layers", type=int_list, default=None, help="replay only these layers: 0,3")
     p.add_argument("--hooks", default=None, help="replay only these hooks: post_block")
     p.add_argument("--log-level", default="INFO")
 
@@ -228,20 +229,13 @@ def main(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
-        layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
-    except ValueError:
-        print(
-            f"actbus replay: --layers {args.layers!r}: expected integers, e.g. 0,3", file=sys.stderr
-        )
-        return 2
-    try:
         cfg = ReplayConfig(
             Path(args.run),
             args.publish,
             rate=args.rate,
             wait_subscribers=args.wait_subscribers,
             wait_s=args.wait_s,
-            layers=layers,
+            layers=tuple(args.layers) if args.layers else None,
             hooks=tuple(args.hooks.split(",")) if args.hooks else None,
         )
         out = replay(cfg)

@@ -24,17 +24,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from actbus.flags import int_list
 from trainers.config import SAE_KINDS, DataConfig, ProbeConfig, SAEConfig
 
 log = logging.getLogger("actbus.trainers")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        msg = f"expected comma-separated integers, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
 
 
 def _strs(text: str) -> list[str]:
@@ -45,7 +38,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("source (exactly one)")
     src.add_argument("--connect", help="publisher address, e.g. ipc:///tmp/actbus.sock")
     src.add_argument("--from", dest="run_dir", help="a run directory the fs sink wrote")
-    src.add_argument("--layer", type=_ints, required=True, help="layer(s), comma-separated")
+    src.add_argument("--layer", type=int_list, required=True, help="layer(s), comma-separated")
     src.add_argument("--hook", type=_strs, default=["post_block"], help="hook(s), comma-separated")
     src.add_argument("--d-in", type=int, help="input width (default: from the publisher or run)")
     d = p.add_argument_group("data")
@@ -90,8 +83,8 @@ def _sae_parser() -> argparse.ArgumentParser:
     _common(p)
     s = p.add_argument_group("SAE")
     s.add_argument("--kind", choices=SAE_KINDS, default="topk")
-    s.add_argument("--k", type=_ints, default=[32], help="k, comma-separated for several")
-    s.add_argument("--expansion", type=_ints, default=[16], help="d_sae / d_in, comma-separated")
+    s.add_argument("--k", type=int_list, default=[32], help="k, comma-separated for several")
+    s.add_argument("--expansion", type=int_list, default=[16], help="d_sae / d_in, comma-separated")
     s.add_argument("--aux-k", type=int, help="AuxK dead latents (default d_in/2; 0: off)")
     s.add_argument("--aux-coeff", type=float, default=1 / 32)
     s.add_argument("--dead-tokens", type=int, default=10_000_000)

@@ -19,6 +19,7 @@ from typing import Any
 from actbus.bus import Batch
 from actbus.bus.protocol import Subscription
 from actbus.consumer import Consumer
+from actbus.flags import int_list
 from consumers.fs import layout
 from consumers.fs.reductions import parse_reduction
 from consumers.fs.rows import Rows
@@ -104,7 +105,7 @@ class FsSink(Consumer):
             "(all tags are in the JSON column 'tags' anyway)",
         )
         s = parser.add_argument_group("fs-sink: selection")
-        s.add_argument("--layers", default=None, help="keep only these layers: 0,3")
+        s.add_argument("--layers", type=int_list, default=None, help="keep only these layers: 0,3")
         s.add_argument("--hooks", default=None, help="keep only these hooks: post_block,mlp_out")
         s.add_argument(
             "--positions", default=None, metavar="START:STOP", help="keep token positions"
@@ -143,7 +144,7 @@ class FsSink(Consumer):
                 tag_columns=tuple(k for k in args.tag_columns.split(",") if k),
             )
             selection = Selection(
-                layers=_ints(args.layers, "--layers"),
+                layers=tuple(args.layers) if args.layers else None,
                 hooks=tuple(args.hooks.split(",")) if args.hooks else None,
                 positions=parse_positions(args.positions) if args.positions else None,
             )
@@ -221,12 +222,3 @@ class FsSink(Consumer):
         for k, v in self.window.counts.items():
             self.counts[f"window_{k}"] = v
         self.counts["window_held_requests"] = self.window.held_requests
-
-
-def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} {text!r}: expected integers, e.g. 0,3") from None
