@@ -231,39 +231,73 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
     return summary
 
 
-def sae_main(argv: list[str] | None = None) -> int:
-    p = _sae_parser()
-    opts = p.parse_args(argv)
+def _parse(
+    parser: argparse.ArgumentParser, argv: list[str] | None, build: Any
+) -> tuple[argparse.Namespace, list[Any], DataConfig]:
+    """Flags, then ``build(opts, d_in) -> (configs, data config)``; a bad value or an
+    unreachable source ends the command with the parser's error, naming it."""
+    opts = parser.parse_args(argv)
     if (opts.connect is None) == (opts.run_dir is None):
-        p.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
+        parser.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
     try:
-        d_in = _d_in(opts)
-        configs = [
-            SAEConfig(
-                d_in=d_in,
-                kind=opts.kind,
-                k=k,
-                expansion=x,
-                aux_k=opts.aux_k,
-                aux_coeff=opts.aux_coeff,
-                dead_tokens=opts.dead_tokens,
-                l1_coeff=opts.l1_coeff,
-                l0_coeff=opts.l0_coeff,
-                b_dec_init=opts.b_dec_init,
-                normalize=not opts.no_normalize,
-                decoder=opts.decoder,
-                layer=layer,
-                hook=hook,
-                seed=opts.seed,
-                **({"lr": opts.lr} if opts.lr else {}),
-            )
-            for layer, hook, k, x in itertools.product(
-                opts.layer, opts.hook, opts.k, opts.expansion
-            )
-        ]
-        data_cfg = _data_cfg(opts, name="sae")
+        configs, data_cfg = build(opts, _d_in(opts))
     except (ValueError, TimeoutError, FileNotFoundError) as e:
-        p.error(str(e))
+        parser.error(str(e))
+    return opts, configs, data_cfg
+
+
+def _sae_configs(opts: argparse.Namespace, d_in: int) -> tuple[list[SAEConfig], DataConfig]:
+    configs = [
+        SAEConfig(
+            d_in=d_in,
+            kind=opts.kind,
+            k=k,
+            expansion=x,
+            aux_k=opts.aux_k,
+            aux_coeff=opts.aux_coeff,
+            dead_tokens=opts.dead_tokens,
+            l1_coeff=opts.l1_coeff,
+            l0_coeff=opts.l0_coeff,
+            b_dec_init=opts.b_dec_init,
+            normalize=not opts.no_normalize,
+            decoder=opts.decoder,
+            layer=layer,
+            hook=hook,
+            seed=opts.seed,
+            **({"lr": opts.lr} if opts.lr else {}),
+        )
+        for layer, hook, k, x in itertools.product(opts.layer, opts.hook, opts.k, opts.expansion)
+    ]
+    return configs, _data_cfg(opts, name="sae")
+
+
+def _probe_configs(opts: argparse.Namespace, d_in: int) -> tuple[list[ProbeConfig], DataConfig]:
+    configs = [
+        ProbeConfig(
+            d_in=d_in,
+            labels=tuple(opts.label),
+            kind=opts.kind,
+            heldout=opts.heldout,
+            weight_decay=opts.weight_decay,
+            layer=layer,
+            hook=hook,
+            seed=opts.seed,
+            **({"lr": opts.lr} if opts.lr else {}),
+        )
+        for layer, hook in itertools.product(opts.layer, opts.hook)
+    ]
+    data_cfg = _data_cfg(
+        opts,
+        name="probe",
+        label_tags=tuple(opts.label),
+        labelled_only=True,
+        labels_file=opts.labels_file,
+    )
+    return configs, data_cfg
+
+
+def sae_main(argv: list[str] | None = None) -> int:
+    opts, configs, data_cfg = _parse(_sae_parser(), argv, _sae_configs)
     from trainers.sae_module import SAETrainer
 
     _fit(SAETrainer(configs), data_cfg, opts, configs)
@@ -271,35 +305,7 @@ def sae_main(argv: list[str] | None = None) -> int:
 
 
 def probe_main(argv: list[str] | None = None) -> int:
-    p = _probe_parser()
-    opts = p.parse_args(argv)
-    if (opts.connect is None) == (opts.run_dir is None):
-        p.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
-    try:
-        d_in = _d_in(opts)
-        configs = [
-            ProbeConfig(
-                d_in=d_in,
-                labels=tuple(opts.label),
-                kind=opts.kind,
-                heldout=opts.heldout,
-                weight_decay=opts.weight_decay,
-                layer=layer,
-                hook=hook,
-                seed=opts.seed,
-                **({"lr": opts.lr} if opts.lr else {}),
-            )
-            for layer, hook in itertools.product(opts.layer, opts.hook)
-        ]
-        data_cfg = _data_cfg(
-            opts,
-            name="probe",
-            label_tags=tuple(opts.label),
-            labelled_only=True,
-            labels_file=opts.labels_file,
-        )
-    except (ValueError, TimeoutError, FileNotFoundError) as e:
-        p.error(str(e))
+    opts, configs, data_cfg = _parse(_probe_parser(), argv, _probe_configs)
     from trainers.probe import ProbeTrainer
 
     _fit(ProbeTrainer(configs, tuple(opts.label)), data_cfg, opts, configs)
