@@ -9,9 +9,9 @@ trend in the machine's load hits both arms alike) between:
               started before the round and stopped after it), with a page's SSE
               stream open on it (a ``curl`` reading ``/events``)
 
-Throughput is generated tokens / wall time of ``llm.generate``. The ratio is, per
-ABBA block, the mean of its with-rounds over the mean of its without-rounds; the
-median over blocks is reported (with the ratio of the arms' medians beside it).
+Throughput is generated tokens / wall time of ``--repeat`` ``llm.generate`` calls.
+The ratio is, per ABBA block, the mean of its with-rounds over the mean of its
+without-rounds; the median over blocks is reported (with the ratio of the arms' medians beside it).
 ``--null`` adds a third arm, ``actbus run null`` with the same policy: the bus's
 share of the cost, without the dashboard's own work. Prints a table,
 then one JSON line whose ``ratio_with_dashboard`` is the figure.
@@ -107,6 +107,9 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=4, help="ABBA pairs (2 rounds per arm each)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--output", type=int, default=384, help="new tokens per request")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="generate calls per round (longer rounds: less noise)"
+    )
     ap.add_argument("--policy", default="sample:10", help="the dashboard's policy")
     ap.add_argument(
         "--null", action="store_true", help="a third arm: `actbus run null` with the same policy"
@@ -146,9 +149,11 @@ def main() -> int:
 
     def round_() -> tuple[float, int]:
         t = time.monotonic()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.monotonic() - t
-        return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+        tokens = 0
+        for _ in range(args.repeat):
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        return time.monotonic() - t, tokens
 
     round_()  # warm-up (compile, caches)
     arms = ["without", "with"] + (["null"] if args.null else [])
@@ -241,6 +246,7 @@ def main() -> int:
         "policy": args.policy,
         "prompts": args.prompts,
         "output_tokens": args.output,
+        "repeat": args.repeat,
         "taps": len(LAYERS) * len(HOOKS),
         "engine_start_s": round(start_s, 1),
         "cpus": os.cpu_count(),

@@ -19,7 +19,8 @@ after ``--warmup`` steps:
 Both the baseline and the trainer run under the same ``--precision`` (bf16 autocast
 on GPU by default, fp32 weights either way). Prints a table; the last line is JSON
 with ``ratio_vs_baseline`` (headline path / baseline), ``tokens_per_s`` (headline
-path) and every figure. Needs only this repository, torch and (optionally) lightning.
+path: ``bus`` with ``--bus``, else ``lightning``) and every figure. Needs only this
+repository, torch and (optionally) lightning; ``--bus`` also pyzmq.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainers.config import SAEConfig  # noqa: E402
+from trainers.optim import adam  # noqa: E402
 from trainers.sae import SparseAutoencoder  # noqa: E402
 
 
@@ -127,7 +129,7 @@ def _cfg(a) -> SAEConfig:
 def bench_module(a, batches) -> dict[str, float]:
     sae = SparseAutoencoder(_cfg(a)).to(a.device)
     sae.initialize(batches[0])
-    opt = torch.optim.Adam(sae.parameters(), lr=1e-4)
+    opt = adam(sae.parameters(), lr=1e-4)
 
     def step(x):
         with _autocast(a.device, a.precision):
@@ -201,8 +203,113 @@ def bench_lightning(a, batches) -> dict[str, float]:
     key = cfg.stream
     data = [{key: {"activation": x}} for x in batches]
     timer = _timer(a, a.batch_tokens)
-    _pl_trainer(a, [timer]).fit(SAETrainer([cfg]), train_dataloaders=_Listed(data))
+    callbacks = [timer] + ([_profiler_callback(a)] if a.profile else [])
+    _pl_trainer(a, callbacks).fit(SAETrainer([cfg]), train_dataloaders=_Listed(data))
     return timer.result()
+
+
+PROFILED_STEPS = 4
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _report_syncs(a, step, x) -> None:
+    """Run one step with CUDA's sync debugging on: each op that made the host wait."""
+    if not a.device.startswith("cuda"):
+        return
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in seen:
+        if "synchroniz" in str(w.message):
+            print(f"sync: {w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}")
+
+
+def _profile_table(prof, title: str) -> None:
+    """Where a step's device time goes, and how often the host waited for the device."""
+    events = prof.key_averages()
+    print(f"--- profile: {title} ({PROFILED_STEPS} steps) ---")
+    print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    syncs = {e.key: e.count for e in events if e.key in SYNC_CALLS or "DtoH" in e.key}
+    per_step = {k: v / PROFILED_STEPS for k, v in syncs.items()}
+    print(f"host waits per step: {per_step or 'none'}")
+
+
+def _profiled(a, title: str):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
+    return profile(activities=acts), title
+
+
+def profile_module(a, batches) -> None:
+    """``--profile``: the module's step under torch.profiler, after a warm-up."""
+    sae = SparseAutoencoder(_cfg(a)).to(a.device)
+    sae.initialize(batches[0])
+    opt = adam(sae.parameters(), lr=1e-4)
+
+    def step(x):
+        with _autocast(a.device, a.precision):
+            loss = sae.training_loss(x)["loss"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sae.remove_parallel_grad()
+        opt.step()
+        sae.normalize_decoder()
+
+    for x in batches[: a.warmup]:
+        step(x)
+    _report_syncs(a, step, batches[a.warmup])
+    _sync(a.device)
+    prof, title = _profiled(a, "module")
+    with prof:
+        for x in batches[a.warmup : a.warmup + PROFILED_STEPS]:
+            step(x)
+        _sync(a.device)
+    _profile_table(prof, title)
+
+
+def _profiler_callback(a):
+    import lightning.pytorch as pl
+
+    class Profiled(pl.Callback):
+        """torch.profiler around steps ``warmup .. warmup + PROFILED_STEPS``."""
+
+        def __init__(self) -> None:
+            self.prof = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == a.warmup - 1 and a.device.startswith("cuda"):
+                import warnings
+
+                self.seen = warnings.catch_warnings(record=True)
+                self.records = self.seen.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+            if batch_idx == a.warmup:
+                _sync(a.device)
+                self.prof, _ = _profiled(a, "lightning")
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == a.warmup - 1 and a.device.startswith("cuda"):
+                torch.cuda.set_sync_debug_mode("default")
+                self.seen.__exit__(None, None, None)
+                for w in self.records:
+                    if "synchroniz" in str(w.message):
+                        print(f"sync (lightning): {w.filename}:{w.lineno}: {w.message}")
+            if self.prof is not None and batch_idx == a.warmup + PROFILED_STEPS - 1:
+                _sync(a.device)
+                self.prof.__exit__(None, None, None)
+                _profile_table(self.prof, "lightning")
+                self.prof = None
+
+    return Profiled()
 
 
 class _Listed(torch.utils.data.IterableDataset):
@@ -285,6 +392,12 @@ def main() -> None:
     p.add_argument("--precision", default=None, help="bf16-mixed (GPU default) or 32-true")
     p.add_argument("--bus", action="store_true", help="also time the data path from a bus")
     p.add_argument("--decoder", default="sparse", choices=["sparse", "dense"], help="SAE decode")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print where the module's and Lightning's steps spend device time (the "
+        "Lightning path's timing then includes the profiler: read its ratio with care)",
+    )
     p.add_argument("--publish", help=argparse.SUPPRESS)
     p.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -297,6 +410,8 @@ def main() -> None:
     res: dict[str, dict[str, float]] = {}
     res["baseline"] = bench_baseline(a, batches)
     res["module"] = bench_module(a, batches)
+    if a.profile:
+        profile_module(a, batches)
     try:
         import lightning  # noqa: F401
 
@@ -308,7 +423,8 @@ def main() -> None:
         res["lightning"] = bench_lightning(a, batches)
         if a.bus:
             res["bus"] = bench_bus(a)
-    head = "lightning" if have_pl else "module"
+    # The headline is the most complete path measured: the bus's when asked for.
+    head = ("bus" if a.bus else "lightning") if have_pl else "module"
     base = res["baseline"]["tokens_per_s"]
     print(f"TopK SAE d={a.d} d_sae={a.d * a.expansion} k={a.k} batch={a.batch_tokens} "
           f"inputs=bf16 precision={a.precision} device={a.device}")  # fmt: skip

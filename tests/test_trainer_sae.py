@@ -95,6 +95,28 @@ def test_sparse_and_dense_decoders_agree():
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_encoder_gives_b_dec_the_gradient_of_plain_centring():
+    """pre_acts routes b_dec's gradient through a matrix-vector product instead of a
+    per-row gradient; values and every gradient must match (x - b_dec) @ W_enc + b_enc."""
+    g = torch.Generator().manual_seed(5)
+    sae = SparseAutoencoder(SAEConfig(d_in=32, d_sae=128, kind="topk", k=4))
+    with torch.no_grad():
+        sae.b_dec.copy_(torch.randn(32, generator=g))
+        sae.b_enc.copy_(torch.randn(128, generator=g))
+    xn, up = torch.randn(64, 32, generator=g), torch.randn(64, 128, generator=g)
+    grads, values = [], []
+    for plain in (False, True):
+        sae.zero_grad()
+        pre = (xn - sae.b_dec) @ sae.W_enc + sae.b_enc if plain else sae.pre_acts(xn)
+        (pre * up).sum().backward()
+        values.append(pre.detach())
+        grads.append([sae.b_dec.grad.clone(), sae.W_enc.grad.clone(), sae.b_enc.grad.clone()])
+    assert torch.equal(values[0], values[1])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert grads[0][0].abs().sum() > 0
+
+
 def test_geometric_median_resists_outliers():
     x = torch.zeros(101, 4)
     x[:3] = 1000.0

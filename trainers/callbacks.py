@@ -1,12 +1,22 @@
-"""Lightning callbacks of the trainers: periodic SAE checkpoints and data-path metrics."""
+"""Lightning callbacks of the trainers: periodic SAE checkpoints, data-path metrics and
+the progress bar."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import RichProgressBar
 
 from trainers.checkpoint import save_sae
+
+
+class MetricsProgressBar(RichProgressBar):
+    """Rich's bar, plus the module's ``pbar_metrics``: plain floats the module refreshes
+    when it chooses, so showing them never waits for the device."""
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        return {**super().get_metrics(trainer, pl_module), **getattr(pl_module, "pbar_metrics", {})}
 
 
 class SaveSAEs(pl.Callback):

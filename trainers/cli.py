@@ -161,7 +161,7 @@ def _data_cfg(opts: argparse.Namespace, name: str, **kw: Any) -> DataConfig:
 def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) -> dict:
     import lightning.pytorch as pl
 
-    from trainers.callbacks import DataStats, SaveSAEs
+    from trainers.callbacks import DataStats, MetricsProgressBar, SaveSAEs
     from trainers.data import ActivationDataModule
     from trainers.wandb_log import make_logger
 
@@ -179,9 +179,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
     if hasattr(module, "saes"):
         callbacks.append(SaveSAEs(out, opts.checkpoint_every))
     if not opts.no_progress:
-        from lightning.pytorch.callbacks import RichProgressBar
-
-        callbacks.append(RichProgressBar())
+        callbacks.append(MetricsProgressBar())
     devices: Any = int(opts.devices) if str(opts.devices).isdigit() else opts.devices
     trainer = pl.Trainer(
         max_epochs=1,

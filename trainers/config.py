@@ -171,6 +171,9 @@ class DataConfig:
     labels_file: str | None = None
     """Stored runs: a JSON map request_id -> {tag: value}, as the bus would carry."""
     seed: int = 0
+    prefetch: int = 2
+    """Batches drawn ahead of the trainer on a thread of their own (pinned where CUDA is
+    available, so the copy to the GPU is asynchronous); 0 draws them in the loop."""
     name: str = "trainer"
     server_key: str | None = None
     client_secret_key: str | None = None
@@ -184,6 +187,7 @@ class DataConfig:
             "give exactly one source: --connect ADDR (live) or --from DIR (a stored run)",
         )
         _check(self.batch_tokens > 0, f"batch_tokens: expected > 0, got {self.batch_tokens}")
+        _check(self.prefetch >= 0, f"prefetch: expected >= 0 batches, got {self.prefetch}")
         _check(
             self.buffer_tokens >= 2 * self.batch_tokens,
             f"buffer_tokens: expected >= 2 x batch_tokens ({2 * self.batch_tokens}), "
