@@ -7,7 +7,7 @@ trend in the machine's load hits both arms alike) between:
     without   no subscriber: the capture worker copies nothing (taps nobody wants)
     with      ``actbus dashboard --policy sample:N`` attached (its own process,
               started before the round and stopped after it), with a page's SSE
-              stream open on it (a ``curl`` reading ``/events``)
+              stream open on it (a process reading ``/events``, as a page does)
 
 Throughput is generated tokens / wall time of ``--repeat`` ``llm.generate`` calls.
 The ratio is, per ABBA block, the mean of its with-rounds over the mean of its
@@ -36,14 +36,16 @@ from actbus.cli import consumer_command
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [0, 3]
+PAGE = "import sys, urllib.request; [None for _ in urllib.request.urlopen(sys.argv[1] + 'events')]"
+"""What an open page does to the dashboard: read its event stream (a process of its own)."""
 HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
 
 
 def start_dashboard(
-    address: str, policy: str, interval: float, log: Path
+    address: str, policy: str, interval: float, log: Path, extra: list[str]
 ) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "actbus.cli", "dashboard", "--connect", address, "--port", "0"]
-    flags = ["--policy", policy, "--interval", str(interval), "--log-level", "WARNING"]
+    flags = ["--policy", policy, "--interval", str(interval), "--log-level", "WARNING", *extra]
     proc = subprocess.Popen(
         [*cmd, *flags],
         stdout=open(log, "wb"),  # noqa: SIM115 (lives with the process)
@@ -114,13 +116,18 @@ def main() -> int:
     ap.add_argument(
         "--null", action="store_true", help="a third arm: `actbus run null` with the same policy"
     )
+    ap.add_argument("--dtype", help="engine dtype (default: bfloat16 on a GPU, else float32)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds after subscribing")
     ap.add_argument("--no-page", action="store_true", help="no SSE client on the dashboard")
+    ap.add_argument(
+        "--dash-flag", action="append", default=[], help="one more flag for the dashboard"
+    )
     ap.add_argument("--interval", type=float, default=1.0, help="the dashboard's --interval")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -131,7 +138,7 @@ def main() -> int:
     t0 = time.monotonic()
     llm = LLM(
         str(build_tiny_model("llama")),
-        dtype="float32",
+        dtype=args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32"),
         gpu_memory_utilization=0.3,  # on CPU: the share of host memory it reserves
         max_model_len=512,
         max_num_seqs=args.prompts,
@@ -160,19 +167,13 @@ def main() -> int:
     order = [*arms, *reversed(arms)] * args.pairs
     rows: list[dict] = []
     for i, arm in enumerate(order):
-        proc = curl = None
+        proc = page = None
         name = {"with": "dashboard", "null": "null"}.get(arm, "")
         if arm == "with":
-            proc, url = start_dashboard(address, args.policy, args.interval, tmp / f"dash-{i}.log")
-            curl = (
-                None
-                if args.no_page
-                else subprocess.Popen(
-                    ["curl", "-sN", f"{url}events"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+            proc, url = start_dashboard(
+                address, args.policy, args.interval, tmp / f"dash-{i}.log", args.dash_flag
             )
+            page = None if args.no_page else subprocess.Popen([sys.executable, "-c", PAGE, url])
         elif arm == "null":
             proc = subprocess.Popen(
                 consumer_command(
@@ -194,9 +195,9 @@ def main() -> int:
             view = subscriber_view(address, name)
             row["received"] = view.get("sent", 0)
             row["dropped"] = sum((view.get("dropped") or {}).values())
-            if curl is not None:
-                curl.terminate()
-                curl.wait(timeout=10)
+            if page is not None:
+                page.terminate()
+                page.wait(timeout=10)
             rc = stop(proc)
             if rc != 0 or not row["received"]:
                 raise SystemExit(f"round {i}: {name} rc={rc}, got nothing: {view}")
@@ -244,12 +245,15 @@ def main() -> int:
         "ratio_with_null_sampler": None if null_ratio is None else round(null_ratio, 4),
         "median_tok_per_s": {a: round(v, 1) for a, v in med.items()},
         "policy": args.policy,
+        "dashboard_flags": args.dash_flag,
+        "page": not args.no_page,
         "prompts": args.prompts,
         "output_tokens": args.output,
         "repeat": args.repeat,
         "taps": len(LAYERS) * len(HOOKS),
         "engine_start_s": round(start_s, 1),
         "cpus": os.cpu_count(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "loadavg_1m_at_end": round(load[0], 2),
         "rounds": rows,
     }

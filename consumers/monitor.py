@@ -1,10 +1,11 @@
 """The common part of the dashboards: a sampling consumer that keeps statistics.
 
-``Monitor`` digests every batch it receives into ``ActivationStats`` (and, when
-asked, ``RecentRequests``), and every ``interval_s`` asks the publisher for its
-counters through a second, data-less connection (the same client ``actbus stats``
-uses), so it can hand one complete snapshot to ``report``: the W&B logger logs
-it, the web dashboard serves it. It subscribes with ``sample:N`` by default, so a
+``Monitor`` holds the batches it receives and, once per report, digests them
+into ``ActivationStats`` (and, when asked, ``RecentRequests``). Every
+``interval_s`` it asks the publisher for its counters through a second,
+data-less connection (the same client ``actbus stats`` uses), so it can hand one
+complete snapshot to ``report``: the W&B logger logs it, the web dashboard
+serves it. It subscribes with ``sample:N`` by default, so a
 slow dashboard loses sampled steps (counted by the publisher), never generation time.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from abc import abstractmethod
 from typing import Any, ClassVar
@@ -21,22 +21,14 @@ import torch
 
 from actbus.bus import Batch, Subscriber, statsview
 from actbus.consumer import Consumer
+from consumers.priority import add_priority_arguments, lower_priority
 from consumers.stats import ActivationStats, BusHealth, RecentRequests, StatsConfig
 
 log = logging.getLogger("actbus.monitor")
 
 
-DEFAULT_NICE = 10
-
-
-def lower_priority(nice: int) -> int:
-    """Run this process's threads (and those it starts later) at CPU niceness ``nice``
-    or lower priority, so a dashboard sharing the host with the engine yields the CPU
-    to it; never raises the priority. Returns the niceness now in effect."""
-    now = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice > now:
-        os.setpriority(os.PRIO_PROCESS, 0, min(nice, 19))
-    return os.getpriority(os.PRIO_PROCESS, 0)
+MAX_PENDING_BYTES = 64 << 20
+"""Batches held for the next digest: past this, they are digested at once."""
 
 
 class Monitor(Consumer):
@@ -74,6 +66,8 @@ class Monitor(Consumer):
         self._side: Subscriber | None = None
         self._next = time.monotonic() + interval_s
         self._ended = False
+        self._pending: list[Batch] = []
+        self._pending_bytes = 0
         self.reports = 0
 
     @classmethod
@@ -88,13 +82,7 @@ class Monitor(Consumer):
         parser.add_argument(
             "--bins", type=int, default=32, help="histogram bins of the per-token norms"
         )
-        parser.add_argument(
-            "--nice",
-            type=int,
-            default=DEFAULT_NICE,
-            help=f"CPU niceness of this process (default {DEFAULT_NICE}): the engine on the "
-            "same host gets the CPU first",
-        )
+        add_priority_arguments(parser)
         parser.add_argument(
             "--outlier-k",
             type=float,
@@ -108,7 +96,7 @@ class Monitor(Consumer):
         """The ``Monitor`` arguments every subclass takes from ``actbus run`` flags."""
         if args.interval <= 0:
             raise ValueError(f"--interval: must be > 0 seconds, got {args.interval}")
-        lower_priority(args.nice)  # the main thread, before any other thread starts
+        lower_priority(args.nice, args.sched)  # the main thread, before any other starts
         return {
             "interval_s": args.interval,
             "config": StatsConfig(bins=args.bins, outlier_k=args.outlier_k),
@@ -126,10 +114,22 @@ class Monitor(Consumer):
         return sub
 
     def on_batch(self, batch: Batch) -> None:
-        norms = self.acts.add(batch)
-        if self.recent is not None:
-            self.recent.add(batch, norms)
+        # Held, not digested: one digest per report costs a few numpy calls per tap,
+        # where one per message cost tens of them per message (see ActivationStats.add).
+        self._pending.append(batch)
+        self._pending_bytes += batch.header.nbytes
+        if self._pending_bytes >= MAX_PENDING_BYTES:
+            self.digest()
         self._maybe_report()
+
+    def digest(self) -> None:
+        """Fold the batches received since the last digest into the statistics."""
+        if not self._pending:
+            return
+        batches, self._pending, self._pending_bytes = self._pending, [], 0
+        norms = self.acts.add(batches)
+        if self.recent is not None:
+            self.recent.add(batches, norms)
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
         self.beat = dict(info)
@@ -154,6 +154,7 @@ class Monitor(Consumer):
         return snap
 
     def snapshot(self) -> dict[str, Any]:
+        self.digest()
         stats = self._publisher_stats()
         acts = self.acts.snapshot()
         bus = (

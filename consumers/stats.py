@@ -12,16 +12,20 @@ are plain JSON-able dicts, so the W&B logger and the web page render the same da
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from actbus.bus import Batch
+
+_NO_ROWS = np.zeros(0)
+_NO_ROWS.setflags(write=False)
 
 OTHER_TAG = "(other)"
 """Tag values past ``StatsConfig.max_tag_values`` are counted under this name."""
@@ -101,46 +105,82 @@ class ActivationStats:
         self._steps: set[int] = set()
         self._max_step = -1
 
-    def add(self, batch: Batch) -> np.ndarray:
-        """Digest one batch; returns its per-row norms (float64, numpy)."""
-        h = batch.header
-        self.messages += 1
-        self.bytes += h.nbytes
-        self._count_step(h.step)
-        x = batch.tensor
-        if x.dim() != 2:
-            x = x.reshape(x.shape[0], -1)
-        # numpy from here: these arrays are small, and numpy's per-call cost is a
-        # fraction of torch's (this runs on every sampled message).
-        xd = (x if x.dtype == torch.float32 else x.float()).numpy().astype(np.float64)
-        n = xd.shape[0]
-        self.rows += n
-        key = tap_key(h.layer, h.hook)
+    def add(self, batches: Sequence[Batch]) -> list[np.ndarray]:
+        """Digest batches (any taps, in arrival order); returns each one's per-row
+        norms (float64, numpy).
+
+        The batches of one tap are digested together: a fixed handful of numpy calls
+        per tap however many messages arrived, which is what keeps a dashboard's CPU
+        small beside an engine that wants every core. The figures are those a
+        batch-by-batch digest gives: per-batch moments feed the exponential averages
+        and the outlier fractions in arrival order."""
+        out: list[np.ndarray] = [_NO_ROWS] * len(batches)
+        groups: dict[str, list[int]] = {}
+        for i, b in enumerate(batches):
+            h = b.header
+            self.messages += 1
+            self.bytes += h.nbytes
+            self._count_step(h.step)
+            groups.setdefault(tap_key(h.layer, h.hook), []).append(i)
+        for key, idx in groups.items():
+            for i, norms in zip(idx, self._digest(key, [batches[i] for i in idx]), strict=True):
+                out[i] = norms
+                self._tags(batches[i].header.rows, norms, key)
+        return out
+
+    def _digest(self, key: str, batches: list[Batch]) -> list[np.ndarray]:
+        """One tap's batches, in arrival order: their per-row norms."""
+        xs = []
+        for b in batches:
+            x = b.tensor
+            xs.append(x.reshape(x.shape[0], -1) if x.dim() != 2 else x)
+        h = batches[0].header
         t = self.taps.get(key)
         if t is None:
-            t = self.taps[key] = _Tap(h.layer, h.hook, int(xd.shape[1]))
-        t.batches += 1
+            t = self.taps[key] = _Tap(h.layer, h.hook, int(xs[0].shape[1]))
+        t.batches += len(batches)
+        sizes = np.array([x.shape[0] for x in xs], dtype=np.int64)
+        n = int(sizes.sum())
         if n == 0:
-            return np.zeros(0)
+            return [_NO_ROWS] * len(batches)
+        # numpy from here: its per-call cost is a fraction of torch's.
+        xd = np.concatenate([x.float().numpy() for x in xs if x.shape[0]]).astype(np.float64)
+        self.rows += n
+        t.rows += n
         sq = xd * xd
         norms = np.sqrt(sq.sum(1))
-        t.rows += n
         self._window(t, norms)
-        # Moments, not per-batch variances: a batch of a few rows would bias those low.
-        m1, m2 = xd.mean(0), sq.mean(0)
         self._reference(t, xd, sq)
-        a = self.config.ema
-        t.m1 = m1 if t.m1 is None else (1 - a) * t.m1 + a * m1
-        t.m2 = m2 if t.m2 is None else (1 - a) * t.m2 + a * m2
+        # Per-batch moments (not per-batch variances: a batch of a few rows would
+        # bias those low); batches without rows carry no figures.
+        ends = np.cumsum(sizes)
+        starts = (ends - sizes)[sizes > 0]
+        count = sizes[sizes > 0][:, None]
+        m1 = np.add.reduceat(xd, starts, axis=0) / count
+        m2 = np.add.reduceat(sq, starts, axis=0) / count
+        t.m1 = self._ema(t.m1, m1)
+        t.m2 = self._ema(t.m2, m2)
         # Against the median dimension's RMS: the outliers themselves do not raise the bar.
-        typical = float(np.sqrt(np.median(m2)))
-        peak = np.abs(xd).max(0)
-        frac = float((peak > self.config.outlier_k * typical).mean()) if typical else 0.0
-        t.outliers.append(frac)
-        if len(t.outliers) > self.config.outlier_batches:
+        typical = np.sqrt(np.median(m2, axis=1))
+        peak = np.maximum.reduceat(np.abs(xd), starts, axis=0)
+        frac = (peak > self.config.outlier_k * typical[:, None]).mean(1)
+        frac[typical == 0] = 0.0
+        t.outliers.extend(frac.tolist())
+        while len(t.outliers) > self.config.outlier_batches:
             t.outliers.popleft()
-        self._tags(h.rows, norms, key)
-        return norms
+        return np.split(norms, ends[:-1])
+
+    def _ema(self, prev: np.ndarray | None, batches: np.ndarray) -> np.ndarray:
+        """``prev`` moved toward each row of ``batches`` in turn by weight ``ema``, in
+        one weighted sum: (1-a)^k prev + sum_j a (1-a)^(k-j) batch_j."""
+        if prev is None:
+            prev, batches = batches[0], batches[1:]
+        k = len(batches)
+        if k == 0:
+            return prev
+        a = self.config.ema
+        weights = a * (1 - a) ** np.arange(k - 1, -1, -1, dtype=np.float64)
+        return (1 - a) ** k * prev + weights @ batches
 
     def _count_step(self, step: int) -> None:
         if step in self._steps:
@@ -250,8 +290,10 @@ class _Seq:
     request_id: str
     sample_index: int
     tags: dict[str, Any]
-    norms: dict[str, dict[int, tuple[int, float]]] = field(default_factory=dict)
-    """tap -> position -> (token id, norm)"""
+    rows: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    """tap -> chunks of (positions, token ids, norms), in arrival order"""
+    kept: dict[str, int] = field(default_factory=dict)
+    """tap -> rows held in ``rows`` (capped at ``max_positions``)"""
     ended: str = ""
     updated: float = 0.0
 
@@ -267,28 +309,94 @@ class RecentRequests:
         self._seqs: OrderedDict[tuple[str, int], _Seq] = OrderedDict()
         self.forgotten = 0
 
-    def add(self, batch: Batch, norms: np.ndarray) -> None:
-        h = batch.header
-        rows = h.rows
-        key = tap_key(h.layer, h.hook)
+    def add(self, batches: Sequence[Batch], norms: Sequence[np.ndarray]) -> None:
+        """Batches in arrival order, with their per-row norms (``ActivationStats.add``).
+
+        Rows are grouped by (request, tap) with numpy, so the Python work is per
+        request seen, not per request per message."""
+        if not batches:
+            return
         now = time.time()
-        pos, tok, nl = rows.positions.tolist(), rows.token_ids.tolist(), norms.tolist()
-        offsets = rows.offsets.tolist()
-        for i, rid in enumerate(rows.request_ids):
-            a, b = offsets[i], offsets[i + 1]
-            if a == b:
+        keys: list[tuple[str, int]] = []  # every request seen, by code
+        where: list[tuple[int, int]] = []  # its first (message, request): its tags
+        code_of: dict[tuple[str, int], int] = {}
+        taps: dict[str, int] = {}
+        seg_code: list[int] = []  # per (message, request)
+        msg_tap, msg_reqs, seg_rows, pos, tok, nrm = [], [], [], [], [], []
+        for i, b in enumerate(batches):
+            rows = b.header.rows
+            rids = rows.request_ids
+            if not rids:
                 continue
-            s = self._seq(rid, rows.request_sample_index(i), rows.request_tags(i))
-            per = s.norms.setdefault(key, {})
-            room = self.max_positions - len(per)
-            if room > 0:
-                seg = zip(tok[a:b][:room], nl[a:b][:room], strict=True)
-                per.update(zip(pos[a:b][:room], seg, strict=True))
-            s.updated = now
-        for e in h.ended:
-            s = self._seqs.get((e.request_id, e.sample_index))
-            if s is not None:
-                s.ended = e.reason
+            ks = list(zip(rids, rows.sample_index or itertools.repeat(0), strict=False))
+            for j, k in enumerate(ks):
+                if k not in code_of:
+                    code_of[k] = len(keys)
+                    keys.append(k)
+                    where.append((i, j))
+            seg_code.extend(map(code_of.__getitem__, ks))
+            msg_tap.append(taps.setdefault(tap_key(b.header.layer, b.header.hook), len(taps)))
+            msg_reqs.append(len(ks))
+            o = rows.offsets
+            seg_rows.append(o[1:] - o[:-1])
+            pos.append(rows.positions)
+            tok.append(rows.token_ids)
+            nrm.append(norms[i])
+        if keys:
+            self._store(
+                np.array(seg_code, dtype=np.int64),
+                np.repeat(np.array(msg_tap, dtype=np.int64), msg_reqs),
+                np.concatenate(seg_rows),
+                (np.concatenate(pos), np.concatenate(tok), np.concatenate(nrm)),
+                keys,
+                [batches[i].header.rows.request_tags(j) for i, j in where],
+                list(taps),
+                now,
+            )
+        for b in batches:
+            for e in b.header.ended:
+                s = self._seqs.get((e.request_id, e.sample_index))
+                if s is not None:
+                    s.ended = e.reason
+
+    def _store(
+        self,
+        seg_code: np.ndarray,
+        seg_tap: np.ndarray,
+        seg_rows: np.ndarray,
+        cols: tuple[np.ndarray, np.ndarray, np.ndarray],
+        keys: list[tuple[str, int]],
+        tags: list[dict[str, Any]],
+        tap_names: list[str],
+        now: float,
+    ) -> None:
+        live = seg_rows > 0  # a request without rows in a message is not "seen" in it
+        if not live.any():
+            return
+        # Requests in the order they were last seen: the newest ends up newest.
+        rev = seg_code[live][::-1]
+        codes, first_in_rev = np.unique(rev, return_index=True)
+        seqs = {}
+        for c in codes[np.argsort(-first_in_rev)].tolist():
+            rid, index = keys[c]
+            seqs[c] = self._seq(rid, index, tags[c])
+            seqs[c].updated = now
+        # Rows grouped by (request, tap), arrival order kept within a group.
+        group = np.repeat(seg_code * len(tap_names) + seg_tap, seg_rows)
+        order = np.argsort(group, kind="stable")
+        bounds = np.flatnonzero(np.diff(group[order])) + 1
+        for rows in np.split(order, bounds):
+            g = int(group[rows[0]])
+            s = seqs[g // len(tap_names)]
+            if (s.request_id, s.sample_index) not in self._seqs:
+                continue  # forgotten within this very update
+            tap = tap_names[g % len(tap_names)]
+            room = self.max_positions - s.kept.get(tap, 0)
+            if room <= 0:
+                continue
+            rows = rows[:room]
+            s.rows.setdefault(tap, []).append(tuple(c[rows] for c in cols))
+            s.kept[tap] = s.kept.get(tap, 0) + len(rows)
 
     def _seq(self, rid: str, index: int, tags: dict[str, Any]) -> _Seq:
         k = (rid, index)
@@ -303,11 +411,18 @@ class RecentRequests:
         return s
 
     def snapshot(self, tap: str | None) -> list[dict[str, Any]]:
-        """Newest first; per-token norms of ``tap`` only (None: no per-token data)."""
+        """Newest first; per-token norms of ``tap`` only (None: no per-token data).
+        A position seen twice (a preempted request computed again) shows its last."""
         out = []
         for s in reversed(self._seqs.values()):
-            per = s.norms.get(tap, {}) if tap else {}
-            pos = sorted(per)
+            chunks = s.rows.get(tap, []) if tap else []
+            pos = tok = nrm = np.zeros(0)
+            if chunks:
+                p, t, n = (np.concatenate(c) for c in zip(*chunks, strict=True))
+                # np.unique on the reversed rows: each position's last occurrence.
+                uniq, first_in_rev = np.unique(p[::-1], return_index=True)
+                last = len(p) - 1 - first_in_rev
+                pos, tok, nrm = uniq, t[last], n[last]
             out.append(
                 {
                     "request_id": s.request_id,
@@ -315,10 +430,10 @@ class RecentRequests:
                     "tags": s.tags,
                     "ended": s.ended,
                     "updated": s.updated,
-                    "taps": sorted(s.norms),
-                    "positions": pos,
-                    "token_ids": [per[p][0] for p in pos],
-                    "norms": [per[p][1] for p in pos],
+                    "taps": sorted(s.rows),
+                    "positions": pos.astype(np.int64).tolist(),
+                    "token_ids": tok.astype(np.int64).tolist(),
+                    "norms": nrm.astype(np.float64).tolist(),
                 }
             )
         return out

@@ -4,6 +4,7 @@ synthetic activations (the engine test is test_dashboard_engine.py)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -43,7 +44,7 @@ def test_norms_drift_and_outliers_follow_the_data():
     g = torch.Generator().manual_seed(1)
     s = ActivationStats(StatsConfig(reference_rows=64, ema=0.5, bins=8, outlier_batches=16))
     for step in range(16):  # the reference: N(0, 1) in 32 dims
-        s.add(batch(step, torch.randn(8, 32, generator=g)))
+        s.add([batch(step, torch.randn(8, 32, generator=g))])
     snap = s.snapshot()["taps"]["0/post_block"]
     assert snap["norm_mean"] == pytest.approx(np.sqrt(32), rel=0.1)
     assert abs(snap["mean_drift"]) < 0.5 and abs(snap["var_drift"]) < 0.5
@@ -52,7 +53,7 @@ def test_norms_drift_and_outliers_follow_the_data():
     for step in range(16, 32):  # shifted by +3 and twice the spread; dim 5 an outlier
         x = 3 + 2 * torch.randn(8, 32, generator=g)
         x[:, 5] = 200
-        s.add(batch(step, x))
+        s.add([batch(step, x)])
     snap = s.snapshot()["taps"]["0/post_block"]
     assert snap["mean_drift"] > 2  # |shift| = 3*sqrt(31)+200 vs a reference spread ~ sqrt(32)
     assert snap["var_drift"] > 2  # variance about 4x (dim 5 has none)
@@ -66,8 +67,8 @@ def test_steps_are_counted_once_across_taps_and_tags_are_bounded():
     tags = [{"lang": "en"}, {"lang": "fr"}]
     for step in (0, 10, 20):
         for layer in (0, 3):
-            s.add(batch(step, x, layer=layer, rids=("a", "b"), tags=tags))
-    s.add(batch(30, x, rids=("a", "b"), tags=[{"lang": "de"}, {"lang": "en"}]))
+            s.add([batch(step, x, layer=layer, rids=("a", "b"), tags=tags)])
+    s.add([batch(30, x, rids=("a", "b"), tags=[{"lang": "de"}, {"lang": "en"}])])
     snap = s.snapshot()
     assert snap["steps_counted"] == 4 and snap["messages"] == 7 and snap["last_step"] == 30
     assert set(snap["tags"]) == {"lang=en", "lang=fr", OTHER_TAG}
@@ -83,14 +84,73 @@ def test_steps_are_counted_once_across_taps_and_tags_are_bounded():
 def test_recent_requests_keep_per_token_norms_per_tap():
     r = RecentRequests(keep=2)
     x = torch.arange(1, 7, dtype=torch.float32)[:, None] * torch.ones(6, 4)  # row i: norm 2(i+1)
-    r.add(batch(0, x, rids=("a", "b")), np.linalg.norm(x.numpy(), axis=1))
+    r.add([batch(0, x, rids=("a", "b"))], [np.linalg.norm(x.numpy(), axis=1)])
     ended = [RequestEnd("a", 0, "stop")]
-    r.add(batch(1, x[:2], layer=3, rids=("c",), positions=[5, 6], ended=ended), np.array([1.0, 2]))
+    r.add(
+        [batch(1, x[:2], layer=3, rids=("c",), positions=[5, 6], ended=ended)], [np.array([1.0, 2])]
+    )
     snap = r.snapshot("0/post_block")
     assert [q["request_id"] for q in snap] == ["c", "b"] and r.forgotten == 1
     assert snap[1]["positions"] == [3, 4, 5] and snap[1]["norms"] == [8.0, 10.0, 12.0]
     assert snap[1]["token_ids"] == [10, 11, 12] and snap[0]["positions"] == []
     assert r.snapshot("3/post_block")[0]["norms"] == [1.0, 2.0]
+
+
+def test_one_digest_of_many_batches_equals_a_digest_per_batch():
+    """Dashboards digest what arrived since their last report in one go: the figures
+    must be those of digesting each batch as it came (moments, averages, outliers)."""
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for step in range(40):
+        for layer in (0, 3):
+            n = int(torch.randint(0, 9, (1,), generator=g))  # some batches have no rows
+            x = (1 + step / 10) * torch.randn(n, 16, generator=g) + layer
+            if step % 7 == 0 and n:
+                x[:, 2] = 50.0  # an outlier dimension now and then
+            batches.append(batch(step, x, layer=layer, rids=("a",)))
+    cfg = StatsConfig(reference_rows=40, ema=0.2, outlier_batches=32, bins=8)
+    one_by_one, at_once = ActivationStats(cfg), ActivationStats(cfg)
+    norms_each = [one_by_one.add([b])[0] for b in batches]
+    norms_all = at_once.add(batches)
+    for a, b in zip(norms_each, norms_all, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+    each, alls = one_by_one.snapshot(), at_once.snapshot()
+    for key in ("messages", "rows", "steps_counted", "last_step", "tokens"):
+        assert each[key] == alls[key]
+    assert set(each["taps"]) == {"0/post_block", "3/post_block"}
+    for tap, fig in each["taps"].items():
+        got = alls["taps"][tap]
+        for k in ("act_mean", "act_var", "mean_drift", "var_drift", "outlier_frac", "norm_mean"):
+            assert got[k] == pytest.approx(fig[k], rel=1e-9, abs=1e-12), (tap, k)
+        assert got["norm_hist"] == fig["norm_hist"] and got["batches"] == fig["batches"]
+    assert each["taps"]["0/post_block"]["outlier_frac"] > 0
+
+
+def test_recent_requests_group_rows_by_request_and_tap_in_one_update():
+    r = RecentRequests(keep=3, max_positions=5)
+    msgs, norms = [], []
+    for step in range(8):  # a, b, c, d decode one token a step; d starts at step 4
+        rids = ("a", "b", "c", "d") if step >= 4 else ("a", "b", "c")
+        x = torch.full((len(rids), 4), float(step))
+        for layer in (0, 3):
+            msgs.append(batch(step, x, layer=layer, rids=rids, positions=[10 + step] * len(rids)))
+            norms.append(np.full(len(rids), step + layer / 10))
+    # "a" is computed again at position 17 (a preemption): the last value wins.
+    msgs.append(batch(9, torch.ones(1, 4), rids=("a",), positions=[17]))
+    norms.append(np.array([99.0]))
+    r.add(msgs, norms)
+    snap = r.snapshot("0/post_block")
+    assert [q["request_id"] for q in snap] == ["a", "d", "c"] and r.forgotten == 1
+    by = {q["request_id"]: q for q in snap}
+    assert by["d"]["positions"] == [14, 15, 16, 17] and by["d"]["norms"] == [4.0, 5.0, 6.0, 7.0]
+    # capped at 5 rows per tap: a's sixth row on and the re-computation are not kept
+    assert by["a"]["positions"] == [10, 11, 12, 13, 14]
+    assert by["c"]["taps"] == ["0/post_block", "3/post_block"]
+    assert r.snapshot("3/post_block")[1]["norms"] == [4.3, 5.3, 6.3, 7.3]
+    roomy = RecentRequests(keep=3)
+    roomy.add(msgs, norms)
+    a = roomy.snapshot("0/post_block")[0]
+    assert a["positions"] == list(range(10, 18)) and a["norms"][-1] == 99.0
 
 
 def test_bus_health_rates_come_from_counter_deltas():
@@ -178,9 +238,14 @@ def test_dashboard_streams_live_snapshots_on_loopback_only(tmp_path):
                 pass
         wait_for(lambda: dash.snapshot().get("acts", {}).get("taps"), 30, "activation stats")
         assert dash.snapshot()["tap"] == "3/post_block"  # default: the deepest post_block
-        # It yields the CPU to the engine: niceness 10 (field 19 of /proc/PID/stat).
+        # It yields the CPU to the engine: niceness 10 (field 19 of /proc/PID/stat) and,
+        # on every thread (the server's, the consumer's, ZeroMQ's), SCHED_IDLE.
         stat = Path(f"/proc/{dash.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
         assert int(stat[16]) == 10
+        threads = [int(t.name) for t in Path(f"/proc/{dash.popen.pid}/task").iterdir()]
+        assert len(threads) >= 3
+        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_IDLE}
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {10}
         assert dash.snapshot("0/post_block")["tap"] == "0/post_block"
         events = sse_events(f"{dash.url}events?tap=3/post_block", 3, timeout=30)
         steps = [e["bus"]["last_step"] for e in events]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from consumers.priority import add_priority_arguments
+
 DEFAULT_PORT = 8765
 
 
@@ -42,13 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a hidden dimension is an outlier when its peak |x| exceeds K x the RMS "
         "of the median dimension (default 6)",
     )
-    p.add_argument(
-        "--nice",
-        type=int,
-        default=10,
-        help="CPU niceness of the dashboard (default 10): the engine on the same host gets "
-        "the CPU first",
-    )
+    add_priority_arguments(p)
     p.add_argument("--server-key", default=None, help="CURVE: the publisher's public key file")
     p.add_argument(
         "--client-secret-key", default=None, help="CURVE: this subscriber's secret key file"

@@ -33,7 +33,7 @@ from actbus.bus.security import ClientAuth
 from actbus.config import ConfigError
 from consumers.dashboard.board import Board
 from consumers.dashboard.consumer import WebDashboard
-from consumers.monitor import lower_priority
+from consumers.priority import lower_priority
 from consumers.stats import RecentRequests, StatsConfig
 
 STATIC = Path(__file__).parent / "static"
@@ -99,7 +99,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except (ValueError, ConfigError) as e:
         parser.error(str(e).replace("StatsConfig.", "--").replace("_", "-"))
-    lower_priority(args.nice)  # before the server and consumer threads start
+    lower_priority(args.nice, args.sched)  # before the server and consumer threads start
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from actbus.bus import Batch
 from consumers.dashboard.board import Board
 from consumers.monitor import Monitor
 
@@ -20,11 +19,9 @@ class WebDashboard(Monitor):
     def from_args(cls, args: Any) -> WebDashboard:
         raise TypeError("the web dashboard runs with `actbus dashboard`, not `actbus run`")
 
-    def on_batch(self, batch: Batch) -> None:
+    def digest(self) -> None:
         with self.board.lock:  # the server reads recent requests from another thread
-            norms = self.acts.add(batch)
-            self.board.recent.add(batch, norms)
-        self._maybe_report()
+            super().digest()
 
     def report(self, snap: dict[str, Any]) -> None:
         self.board.publish(snap)
