@@ -452,7 +452,8 @@ class BusHealth:
         self, stats: dict[str, Any], now: float | None = None, tokens: int = 0, every: int = 1
     ) -> dict[str, Any]:
         """Digest one snapshot. ``tokens`` is the rows this consumer received of its
-        busiest tap and ``every`` its sampling period: tokens/s is estimated from them."""
+        busiest tap and ``every`` its sampling period: tokens/s is estimated from them
+        where the publisher does not count tokens itself (``stats["tokens"]``)."""
         now = time.monotonic() if now is None else now
         subs = {k: v for k, v in (stats.get("subscribers") or {}).items() if k not in self.ignore}
         subs = {k: v for k, v in subs.items() if v.get("name") not in self.ignore}
@@ -490,11 +491,16 @@ class BusHealth:
                 out["messages_per_s"] = max(0, out["published"] - p["published"]) / dt
                 # Departed subscribers take their bytes with them: never a negative rate.
                 out["bytes_per_s"] = max(0, bytes_sent - p["bytes_sent"]) / dt
+        # Tokens: the engine's own count when the publisher has one; else estimated
+        # from the rows this consumer sampled.
+        counted = "tokens" in stats
+        out["tokens"] = int(stats["tokens"]) if counted else tokens * every
+        out["tokens_counted"] = counted
         if self._prev_tokens is not None and now > self._prev_tokens[0]:
-            out["tokens_per_s"] = (
-                max(0, tokens - self._prev_tokens[1]) * every / (now - self._prev_tokens[0])
+            out["tokens_per_s"] = max(0, out["tokens"] - self._prev_tokens[1]) / (
+                now - self._prev_tokens[0]
             )
         self._prev = (now, out)
-        self._prev_tokens = (now, tokens)
+        self._prev_tokens = (now, out["tokens"])
         self.latest = out
         return out

@@ -42,6 +42,7 @@ def flatten(snap: dict[str, Any]) -> dict[str, Any]:
     for k in (
         "steps_per_s",
         "tokens_per_s",
+        "tokens",
         "bytes_per_s",
         "messages_per_s",
         "published",

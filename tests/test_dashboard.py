@@ -174,6 +174,23 @@ def test_bus_health_rates_come_from_counter_deltas():
     assert out["bytes_per_s"] == 2000 and out["tokens_per_s"] == 100
     assert out["drops"] == {"queue_full": 3} and out["drops_total"] == 4
     assert out["lag_steps"] == {"sink": 7} and out["subscribers"] == 1
+    assert not out["tokens_counted"]
+
+
+def test_tokens_per_s_comes_from_the_engines_count_when_the_publisher_has_one(tmp_path):
+    pub = Publisher(f"ipc://{tmp_path}/p.sock", info={"model": "m"})
+    try:
+        assert pub.stats()["tokens"] == 0
+        pub.count_tokens(7)
+        pub.count_tokens(5)
+        first = pub.stats()
+        assert first["tokens"] == 12
+    finally:
+        pub.close()
+    h = BusHealth()
+    h.update(first, now=10.0, tokens=1, every=10)  # the sampled rows are not used
+    out = h.update({**first, "tokens": 612}, now=12.0, tokens=2, every=10)
+    assert out["tokens_counted"] and out["tokens"] == 612 and out["tokens_per_s"] == 300
 
 
 class SyntheticPublisher:

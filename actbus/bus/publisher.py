@@ -325,6 +325,12 @@ class Publisher:
         return max(self._routed_step, self._skipped_step)
 
     # ---------------------------------------------------------------- engine side
+    def count_tokens(self, n: int) -> None:
+        """The engine ran ``n`` tokens (prompt and generated) through the model in a
+        step, captured or not: ``tokens`` in the stats, so dashboards show tokens/s
+        as counted, not estimated from what they sample. Engine thread only."""
+        self._engine_counts["tokens"] += n
+
     def admit(self, step: int, taps: list[tuple[int, str, int, bool]]) -> list[Admission]:
         """Which taps of a step are worth copying: ``taps`` are ``(layer, hook,
         nbytes, for_return)``, in the order the engine will publish them;
@@ -462,6 +468,7 @@ class Publisher:
                     g["dropped"] = g.get("dropped", 0) + sum(s.c.dropped.values())
             return {
                 "published": 0,
+                "tokens": 0,
                 "unrouted": 0,
                 "rejected": 0,
                 "source_drops": 0,

@@ -200,6 +200,7 @@ class CaptureWorker:
         if parts or ended or lasts:
             self._emit(view, parts, full, host_pos, ended, lasts)
         # Every engine step counts, captured or not, so all pipeline stages agree.
+        self.publisher.count_tokens(n)
         self.step += 1
 
     def _plan(self, view: StepView) -> tuple[dict, bool, np.ndarray]:

@@ -56,7 +56,7 @@ function render(s) {
   const b = s.bus || {}, me = s.me || {}, acts = s.acts || {};
   cards($("#bus-cards"), [
     ["bus-steps-per-s", "steps/s", fmt(b.steps_per_s, 1)],
-    ["bus-tokens-per-s", "tokens/s (est. from samples)", fmt(b.tokens_per_s, 1)],
+    ["bus-tokens-per-s", b.tokens_counted ? "tokens/s" : "tokens/s (est. from samples)", fmt(b.tokens_per_s, 1)],
     ["bus-bytes-per-s", "sent/s", bytes(b.bytes_per_s || 0) + "/s"],
     ["bus-last-step", "last step", fmt(b.last_step)],
     ["bus-published", "messages published", fmt(b.published)],
