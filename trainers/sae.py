@@ -75,10 +75,9 @@ class _DecoderGrad(torch.autograd.Function):
     """Zero in value; its backward gives W_dec the gradient of a sparse decode.
 
     That gradient is code^T @ d(out), the code being the ``[rows, d_sae]`` matrix of
-    the active values: one dense matmul in the compute dtype (tensor cores), with no
-    device sync, where embedding_bag's weight gradient sorts the indices, reduces
-    segments and syncs. Measured on an H100 at d=4096, 16x, k=64, 4096 tokens: 2.6 ms
-    for the matmul against 6.6 ms plus a sync.
+    the active values: one dense matmul in the compute dtype (tensor cores), where
+    embedding_bag's weight gradient sorts the indices and reduces segments in fp32.
+    Measured on an H100 at d=4096, 16x, k=64, 4096 tokens: 2.6 ms against 6.6 ms.
     """
 
     @staticmethod
@@ -166,8 +165,8 @@ class SparseAutoencoder(nn.Module):
             return z @ self.W_dec
         w = self.W_dec
         # A gather, memory-bound: kept in the weights' dtype whatever autocast would pick.
-        # W_dec enters detached: embedding_bag's own weight gradient (a sort, a segment
-        # reduction and a device sync per call) is replaced by _DecoderGrad's matmul.
+        # W_dec enters detached: embedding_bag's own weight gradient (a sort and a
+        # segment reduction in fp32) is replaced by _DecoderGrad's matmul.
         with torch.autocast(device_type=values.device.type, enabled=False):
             out = F.embedding_bag(
                 cols, w.detach(), offsets, mode="sum", per_sample_weights=values.to(w.dtype)
