@@ -83,6 +83,8 @@ class _Pending:
     """Taps whose stream carried the request's end: all of its rows there have come."""
     created: float = field(default_factory=time.monotonic)
     delivered: int = 0  # rows already handed out in DELTA outputs
+    pruned: dict[tuple[int, str], int] = field(default_factory=dict)
+    """Per tap: rows a DELTA output handed out and that were then let go (arrived)."""
 
 
 class ReturnCollector:
@@ -185,6 +187,8 @@ class ReturnCollector:
                     {k: t[start:] for k, t in acts.tensors.items()},
                     acts.complete,
                 )
+                if not final and len(acts.positions):
+                    _prune(p, int(acts.positions[-1]))
             return acts
 
     def _empty_rows(self) -> torch.Tensor:
@@ -201,7 +205,9 @@ class ReturnCollector:
             k in p.ended_taps
             or (
                 want is not None
-                and sum(int((pos < limit).sum()) for pos, _, _ in p.chunks.get(k, ())) >= want
+                and p.pruned.get(k, 0)
+                + sum(int((pos < limit).sum()) for pos, _, _ in p.chunks.get(k, ()))
+                >= want
             )
             for k in p.sel.keys
         )
@@ -270,6 +276,27 @@ def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
         return None
     mask = sel.row_mask(np.arange(limit), prompt_len)
     return limit if mask is None else int(mask.sum())
+
+
+def _prune(p: _Pending, upto: int) -> None:
+    """Let go of the rows a DELTA output handed out (positions up to ``upto``), so
+    each output assembles only what is new: a long stream costs linear time, where
+    assembling every row for every output cost time quadratic in its length."""
+    for key, chunks in p.chunks.items():
+        if not chunks:
+            continue
+        pos = np.concatenate([c[0] for c in chunks])
+        keep = pos > upto
+        gone = len(keep) - int(keep.sum())
+        if not gone:
+            continue
+        p.pruned[key] = p.pruned.get(key, 0) + gone
+        tok = np.concatenate([c[1] for c in chunks])
+        acts = torch.cat([c[2] for c in chunks])
+        p.chunks[key] = (
+            [(pos[keep], tok[keep], acts[torch.from_numpy(keep)])] if gone < len(keep) else []
+        )
+    p.delivered = 0
 
 
 def _assemble(p: _Pending, limit: int, empty: torch.Tensor) -> Activations:
