@@ -126,7 +126,8 @@ def _cfg(a) -> SAEConfig:
     )
 
 
-def bench_module(a, batches) -> dict[str, float]:
+def _module_step(a, batches):
+    """The trainer's own step without Lightning, on a fresh SAE: a function of a batch."""
     sae = SparseAutoencoder(_cfg(a)).to(a.device)
     sae.initialize(batches[0])
     opt = adam(sae.parameters(), lr=1e-4)
@@ -140,7 +141,11 @@ def bench_module(a, batches) -> dict[str, float]:
         opt.step()
         sae.normalize_decoder()
 
-    return time_steps(step, batches, a.warmup, a.device)
+    return step
+
+
+def bench_module(a, batches) -> dict[str, float]:
+    return time_steps(_module_step(a, batches), batches, a.warmup, a.device)
 
 
 def _pl_trainer(a, callbacks):
@@ -212,9 +217,11 @@ PROFILED_STEPS = 4
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def _report_syncs(a, step, x) -> None:
-    """Run one step with CUDA's sync debugging on: each op that made the host wait."""
+@contextlib.contextmanager
+def _sync_debug(a, label: str):
+    """CUDA's sync debugging on for the block: prints each op that made the host wait."""
     if not a.device.startswith("cuda"):
+        yield
         return
     import warnings
 
@@ -222,12 +229,12 @@ def _report_syncs(a, step, x) -> None:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            step(x)
+            yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for w in seen:
         if "synchroniz" in str(w.message):
-            print(f"sync: {w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}")
+            print(f"sync ({label}): {w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}")
 
 
 def _profile_table(prof, title: str) -> None:
@@ -240,38 +247,26 @@ def _profile_table(prof, title: str) -> None:
     print(f"host waits per step: {per_step or 'none'}")
 
 
-def _profiled(a, title: str):
+def _profiler(a):
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
-    return profile(activities=acts), title
+    return profile(activities=acts)
 
 
 def profile_module(a, batches) -> None:
     """``--profile``: the module's step under torch.profiler, after a warm-up."""
-    sae = SparseAutoencoder(_cfg(a)).to(a.device)
-    sae.initialize(batches[0])
-    opt = adam(sae.parameters(), lr=1e-4)
-
-    def step(x):
-        with _autocast(a.device, a.precision):
-            loss = sae.training_loss(x)["loss"]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        sae.remove_parallel_grad()
-        opt.step()
-        sae.normalize_decoder()
-
+    step = _module_step(a, batches)
     for x in batches[: a.warmup]:
         step(x)
-    _report_syncs(a, step, batches[a.warmup])
+    with _sync_debug(a, "module"):
+        step(batches[a.warmup])
     _sync(a.device)
-    prof, title = _profiled(a, "module")
-    with prof:
+    with _profiler(a) as prof:
         for x in batches[a.warmup : a.warmup + PROFILED_STEPS]:
             step(x)
         _sync(a.device)
-    _profile_table(prof, title)
+    _profile_table(prof, "module")
 
 
 def _profiler_callback(a):
@@ -282,27 +277,19 @@ def _profiler_callback(a):
 
         def __init__(self) -> None:
             self.prof = None
+            self.debug = _sync_debug(a, "lightning")  # around step warmup - 1
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx == a.warmup - 1 and a.device.startswith("cuda"):
-                import warnings
-
-                self.seen = warnings.catch_warnings(record=True)
-                self.records = self.seen.__enter__()
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
+            if batch_idx == a.warmup - 1:
+                self.debug.__enter__()
             if batch_idx == a.warmup:
                 _sync(a.device)
-                self.prof, _ = _profiled(a, "lightning")
+                self.prof = _profiler(a)
                 self.prof.__enter__()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if batch_idx == a.warmup - 1 and a.device.startswith("cuda"):
-                torch.cuda.set_sync_debug_mode("default")
-                self.seen.__exit__(None, None, None)
-                for w in self.records:
-                    if "synchroniz" in str(w.message):
-                        print(f"sync (lightning): {w.filename}:{w.lineno}: {w.message}")
+            if batch_idx == a.warmup - 1:
+                self.debug.__exit__(None, None, None)
             if self.prof is not None and batch_idx == a.warmup + PROFILED_STEPS - 1:
                 _sync(a.device)
                 self.prof.__exit__(None, None, None)
