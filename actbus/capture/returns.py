@@ -278,6 +278,19 @@ def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
     return limit if mask is None else int(mask.sum())
 
 
+def _joined(
+    chunks: list[tuple[np.ndarray, np.ndarray, torch.Tensor]],
+) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+    """One tap's chunks as one (positions, token ids, rows); rows None when empty."""
+    if not chunks:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), None
+    return (
+        np.concatenate([c[0] for c in chunks]),
+        np.concatenate([c[1] for c in chunks]),
+        torch.cat([c[2] for c in chunks]),
+    )
+
+
 def _prune(p: _Pending, upto: int) -> None:
     """Let go of the rows a DELTA output handed out (positions up to ``upto``), so
     each output assembles only what is new: a long stream costs linear time, where
@@ -285,14 +298,12 @@ def _prune(p: _Pending, upto: int) -> None:
     for key, chunks in p.chunks.items():
         if not chunks:
             continue
-        pos = np.concatenate([c[0] for c in chunks])
+        pos, tok, acts = _joined(chunks)
         keep = pos > upto
         gone = len(keep) - int(keep.sum())
         if not gone:
             continue
         p.pruned[key] = p.pruned.get(key, 0) + gone
-        tok = np.concatenate([c[1] for c in chunks])
-        acts = torch.cat([c[2] for c in chunks])
         p.chunks[key] = (
             [(pos[keep], tok[keep], acts[torch.from_numpy(keep)])] if gone < len(keep) else []
         )
@@ -304,14 +315,7 @@ def _assemble(p: _Pending, limit: int, empty: torch.Tensor) -> Activations:
     per_tap = {}
     n = None
     for key in p.sel.keys:
-        chunks = p.chunks.get(key, [])
-        if chunks:
-            pos = np.concatenate([c[0] for c in chunks])
-            tok = np.concatenate([c[1] for c in chunks])
-            acts = torch.cat([c[2] for c in chunks])
-        else:
-            pos = tok = np.zeros(0, dtype=np.int64)
-            acts = None
+        pos, tok, acts = _joined(p.chunks.get(key, []))
         order = np.argsort(pos, kind="stable")
         order = order[pos[order] < limit]
         per_tap[key] = (pos[order], tok[order], acts, order)
