@@ -374,10 +374,9 @@ class RecentRequests:
         if not live.any():
             return
         # Requests in the order they were last seen: the newest ends up newest.
-        rev = seg_code[live][::-1]
-        codes, first_in_rev = np.unique(rev, return_index=True)
+        codes, last = _last_occurrences(seg_code[live])
         seqs = {}
-        for c in codes[np.argsort(-first_in_rev)].tolist():
+        for c in codes[np.argsort(last)].tolist():
             rid, index = keys[c]
             seqs[c] = self._seq(rid, index, tags[c])
             seqs[c].updated = now
@@ -419,10 +418,8 @@ class RecentRequests:
             pos = tok = nrm = np.zeros(0)
             if chunks:
                 p, t, n = (np.concatenate(c) for c in zip(*chunks, strict=True))
-                # np.unique on the reversed rows: each position's last occurrence.
-                uniq, first_in_rev = np.unique(p[::-1], return_index=True)
-                last = len(p) - 1 - first_in_rev
-                pos, tok, nrm = uniq, t[last], n[last]
+                pos, last = _last_occurrences(p)  # a position seen twice: its last row
+                tok, nrm = t[last], n[last]
             out.append(
                 {
                     "request_id": s.request_id,
@@ -437,6 +434,12 @@ class RecentRequests:
                 }
             )
         return out
+
+
+def _last_occurrences(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of ``a`` (sorted) and the index of each one's last occurrence."""
+    values, first_in_reversed = np.unique(a[::-1], return_index=True)
+    return values, len(a) - 1 - first_in_reversed
 
 
 class BusHealth:
