@@ -171,13 +171,20 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
     results = asyncio.run(main())
     assert time.monotonic() - t0 < 120
     for i, outs in enumerate(results):
-        assert len(outs) > (1 if i == 3 else 3), "expected a streamed output per step"
+        # vLLM merges the outputs a reader has not taken yet, and a loaded machine makes
+        # even the prompt readers lag, so only "more than one output" is certain.
+        assert len(outs) > 1, "expected streamed outputs, got only the final one"
         if i == 3:
             assert len(outs) < 12, "the slow reader's outputs were not merged"
         acts = [o.outputs[0].activations for o in outs]
         assert all(a is not None for a in acts)
         assert acts[-1].complete and not any(a.complete for a in acts[:-1])
         tokens = [t for o in outs for t in o.outputs[0].token_ids] if i != 1 else None
+        seen = generated = 0  # no output runs ahead of the tokens it has been fed
+        for o, a in zip(outs, acts):
+            generated = len(o.outputs[0].token_ids) + (generated if i != 1 else 0)
+            seen = len(a.positions) + (seen if i != 1 else 0)
+            assert seen <= len(prompts[i]) + generated - 1, (i, seen, generated)
         if i == 1:  # cumulative: each output holds all rows so far, growing
             sizes = [len(a.positions) for a in acts]
             assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
