@@ -181,7 +181,7 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
         assert acts[-1].complete and not any(a.complete for a in acts[:-1])
         tokens = [t for o in outs for t in o.outputs[0].token_ids] if i != 1 else None
         seen = generated = 0  # no output runs ahead of the tokens it has been fed
-        for o, a in zip(outs, acts):
+        for o, a in zip(outs, acts, strict=True):
             generated = len(o.outputs[0].token_ids) + (generated if i != 1 else 0)
             seen = len(a.positions) + (seen if i != 1 else 0)
             assert seen <= len(prompts[i]) + generated - 1, (i, seen, generated)
