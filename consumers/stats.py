@@ -448,7 +448,6 @@ class BusHealth:
     def __init__(self, ignore: tuple[str, ...] = ()) -> None:
         self.ignore = ignore
         self._prev: tuple[float, dict[str, Any]] | None = None
-        self._prev_tokens: tuple[float, int] | None = None
         self.latest: dict[str, Any] = {}
 
     def update(
@@ -485,6 +484,11 @@ class BusHealth:
             "bytes_per_s": 0.0,
             "tokens_per_s": 0.0,
         }
+        # Tokens: the engine's own count when the publisher has one; else estimated
+        # from the rows this consumer sampled.
+        counted = "tokens" in stats
+        out["tokens"] = int(stats["tokens"]) if counted else tokens * every
+        out["tokens_counted"] = counted
         if self._prev is not None:
             t0, p = self._prev
             dt = now - t0
@@ -494,16 +498,7 @@ class BusHealth:
                 out["messages_per_s"] = max(0, out["published"] - p["published"]) / dt
                 # Departed subscribers take their bytes with them: never a negative rate.
                 out["bytes_per_s"] = max(0, bytes_sent - p["bytes_sent"]) / dt
-        # Tokens: the engine's own count when the publisher has one; else estimated
-        # from the rows this consumer sampled.
-        counted = "tokens" in stats
-        out["tokens"] = int(stats["tokens"]) if counted else tokens * every
-        out["tokens_counted"] = counted
-        if self._prev_tokens is not None and now > self._prev_tokens[0]:
-            out["tokens_per_s"] = max(0, out["tokens"] - self._prev_tokens[1]) / (
-                now - self._prev_tokens[0]
-            )
+                out["tokens_per_s"] = max(0, out["tokens"] - p["tokens"]) / dt
         self._prev = (now, out)
-        self._prev_tokens = (now, out["tokens"])
         self.latest = out
         return out
