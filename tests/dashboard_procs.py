@@ -108,6 +108,15 @@ class Browser:
             connect(wait_for(page, timeout, "a Chromium page"), max_size=64 << 20)
         )
         self._ids = itertools.count(1)
+        # A page target exists before its document has loaded: wait for the dashboard's
+        # DOM, or the first read would find no elements (seen on a loaded CI machine).
+        wait_for(
+            lambda: self.eval(
+                "document.readyState === 'complete' && !!document.querySelector('#updates')"
+            ),
+            timeout,
+            "the page to load",
+        )
 
     def call(self, method: str, timeout: float = 30.0, **params: Any) -> dict[str, Any]:
         i = next(self._ids)

@@ -114,6 +114,7 @@ def test_dashboards_show_the_engine_live(sched_engine, tmp_path):
         address, tmp_path / "dash.log", "--policy", f"sample:{DASH_EVERY}", "--interval", "0.5"
     )
     browser: Browser | None = None
+    gen: threading.Thread | None = None
     stats_sub = Subscriber(address, statsview.stats_subscription())
     flowing = threading.Event()
     done = threading.Event()
@@ -192,6 +193,11 @@ def test_dashboards_show_the_engine_live(sched_engine, tmp_path):
         mine = subscribers()["wandb"]
         time.sleep(1.5)  # a report or two more, with the final counts
     finally:
+        # Stop the request thread whatever happened above: left running, it would share the
+        # engine with the next test's generate() calls and each would take the other's outputs.
+        done.set()
+        if gen is not None:
+            gen.join(timeout=300)
         if browser is not None:
             browser.close()
         dash_rc = dash.stop()
