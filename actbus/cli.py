@@ -143,7 +143,8 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
         "--policy",
         default=cls.default_policy,
         help=f"what the publisher does when this consumer falls behind: {', '.join(POLICIES)} "
-        f"(as sample:N or sample:FRACTION, spill:MB:FALLBACK); default {cls.default_policy}",
+        f"(as sample:N, sample:FRACTION or sample:R/s, spill:MB:FALLBACK); "
+        f"default {cls.default_policy}",
     )
     p.add_argument(
         "--tags",

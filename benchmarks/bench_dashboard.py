@@ -5,9 +5,10 @@ the same batch of requests round after round. Rounds alternate (ABBA pairs, so a
 trend in the machine's load hits both arms alike) between:
 
     without   no subscriber: the capture worker copies nothing (taps nobody wants)
-    with      ``actbus dashboard --policy sample:N`` attached (its own process,
-              started before the round and stopped after it), with a page's SSE
-              stream open on it (a process reading ``/events``, as a page does)
+    with      ``actbus dashboard`` attached with its default policy (``sample:5/s``)
+              or ``--policy`` (its own process, started before the round and
+              stopped after it), with a page's SSE stream open on it (a process
+              reading ``/events``, as a page does)
 
 Throughput is generated tokens / wall time of ``--repeat`` ``llm.generate`` calls.
 The ratio is, per ABBA block, the mean of its with-rounds over the mean of its
@@ -32,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from actbus.bus.protocol import DASHBOARD_POLICY
 from actbus.cli import consumer_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,12 +114,19 @@ def main() -> int:
     ap.add_argument(
         "--repeat", type=int, default=3, help="generate calls per round (longer rounds: less noise)"
     )
-    ap.add_argument("--policy", default="sample:10", help="the dashboard's policy")
+    ap.add_argument(
+        "--policy", default=DASHBOARD_POLICY, help=f"the dashboard's (default {DASHBOARD_POLICY})"
+    )
     ap.add_argument(
         "--null", action="store_true", help="a third arm: `actbus run null` with the same policy"
     )
     ap.add_argument("--dtype", help="engine dtype (default: bfloat16 on a GPU, else float32)")
-    ap.add_argument("--settle", type=float, default=2.0, help="seconds after subscribing")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds idle before every round (after subscribing, for the arms with one)",
+    )
     ap.add_argument("--no-page", action="store_true", help="no SSE client on the dashboard")
     ap.add_argument(
         "--dash-flag", action="append", default=[], help="one more flag for the dashboard"
@@ -184,14 +193,17 @@ def main() -> int:
             )
         if proc is not None:
             wait_subscribed(address, name)
-            time.sleep(args.settle)  # start-up work (imports, first report) done
+        # Every arm idles as long before and after its round: on the VM a round that
+        # follows a pause runs faster than one that follows a round, so pauses only
+        # around the subscriber's rounds would favour them.
+        time.sleep(args.settle)  # and start-up work (imports, first report) is done
         cpu0 = cpu_s(proc)
         dt, tokens = round_()
         row = {"round": i, "arm": arm, "gen_s": round(dt, 3), "tokens": tokens}
         row["tok_per_s"] = round(tokens / dt, 1)
+        time.sleep(1.5)  # lets a subscriber acknowledge what it got
         if proc is not None:
             row["consumer_cpu_s"] = round(cpu_s(proc) - cpu0, 3)
-            time.sleep(1.5)  # let it acknowledge what it got
             view = subscriber_view(address, name)
             row["received"] = view.get("sent", 0)
             row["dropped"] = sum((view.get("dropped") or {}).values())

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from actbus.bus import Batch, Subscriber, statsview
+from actbus.bus.protocol import DASHBOARD_POLICY
 from actbus.consumer import Consumer
 from consumers.priority import add_priority_arguments, lower_priority
 from consumers.stats import ActivationStats, BusHealth, RecentRequests, StatsConfig
@@ -34,7 +35,7 @@ MAX_PENDING_BYTES = 64 << 20
 class Monitor(Consumer):
     """Statistics of a sampled stream plus the publisher's health, every ``interval_s``."""
 
-    default_policy: ClassVar[str] = "sample:10"
+    default_policy: ClassVar[str] = DASHBOARD_POLICY
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class Monitor(Consumer):
         self.recent = recent
         self.health = BusHealth(ignore=(statsview.CLIENT_NAME,))
         self.sample_every = 1
+        self.sample_per_s = 0.0
         self.welcome: dict[str, Any] = {}
         self.beat: dict[str, Any] = {}
         self.stats_failures = 0
@@ -110,7 +112,9 @@ class Monitor(Consumer):
 
     def subscription(self, policy: str | None = None, **kw: Any):  # type: ignore[override]
         sub = super().subscription(policy, **kw)
-        self.sample_every = sub.sample_every if sub.policy == "sample" else 1
+        sampling = sub.policy == "sample"
+        self.sample_per_s = sub.sample_per_s if sampling else 0.0
+        self.sample_every = sub.sample_every if sampling and not self.sample_per_s else 1
         return sub
 
     def on_batch(self, batch: Batch) -> None:
@@ -167,6 +171,7 @@ class Monitor(Consumer):
             "time": time.time(),
             "model": self.welcome.get("model", ""),
             "sample_every": self.sample_every,
+            "sample_per_s": self.sample_per_s,
             "bus": bus,
             "bus_ok": stats is not None,
             "stats_failures": self.stats_failures,

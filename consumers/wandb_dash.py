@@ -63,6 +63,7 @@ def flatten(snap: dict[str, Any]) -> dict[str, Any]:
     for sub, lag in (bus.get("lag_steps") or {}).items():
         row[f"bus/lag_steps/{_name(sub)}"] = lag
     row["sampled/sample_every"] = snap.get("sample_every", 1)
+    row["sampled/sample_per_s"] = snap.get("sample_per_s", 0.0)
     row["sampled/steps_counted"] = me["steps_counted"]
     row["sampled/received"] = me["received"]
     row["sampled/routed"] = me["routed"]
@@ -163,7 +164,13 @@ class WandbDashboard(Monitor):
     def on_welcome(self, info: dict[str, Any]) -> None:
         super().on_welcome(info)
         self.run.config.update(
-            {"actbus": {"model": info.get("model", ""), "sample_every": self.sample_every}},
+            {
+                "actbus": {
+                    "model": info.get("model", ""),
+                    "sample_every": self.sample_every,
+                    "sample_per_s": self.sample_per_s,
+                }
+            },
             allow_val_change=True,
         )
 

@@ -291,6 +291,8 @@ def test_sample_takes_every_nth_step(publisher, address):
         ("drop_oldest", {"policy": "drop_oldest"}),
         ("sample:10", {"policy": "sample", "sample_every": 10}),
         ("sample:0.25", {"policy": "sample", "sample_every": 4}),
+        ("sample:5/s", {"policy": "sample", "sample_per_s": 5.0}),
+        ("sample:0.5/s", {"policy": "sample", "sample_per_s": 0.5}),
         ("spill", {"policy": "spill", "spill_mb": 1024.0, "spill_fallback": "drop_newest"}),
         ("spill:0.5:block", {"policy": "spill", "spill_mb": 0.5, "spill_fallback": "block"}),
     ],
@@ -303,7 +305,20 @@ def test_parse_policy(text, parsed):
 
 @pytest.mark.parametrize(
     "text",
-    ["newest", "block:2", "sample", "sample:x", "sample:-1", "spill:x", "spill:0", "spill:4:oops"],
+    [
+        "newest",
+        "block:2",
+        "sample",
+        "sample:x",
+        "sample:-1",
+        "sample:0/s",
+        "sample:x/s",
+        "sample:nan/s",
+        "sample:/s",
+        "spill:x",
+        "spill:0",
+        "spill:4:oops",
+    ],
 )
 def test_parse_policy_rejects_with_the_choices(text):
     from actbus.bus.protocol import parse_policy

@@ -8,6 +8,7 @@ accounting invariant; a lossless subscriber is never dropped for.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -208,3 +209,51 @@ def test_the_return_subscriber_wants_only_returned_rows_and_ends(publisher, addr
         plain = publisher.admit(0, [(0, "post_block", NBYTES, False)])
         asked = publisher.admit(0, [(0, "post_block", NBYTES, True)])
     assert plain == [Admission.NONE] and asked == [Admission.SEND]
+
+
+@pytest.mark.parametrize("beside_lossless", [False, True])
+def test_a_rate_sampler_takes_whole_steps_at_most_r_a_second(publisher, address, beside_lossless):
+    """``sample:10/s``: the steps it takes are at least 0.1 s apart, each whole (every
+    tap), and the rest cost no copy. Beside a lossless subscriber every step is copied
+    and routed, and routing must agree with what admit decided."""
+    rate, steps = 10.0, 120
+    taps = [(0, "post_block", NBYTES, False), (1, "post_block", NBYTES, False)]
+    sampler = Subscriber(address, Subscription(policy="sample", sample_per_s=rate, name="r"))
+    block = Subscriber(address, Subscription(window=4096, name="b")) if beside_lossless else None
+    try:
+        for s in (sampler, block):
+            if s is not None:
+                s.wait_welcome(10)
+        when: dict[int, tuple[float, float]] = {}  # step -> (before, after) its admit
+        sent: list[int] = []
+        for step in range(steps):
+            t0 = time.monotonic()
+            verdicts = publisher.admit(step, taps)
+            when[step] = (t0, time.monotonic())
+            if Admission.SEND in verdicts:
+                assert verdicts == [Admission.SEND] * 2, verdicts  # a step is taken whole
+                sent.append(step)
+                for layer, *_ in taps:
+                    publisher.publish(_header(step, layer), torch.full((ROWS, HIDDEN), float(step)))
+            time.sleep(0.01)
+        elapsed = when[steps - 1][1] - when[0][0]
+        _settled(publisher, steps)
+        wait_for(lambda: not publisher.stats()["subscribers"]["r"]["queue_depth"], 10, "sent")
+        st = publisher.stats()["subscribers"]["r"]
+        got = recv_batches(sampler, st["sent"])
+    finally:
+        sampler.close()
+        if block is not None:
+            block.close()
+    taken = sorted({b.step for b in got})
+    assert [b.step for b in got] == [s for s in taken for _ in taps]  # whole steps, in order
+    if not beside_lossless:
+        assert taken == sent  # nothing copied that it did not take
+    # At most R a second: two taken steps were decided at least 1/R s apart.
+    for a, b in itertools.pairwise(taken):
+        assert when[b][1] - when[a][0] >= 1 / rate, (a, b, when[a], when[b])
+    assert 3 <= len(taken) <= elapsed * rate + 1, (len(taken), elapsed)
+    assert len(got) == st["sent"] == 2 * len(taken) and st["dropped"] == {}
+    assert st["sampled_out"] == 2 * (steps - len(taken))  # the rest: not drops, not gaps
+    assert sampler.stats.missed == 0
+    assert st["policy"] == "sample:10/s"

@@ -212,6 +212,10 @@ def test_spill_block_fallback_holds_the_stream_at_the_cap(tmp_path):
         ({"tags": {"split": {"nested": 1}}}, "tags"),
         ({"tags": ["split"]}, "tags"),
         ({"group": 7}, "group"),
+        ({"policy": "sample", "sample_per_s": -1}, "sample_per_s"),
+        ({"policy": "sample", "sample_per_s": "fast"}, "sample_per_s"),
+        ({"policy": "sample", "sample_per_s": True}, "sample_per_s"),
+        ({"policy": "sample", "sample_per_s": float("nan")}, "sample_per_s"),
     ],
 )
 def test_bad_subscription_fields_are_refused_by_name(wire, field):

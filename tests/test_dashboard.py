@@ -291,6 +291,37 @@ def test_dashboard_streams_live_snapshots_on_loopback_only(tmp_path):
     assert rc == 0, (tmp_path / "dash.log").read_text()
 
 
+def test_the_dashboard_samples_at_most_five_steps_a_second_by_default(tmp_path):
+    """Its default policy bounds what it costs the engine: ``sample:5/s`` takes at
+    most 5 steps a second from a publisher stepping at 100 Hz, whole steps, and
+    counts the rest as sampled out, not dropped."""
+    pub = SyntheticPublisher(f"ipc://{tmp_path}/bus.sock", hz=100.0)
+    dash = DashboardProc(f"ipc://{tmp_path}/bus.sock", tmp_path / "dash.log", "--interval", "0.3")
+
+    def mine() -> dict:
+        return pub.pub.stats()["subscribers"].get("dashboard", {})
+
+    try:
+        wait_for(lambda: mine().get("sent"), 30, "the dashboard's first sampled step")
+        t0, first, step0 = time.monotonic(), mine(), pub.pub.stats()["last_step"]
+        time.sleep(3.0)
+        t1, last, step1 = time.monotonic(), mine(), pub.pub.stats()["last_step"]
+        snap = dash.snapshot()
+    finally:
+        rc = dash.stop()
+        pub.close()
+    assert rc == 0, (tmp_path / "dash.log").read_text()
+    assert last["policy"] == "sample:5/s"
+    assert (snap["sample_per_s"], snap["sample_every"]) == (5.0, 1)
+    taken = (last["routed"] - first["routed"]) / 2  # two taps a step, taken whole
+    assert 5 <= taken <= 5 * (t1 - t0) + 2, (taken, t1 - t0)
+    stepped = step1 - step0
+    assert stepped > 100  # the publisher stepped far faster than the dashboard took
+    skipped = (last["sampled_out"] - first["sampled_out"]) / 2
+    assert abs(skipped - (stepped - taken)) <= 2, (skipped, stepped, taken)
+    assert last["dropped"] == {}
+
+
 def _lan_address() -> str | None:
     """A non-loopback address of this host, if it has one."""
     try:

@@ -4,7 +4,9 @@ The publisher enforces each subscriber's policy; the names follow Vector's
 ``when_full`` (``block``, ``drop_newest``): ``block`` is lossless and makes the
 publisher, and so the engine, wait for that subscriber. ``drop_oldest`` evicts the
 oldest waiting message instead (fresh data for trainers); ``sample`` takes every
-N-th step and drops the newest when full (dashboards); ``spill`` writes what does
+N-th step, or at most R steps a second, and drops the newest when full
+(dashboards: ``sample:R/s`` bounds what watching costs the engine however fast it
+steps, where every N-th step costs more the faster it runs); ``spill`` writes what does
 not fit to local disk and replays it in order, up to a byte cap, after which its
 fallback policy applies.
 """
@@ -25,26 +27,45 @@ MAX_SPILL_MB = float(1 << 20)  # 1 TiB
 MAX_WINDOW = 1 << 20
 MAX_NAME = 200
 MAX_TAGS = 64
+MAX_SAMPLE_PER_S = 1e6
 _SCALARS = (str, int, float, bool)
-_USAGE = "choose block, drop_newest, drop_oldest, sample:N or spill[:MB[:FALLBACK]]"
+DASHBOARD_POLICY = "sample:5/s"
+"""Dashboards' default: at most 5 steps a second, a fixed small cost to the engine
+however fast it steps (every N-th step costs more the faster it runs), and plenty
+for statistics refreshed every second or two."""
+_USAGE = "choose block, drop_newest, drop_oldest, sample:N, sample:R/s or spill[:MB[:FALLBACK]]"
 
 
 def parse_policy(text: str) -> dict[str, Any]:
     """A policy string -> the ``Subscription`` fields it sets.
 
-    ``"sample:10"`` / ``"sample:0.1"`` -> every 10th step; ``"spill:512:drop_oldest"``
+    ``"sample:10"`` / ``"sample:0.1"`` -> every 10th step; ``"sample:5/s"`` -> at most
+    5 steps a second; ``"spill:512:drop_oldest"``
     -> spill up to 512 MiB, then evict the oldest spilled (``spill`` alone: 1024 MiB,
     then ``drop_newest``).
     """
     name, _, arg = text.partition(":")
     if name not in POLICIES or (arg and name not in ("sample", "spill")):
         raise ValueError(f"unknown policy {text!r}; {_USAGE}")
+    if name == "sample" and arg.endswith("/s"):
+        try:
+            rate = float(arg[:-2])
+        except ValueError:
+            raise ValueError(
+                f"sample:R/s needs a number of steps per second, got {text!r}"
+            ) from None
+        if not 0 < rate <= MAX_SAMPLE_PER_S:
+            raise ValueError(
+                f"sample:R/s needs R in (0, {MAX_SAMPLE_PER_S:.0f}] steps per second, got {text!r}"
+            )
+        return {"policy": "sample", "sample_per_s": rate}
     if name == "sample":
         try:
             value = float(arg)
         except ValueError:
             raise ValueError(
-                f"sample needs N (every N-th step) or a fraction, got {text!r}"
+                f"sample needs N (every N-th step), a fraction or R/s (steps a second), "
+                f"got {text!r}"
             ) from None
         if not value > 0 or math.isinf(value):
             raise ValueError(f"sample needs a positive N or fraction, got {text!r}")
@@ -76,6 +97,9 @@ class Subscription:
     policy: str = "block"
     sample_every: int = 1
     """With ``policy="sample"``: take steps whose number is a multiple of this."""
+    sample_per_s: float = 0.0
+    """With ``policy="sample"``, if set: take at most this many steps a second (the
+    first step due after the last one taken) instead of every ``sample_every``-th."""
     window: int = 64
     """Credit in messages: how many the publisher may send ahead of acknowledgements."""
     window_bytes: int = 128 << 20
@@ -105,6 +129,7 @@ class Subscription:
             "schema": SCHEMA_VERSION,
             "policy": self.policy,
             "sample_every": self.sample_every,
+            "sample_per_s": self.sample_per_s,
             "window": self.window,
             "window_bytes": self.window_bytes,
             "layers": list(self.layers) if self.layers is not None else None,
@@ -130,6 +155,16 @@ class Subscription:
         if policy not in POLICIES:
             raise WireError(f"policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         every = _int(d, "sample_every", 1, 1, 1 << 30)
+        per_s = d.get("sample_per_s", 0.0)
+        if (
+            not isinstance(per_s, (int, float))
+            or isinstance(per_s, bool)
+            or not 0 <= per_s <= MAX_SAMPLE_PER_S
+        ):
+            raise WireError(
+                f"sample_per_s must be a number of steps per second in [0, "
+                f"{MAX_SAMPLE_PER_S:.0f}] (0: every sample_every-th step), got {per_s!r:.50}"
+            )
         window = _int(d, "window", 64, 1, MAX_WINDOW)
         window_bytes = _int(d, "window_bytes", 128 << 20, 1, 1 << 40)
         layers = d.get("layers")
@@ -170,6 +205,7 @@ class Subscription:
         return cls(
             policy=policy,
             sample_every=every,
+            sample_per_s=float(per_s),
             window=window,
             window_bytes=window_bytes,
             layers=tuple(layers) if layers is not None else None,

@@ -100,6 +100,8 @@ MAX_CONTROL_BYTES = 256 << 10
 # Control messages handled per loop turn, so a flood cannot starve sending.
 CONTROL_BATCH = 256
 DEPARTED_KEPT = 32
+# Steps a sample:R/s subscriber remembers taking: routing may lag the engine by this many.
+RATE_STEPS_KEPT = 4096
 _NO_ROWS = torch.empty(0, dtype=torch.uint8)
 
 
@@ -141,6 +143,35 @@ class _Item:
         return len(self.header_bytes) + self.nbytes
 
 
+class _StepRate:
+    """Which steps a ``sample:R/s`` subscriber takes: the first step seen at least
+    1/R s after the last one taken. Decided once per step, by whichever thread meets
+    the step first (the engine's ``admit``, or routing for a message published
+    without it), so that copying and routing agree on it."""
+
+    def __init__(self, per_s: float) -> None:
+        self.period = 1.0 / per_s
+        self._lock = threading.Lock()
+        self._decided = -1  # the newest step decided
+        self._due = 0.0
+        self._taken: set[int] = set()
+        self._order: deque[int] = deque()  # taken steps, oldest first (to forget them)
+
+    def takes(self, step: int) -> bool:
+        if step > self._decided:
+            with self._lock:
+                if step > self._decided:
+                    now = time.monotonic()
+                    if now >= self._due:
+                        self._due = now + self.period
+                        self._taken.add(step)
+                        self._order.append(step)
+                        if len(self._order) > RATE_STEPS_KEPT:
+                            self._taken.discard(self._order.popleft())
+                    self._decided = step  # last: a reader that sees it finds the verdict
+        return step in self._taken
+
+
 @dataclass
 class _Sub:
     ident: bytes
@@ -157,10 +188,19 @@ class _Sub:
     queued_in: int = 0  # by publishers, under the queue lock
     queued_out: int = 0  # by the publisher thread
     sampled_at_source: int = 0  # by the engine thread: steps skipped in admit
+    rate: _StepRate | None = None  # sample:R/s
+
+    def __post_init__(self) -> None:
+        if self.sub.policy == "sample" and self.sub.sample_per_s > 0:
+            self.rate = _StepRate(self.sub.sample_per_s)
 
     def skips(self, step: int) -> bool:
         """A sampler's step it does not take."""
-        return self.sub.policy == "sample" and step % self.sub.sample_every != 0
+        if self.sub.policy != "sample":
+            return False
+        if self.rate is not None:
+            return not self.rate.takes(step)
+        return step % self.sub.sample_every != 0
 
     def may_send(self, nbytes: int) -> bool:
         """Within both credits; an oversized message goes alone when nothing is in flight."""
@@ -245,7 +285,7 @@ class _Sub:
     def policy_text(self) -> str:
         p = self.sub
         if p.policy == "sample":
-            return f"sample:{p.sample_every}"
+            return f"sample:{p.sample_per_s:g}/s" if p.sample_per_s else f"sample:{p.sample_every}"
         if p.policy == "spill":
             return f"spill:{p.spill_mb:g}:{p.spill_fallback}"
         return p.policy

@@ -1,16 +1,18 @@
 """``actbus dashboard``: a local web view of the bus and its activations.
 
-``actbus dashboard --connect ADDR [--port P]`` subscribes with ``sample:N`` (it
-can never slow generation), keeps the same statistics as the W&B consumer
-(``consumers.stats``) and serves them on 127.0.0.1 only: one page, no assets
-from the internet, updated live over server-sent events. Flags are defined
-here, without importing the web stack, so ``actbus --help`` stays quick.
+``actbus dashboard --connect ADDR [--port P]`` subscribes with a sampling policy
+(``sample:5/s`` by default: it can never slow generation), keeps the same
+statistics as the W&B consumer (``consumers.stats``) and serves them on
+127.0.0.1 only: one page, no assets from the internet, updated live over
+server-sent events. Flags are defined here, without importing the web stack,
+so ``actbus --help`` stays quick.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from actbus.bus.protocol import DASHBOARD_POLICY
 from consumers.priority import add_priority_arguments
 
 DEFAULT_PORT = 8765
@@ -26,9 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        default="sample:10",
-        help="subscription policy; sample:N (default sample:10) so the dashboard never "
-        "slows generation (a lossless policy would)",
+        default=DASHBOARD_POLICY,
+        help=f"subscription policy (default {DASHBOARD_POLICY}): sample:R/s (at most R "
+        "steps a second) or sample:N (every N-th step), so the dashboard never slows "
+        "generation (a lossless policy would)",
     )
     p.add_argument(
         "--interval", type=float, default=1.0, metavar="S", help="seconds between updates"

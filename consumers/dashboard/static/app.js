@@ -71,7 +71,7 @@ function render(s) {
     const tr = el("tr"); tr.append(el("td", {}, name), el("td", {}, fmt(lag)), el("td", {}, fmt((b.sub_dropped || {})[name] || 0))); subs.append(tr);
   }
   cards($("#me-cards"), [
-    ["me-sample", "this dashboard samples every", `${s.sample_every || 1} steps`],
+    ["me-sample", "this dashboard samples", s.sample_per_s ? `at most ${fmt(s.sample_per_s)} steps/s` : `every ${s.sample_every || 1} steps`],
     ["me-steps", "steps counted", fmt(me.steps_counted)],
     ["me-received", "messages received", fmt(me.received)],
     ["me-dropped", "dropped for it", fmt(Object.values(me.dropped || {}).reduce((a, c) => a + c, 0))],
