@@ -5,8 +5,8 @@ into ``ActivationStats`` (and, when asked, ``RecentRequests``). Every
 ``interval_s`` it asks the publisher for its counters through a second,
 data-less connection (the same client ``actbus stats`` uses), so it can hand one
 complete snapshot to ``report``: the W&B logger logs it, the web dashboard
-serves it. It subscribes with ``sample:N`` by default, so a
-slow dashboard loses sampled steps (counted by the publisher), never generation time.
+serves it. It subscribes with ``sample:5/s`` by default (``DASHBOARD_POLICY``), so
+a slow dashboard loses sampled steps (counted by the publisher), never generation time.
 """
 
 from __future__ import annotations

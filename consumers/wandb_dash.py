@@ -1,6 +1,6 @@
 """W&B dashboard consumer: bus health and activation statistics, logged to W&B.
 
-``actbus run wandb --connect ADDR --project P [--wandb-group G] [--policy sample:N]``
+``actbus run wandb --connect ADDR --project P [--wandb-group G] [--policy sample:5/s]``
 
 Every ``--interval`` seconds it logs one row: the publisher's health (steps/s,
 tokens/s, bytes/s, per-subscriber lag, drops by reason, spill size, from the
