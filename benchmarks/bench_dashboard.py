@@ -14,8 +14,12 @@ Throughput is generated tokens / wall time of ``--repeat`` ``llm.generate`` call
 The ratio is, per ABBA block, the mean of its with-rounds over the mean of its
 without-rounds; the median over blocks is reported (with the ratio of the arms' medians beside it).
 ``--null`` adds a third arm, ``actbus run null`` with the same policy: the bus's
-share of the cost, without the dashboard's own work. Prints a table,
-then one JSON line whose ``ratio_with_dashboard`` is the figure.
+share of the cost, without the dashboard's own work. Beside throughput it reports
+what is counted rather than timed, so it does not move with the machine's speed: the
+engine thread's time in capture and the publisher thread's CPU (both from the
+publisher's stats), the subscriber's and the page's CPU (from /proc), each per
+second of generation. Prints a table, then one JSON line whose
+``ratio_with_dashboard`` is the figure.
 
     flock /tmp/actbus-engine.lock python benchmarks/bench_dashboard.py [--pairs 4]
 """
@@ -81,12 +85,13 @@ def wait_subscribed(address: str, name: str, timeout: float = 60.0) -> dict:
     raise SystemExit(f"{name} did not subscribe within {timeout}s")
 
 
-def subscriber_view(address: str, name: str) -> dict:
+def bus_stats(address: str) -> dict:
+    """The publisher's counters (``Publisher.stats()``), over a data-less connection."""
     from actbus.bus import Subscriber, statsview
 
     with Subscriber(address, statsview.stats_subscription()) as sub:
         sub.wait_welcome(10)
-        return statsview.request(sub, 10)["subscribers"].get(name, {})
+        return statsview.request(sub, 10)
 
 
 def cpu_s(proc: subprocess.Popen | None) -> float:
@@ -197,14 +202,22 @@ def main() -> int:
         # follows a pause runs faster than one that follows a round, so pauses only
         # around the subscriber's rounds would favour them.
         time.sleep(args.settle)  # and start-up work (imports, first report) is done
-        cpu0 = cpu_s(proc)
+        before = bus_stats(address)
+        cpu0, page0 = cpu_s(proc), cpu_s(page)
         dt, tokens = round_()
+        cpu1, page1 = cpu_s(proc), cpu_s(page)
+        after = bus_stats(address)
         row = {"round": i, "arm": arm, "gen_s": round(dt, 3), "tokens": tokens}
         row["tok_per_s"] = round(tokens / dt, 1)
+        # What the bus cost the engine's process, counted by the publisher itself: the
+        # engine thread's time in capture, and the publisher thread's CPU.
+        for key in ("capture_s", "publisher_cpu_s"):
+            row[key] = round(after.get(key, 0.0) - before.get(key, 0.0), 4)
         time.sleep(1.5)  # lets a subscriber acknowledge what it got
         if proc is not None:
-            row["consumer_cpu_s"] = round(cpu_s(proc) - cpu0, 3)
-            view = subscriber_view(address, name)
+            row["consumer_cpu_s"] = round(cpu1 - cpu0, 3)
+            row["page_cpu_s"] = round(page1 - page0, 3)
+            view = bus_stats(address)["subscribers"].get(name, {})
             row["received"] = view.get("sent", 0)
             row["dropped"] = sum((view.get("dropped") or {}).values())
             if page is not None:
@@ -221,7 +234,10 @@ def main() -> int:
             else ""
         )
         print(
-            f"round {i:2d}  {arm:8s}  {row['tok_per_s']:8.1f} tok/s  {dt:6.2f} s{extra}", flush=True
+            f"round {i:2d}  {arm:8s}  {row['tok_per_s']:8.1f} tok/s  {dt:6.2f} s  capture "
+            f"{1000 * row['capture_s']:6.1f} ms, publisher {1000 * row['publisher_cpu_s']:6.1f} "
+            f"ms CPU{extra}",
+            flush=True,
         )
     llm.llm_engine.engine_core.shutdown()
 
@@ -240,10 +256,52 @@ def main() -> int:
 
     ratio = block_ratio("with")
     null_ratio = block_ratio("null") if "null" in arms else None
+
+    def share(arm: str, key: str, cores: int = 1) -> float:
+        """Median over the arm's rounds of ``key`` (CPU or thread seconds) per second
+        of generation, over ``cores`` (the whole machine: os.cpu_count())."""
+        vals = [r[key] / r["gen_s"] / cores for r in rows if r["arm"] == arm and key in r]
+        return statistics.median(vals) if vals else 0.0
+
+    # Counted, not timed: the shares of the round that actbus's engine-side code (the
+    # engine thread in capture, the publisher thread's CPU) and the subscriber's own
+    # processes took. Unlike throughput, these do not move with the machine's speed.
+    cpus = os.cpu_count() or 1
+    shares = {
+        a: {
+            "capture": share(a, "capture_s"),
+            "publisher_cpu": share(a, "publisher_cpu_s"),
+            "consumer_cpu_of_machine": share(a, "consumer_cpu_s", cpus),
+            "page_cpu_of_machine": share(a, "page_cpu_s", cpus),
+        }
+        for a in arms
+    }
+    engine_side = {
+        a: shares[a]["capture"]
+        + shares[a]["publisher_cpu"]
+        - shares["without"]["capture"]
+        - shares["without"]["publisher_cpu"]
+        for a in arms
+        if a != "without"
+    }
     print()
-    print(f"{'arm':10s} {'median tok/s':>14s} {'min':>10s} {'max':>10s} {'rounds':>7s}")
+    print(
+        f"{'arm':10s} {'median tok/s':>14s} {'min':>10s} {'max':>10s} {'rounds':>7s}"
+        f" {'capture':>9s} {'pub CPU':>9s} {'sub CPU':>9s} {'page CPU':>9s}"
+    )
     for a in arms:
-        print(f"{a:10s} {med[a]:14.1f} {min(per[a]):10.1f} {max(per[a]):10.1f} {len(per[a]):7d}")
+        sh = shares[a]
+        print(
+            f"{a:10s} {med[a]:14.1f} {min(per[a]):10.1f} {max(per[a]):10.1f} {len(per[a]):7d}"
+            f" {sh['capture']:9.2%} {sh['publisher_cpu']:9.2%}"
+            f" {sh['consumer_cpu_of_machine']:9.2%} {sh['page_cpu_of_machine']:9.2%}"
+        )
+    print(
+        "(capture: the engine thread's time in actbus, per second of generation; pub CPU: "
+        "the publisher thread's; sub and page CPU: of the whole machine)"
+    )
+    for a, v in engine_side.items():
+        print(f"engine-side cost of {a}: {v:.2%} of the engine's time (over without)")
     print(
         f"ratio_with_dashboard = {ratio:.3f} (median of {len(blocks)} ABBA blocks; "
         f"ratio of medians {med['with'] / med['without']:.3f}; target >= 0.97)"
@@ -256,6 +314,8 @@ def main() -> int:
         "ratio_of_medians": round(med["with"] / med["without"], 4),
         "ratio_with_null_sampler": None if null_ratio is None else round(null_ratio, 4),
         "median_tok_per_s": {a: round(v, 1) for a, v in med.items()},
+        "engine_side_cost": {a: round(v, 5) for a, v in engine_side.items()},
+        "shares": {a: {k: round(v, 5) for k, v in sh.items()} for a, sh in shares.items()},
         "policy": args.policy,
         "dashboard_flags": args.dash_flag,
         "page": not args.no_page,

@@ -470,6 +470,8 @@ class BusHealth:
             "queued": int(stats.get("queued", 0)),
             "queued_bytes": int(stats.get("queued_bytes", 0)),
             "stall_s": float(stats.get("stall_s", 0.0)),
+            "capture_s": float(stats.get("capture_s", 0.0)),
+            "publisher_cpu_s": float(stats.get("publisher_cpu_s", 0.0)),
             "latency_p50_ms": float((stats.get("latency") or {}).get("p50_ms", 0.0)),
             "latency_p99_ms": float((stats.get("latency") or {}).get("p99_ms", 0.0)),
             "subscribers": len(subs),
@@ -483,6 +485,8 @@ class BusHealth:
             "messages_per_s": 0.0,
             "bytes_per_s": 0.0,
             "tokens_per_s": 0.0,
+            "capture_frac": 0.0,
+            "publisher_cpu_frac": 0.0,
         }
         # Tokens: the engine's own count when the publisher has one; else estimated
         # from the rows this consumer sampled.
@@ -499,6 +503,12 @@ class BusHealth:
                 # Departed subscribers take their bytes with them: never a negative rate.
                 out["bytes_per_s"] = max(0, bytes_sent - p["bytes_sent"]) / dt
                 out["tokens_per_s"] = max(0, out["tokens"] - p["tokens"]) / dt
+                # What actbus costs the engine: its thread's time in capture, and the
+                # publisher thread's CPU beside it, as shares of the interval.
+                out["capture_frac"] = max(0.0, out["capture_s"] - p["capture_s"]) / dt
+                out["publisher_cpu_frac"] = (
+                    max(0.0, out["publisher_cpu_s"] - p["publisher_cpu_s"]) / dt
+                )
         self._prev = (now, out)
         self.latest = out
         return out

@@ -180,17 +180,27 @@ def test_bus_health_rates_come_from_counter_deltas():
 def test_tokens_per_s_comes_from_the_engines_count_when_the_publisher_has_one(tmp_path):
     pub = Publisher(f"ipc://{tmp_path}/p.sock", info={"model": "m"})
     try:
-        assert pub.stats()["tokens"] == 0
-        pub.count_tokens(7)
-        pub.count_tokens(5)
+        assert pub.stats()["tokens"] == 0 and pub.stats()["capture_s"] == 0
+        pub.count_step(7, 0.25)
+        pub.count_step(5, 0.125)
+        wait_for(lambda: pub.stats()["publisher_cpu_s"] > 0, 10, "the publisher thread's CPU")
         first = pub.stats()
-        assert first["tokens"] == 12
+        assert first["tokens"] == 12 and first["capture_s"] == 0.375
     finally:
         pub.close()
     h = BusHealth()
     h.update(first, now=10.0, tokens=1, every=10)  # the sampled rows are not used
-    out = h.update({**first, "tokens": 612}, now=12.0, tokens=2, every=10)
+    cpu = first["publisher_cpu_s"] + 0.1
+    out = h.update(
+        {**first, "tokens": 612, "capture_s": 0.775, "publisher_cpu_s": cpu},
+        now=12.0,
+        tokens=2,
+        every=10,
+    )
     assert out["tokens_counted"] and out["tokens"] == 612 and out["tokens_per_s"] == 300
+    # What capture cost the engine's thread, and the publisher's CPU, per second.
+    assert out["capture_frac"] == pytest.approx(0.2)
+    assert out["publisher_cpu_frac"] == pytest.approx(0.05)
 
 
 class SyntheticPublisher:

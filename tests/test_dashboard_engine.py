@@ -234,6 +234,9 @@ def test_dashboards_show_the_engine_live(sched_engine, tmp_path):
     tap_rows = max(sum(len(n) for n in v) for v in truth.norms.values())
     assert max(r["bus/tokens"] for r in bus) >= tap_rows > 0
     assert max(r["bus/bytes_per_s"] for r in bus) > 0
+    # The engine's time in capture is counted: some, and a share of wall time below 1.
+    assert max(r["bus/capture_s"] for r in bus) > 0
+    assert 0 < max(r["bus/capture_frac"] for r in bus) < 1
     assert max(r["bus/last_step"] for r in bus) == max(truth.steps)
     assert any("bus/lag_steps/truth" in r for r in bus)
     for key, norms in truth.sampled_norms.items():

@@ -356,6 +356,8 @@ class Publisher:
         self._routed_step = -1  # by the publisher thread
         self._skipped_step = -1  # by the engine thread: a step every sampler skipped
         self.stall_s = 0.0  # time the engine spent waiting for queue space
+        self._capture_s = 0.0  # engine thread: time spent in actbus (count_step)
+        self._thread_cpu_s = 0.0  # the publisher thread's CPU time, as of its last turn
         self._thread = threading.Thread(target=self._run, name="actbus-publisher", daemon=True)
         self._thread.start()
 
@@ -365,11 +367,15 @@ class Publisher:
         return max(self._routed_step, self._skipped_step)
 
     # ---------------------------------------------------------------- engine side
-    def count_tokens(self, n: int) -> None:
-        """The engine ran ``n`` tokens (prompt and generated) through the model in a
-        step, captured or not: ``tokens`` in the stats, so dashboards show tokens/s
-        as counted, not estimated from what they sample. Engine thread only."""
-        self._engine_counts["tokens"] += n
+    def count_step(self, tokens: int, capture_s: float = 0.0) -> None:
+        """The engine ran a step of ``tokens`` tokens (prompt and generated), captured
+        or not, and its own thread spent ``capture_s`` seconds of it in actbus (rows
+        planned, copies launched, messages queued): ``tokens`` and ``capture_s`` in the
+        stats, so dashboards show tokens/s as counted, not estimated from what they
+        sample, and what capture costs the engine is counted, not guessed. Engine
+        thread only."""
+        self._engine_counts["tokens"] += tokens
+        self._capture_s += capture_s
 
     def admit(self, step: int, taps: list[tuple[int, str, int, bool]]) -> list[Admission]:
         """Which taps of a step are worth copying: ``taps`` are ``(layer, hook,
@@ -518,6 +524,8 @@ class Publisher:
                 "queued": len(self._queue),
                 "queued_bytes": self._queued_bytes,
                 "stall_s": round(self.stall_s, 3),
+                "capture_s": round(self._capture_s, 4),
+                "publisher_cpu_s": round(self._thread_cpu_s, 4),
                 "auth_denied": self._auth.denied,  # CURVE keys refused (see security.py)
                 "latency": self._latency.summary(),
                 "subscribers": subs,
@@ -584,6 +592,7 @@ class Publisher:
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + self._heartbeat_s
+                self._thread_cpu_s = time.thread_time()
         except Exception:  # the engine must never die of the bus
             log.exception("actbus publisher thread failed; capture data is no longer sent")
         finally:

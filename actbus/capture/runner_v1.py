@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ def _wrap_execute_model(orig):
     @functools.wraps(orig)
     def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, scheduler_output, *args, **kwargs)
+        started = time.perf_counter()
         cap = getattr(self, "_actbus", None)
         if cap is None:
             return out
@@ -57,7 +59,7 @@ def _wrap_execute_model(orig):
         requests = read_step(scheduler_output)
         if not n:  # a step that only tells workers which requests ended
             if requests.finished:
-                cap.on_step(StepView([], np.zeros(1, np.int64), _EMPTY, _EMPTY, requests))
+                cap.on_step(StepView([], np.zeros(1, np.int64), _EMPTY, _EMPTY, requests, started))
             return out
         num_reqs = self.input_batch.num_reqs
         offsets = self.query_start_loc.cpu[: num_reqs + 1].numpy().copy()
@@ -70,6 +72,7 @@ def _wrap_execute_model(orig):
                 positions=self.positions[:n],
                 token_ids=self.input_ids.gpu[:n],
                 requests=requests,
+                started=started,
             )
         )
         return out

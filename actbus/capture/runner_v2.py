@@ -9,6 +9,7 @@ skipped. Every touch of V2 internals is in this file.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ def _wrap_execute_model(orig):
     @functools.wraps(orig)
     def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, scheduler_output, *args, **kwargs)
+        started = time.perf_counter()
         cap = getattr(self, "_actbus", None)
         if cap is None or kwargs.get("dummy_run") or (len(args) >= 2 and args[1]):
             return out
@@ -47,7 +49,7 @@ def _wrap_execute_model(orig):
         ib = getattr(state, "input_batch", None)
         if ib is None or not ib.num_tokens:  # nothing ran; maybe requests ended
             if requests.finished:
-                cap.on_step(StepView([], np.zeros(1, np.int64), _EMPTY, _EMPTY, requests))
+                cap.on_step(StepView([], np.zeros(1, np.int64), _EMPTY, _EMPTY, requests, started))
             return out
         n = int(ib.num_tokens)
         cap.on_step(
@@ -57,6 +59,7 @@ def _wrap_execute_model(orig):
                 positions=ib.positions[:n],
                 token_ids=ib.input_ids[:n],
                 requests=requests,
+                started=started,
             )
         )
         return out

@@ -95,7 +95,9 @@ class StageForwarder:
     def admit(self, step: int, taps: list[tuple[int, str, int]]) -> list[Admission]:
         return [Admission.SEND] * len(taps)
 
-    def count_tokens(self, n: int) -> None:  # every stage runs the same tokens: the first counts
+    def count_step(self, tokens: int, capture_s: float = 0.0) -> None:
+        """Every stage runs the same tokens: the first stage counts them (and its own
+        capture time)."""
         pass
 
     def drop(self, header: Header) -> None:  # never asked: admit sends everything

@@ -20,6 +20,7 @@ import atexit
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,9 @@ class StepView:
     positions: torch.Tensor  # [num_tokens] (any device)
     token_ids: torch.Tensor  # [num_tokens] (any device)
     requests: StepRequests
+    started: float | None = None
+    """``time.perf_counter()`` when the runner's hook began: the step's capture time
+    (``capture_s`` in the bus stats) counts from it."""
 
     @property
     def num_tokens(self) -> int:
@@ -182,6 +186,7 @@ class CaptureWorker:
 
     # ---------------------------------------------------------------------- step
     def on_step(self, view: StepView) -> None:
+        started = view.started if view.started is not None else time.perf_counter()
         sr = view.requests
         self._admit(sr)
         ended, lasts = self._retire(sr)
@@ -200,7 +205,7 @@ class CaptureWorker:
         if parts or ended or lasts:
             self._emit(view, parts, full, host_pos, ended, lasts)
         # Every engine step counts, captured or not, so all pipeline stages agree.
-        self.publisher.count_tokens(n)
+        self.publisher.count_step(n, time.perf_counter() - started)
         self.step += 1
 
     def _plan(self, view: StepView) -> tuple[dict, bool, np.ndarray]:

@@ -64,6 +64,7 @@ function render(s) {
     ["bus-spill", "spilled now", bytes(b.spill_bytes || 0)],
     ["bus-queued", "queued", bytes(b.queued_bytes || 0)],
     ["bus-stall", "engine stalled (s)", fmt(b.stall_s, 2)],
+    ["bus-capture", "engine time in capture / publisher CPU", `${fmt(100 * (b.capture_frac || 0), 2)} % / ${fmt(100 * (b.publisher_cpu_frac || 0), 2)} %`],
     ["bus-latency", "capture→send p50 / p99 ms", `${fmt(b.latency_p50_ms, 2)} / ${fmt(b.latency_p99_ms, 2)}`],
   ]);
   const subs = $("#subscribers tbody"); subs.replaceChildren();
