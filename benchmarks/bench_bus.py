@@ -166,16 +166,16 @@ def main() -> int:
             mode: [r["gbps"] / b["gbps"] for r, b in zip(runs[mode], runs[over[mode]], strict=True)]
             for mode in runs
         }
+        gbps = {mode: _median([r["gbps"] for r in rs]) for mode, rs in runs.items()}
+        cpu = {mode: _median([r["cpu_s_per_gb"] for r in rs]) for mode, rs in runs.items()}
         for mode in runs:
-            gbps = _median([r["gbps"] for r in runs[mode]])
-            cpu = _median([r["cpu_s_per_gb"] for r in runs[mode]])
             each = " ".join(f"{x:.2f}" for x in ratios[mode])
             print(
-                f"{mib:>5d}Mi {mode:>8s} {gbps:>7.2f} {_median(ratios[mode]):>6.2f} "
-                f"{each:>32s} {cpu:>13.3f}"
+                f"{mib:>5d}Mi {mode:>8s} {gbps[mode]:>7.2f} {_median(ratios[mode]):>6.2f} "
+                f"{each:>32s} {cpu[mode]:>13.3f}"
             )
-        summary[f"raw_gbps_{mib}mib"] = round(_median([r["gbps"] for r in runs["raw"]]), 3)
-        summary[f"block_gbps_{mib}mib"] = round(_median([r["gbps"] for r in runs["block"]]), 3)
+        summary[f"raw_gbps_{mib}mib"] = round(gbps["raw"], 3)
+        summary[f"block_gbps_{mib}mib"] = round(gbps["block"], 3)
         summary[f"ratio_block_{mib}mib"] = round(_median(ratios["block"]), 3)
         summary[f"ratio_block_with_others_{mib}mib"] = round(_median(ratios["+others"]), 3)
         summary[f"ratio_block_with_fast_others_{mib}mib"] = round(_median(ratios["+fast"]), 3)
@@ -185,8 +185,7 @@ def main() -> int:
                 f"ratio_block_with_fast_others_{mib}mib"
             ]
         for key, mode in (("raw", "raw"), ("pub", "block"), ("pub_with_others", "+others")):
-            cpu = _median([r["cpu_s_per_gb"] for r in runs[mode]])
-            summary[f"{key}_cpu_s_per_gb_{mib}mib"] = round(cpu, 3)
+            summary[f"{key}_cpu_s_per_gb_{mib}mib"] = round(cpu[mode], 3)
         for key, mode in (("others_dropped", "+others"), ("fast_others_dropped", "+fast")):
             summary[f"{key}_{mib}mib"] = _median([r["others_dropped"] for r in runs[mode]])
         summary[f"ratios_block_{mib}mib"] = [round(x, 3) for x in ratios["block"]]
