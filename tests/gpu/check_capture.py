@@ -65,8 +65,8 @@ def main() -> int:
     import torch
 
     from actbus.tiny_models import build_tiny_model
-    from tests.collector import Collector
-    from tests.oracle import hf_activations, max_rel_error
+    from tests.support.collector import Collector
+    from tests.support.oracle import hf_activations, max_rel_error
 
     # head_dim 64: what GPU attention kernels support in every dtype.
     path = build_tiny_model(

@@ -1,0 +1,183 @@
+"""Accounting seen from outside: heartbeats, `actbus stats`, and the CLI's new flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from actbus.bus import Batch, Event, Publisher, Subscriber, Subscription, statsview
+from actbus.cli import main
+from tests.support.bus_procs import message
+from tests.support.procs import ROOT, wait_for
+
+
+@pytest.fixture
+def publisher(address):
+    pub = Publisher(address, info={"model": "t"}, heartbeat_s=0.1, queue_bytes=1 << 18)
+    yield pub
+    pub.close(timeout=2)
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "actbus.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_stats_client_gets_no_data_and_holds_nothing_back(publisher, address):
+    """A lossless reader and a stats client that never reads: the stream still flows."""
+    stats_sub = Subscriber(address, statsview.stats_subscription())
+    reader = Subscriber(address, Subscription(policy="block", window=4, name="reader"))
+    try:
+        stats_sub.wait_welcome(10)
+        reader.wait_welcome(10)
+        done = threading.Event()
+
+        def feed():  # 100 x 16 KiB through a 256 KiB queue
+            for i in range(100):
+                publisher.publish(*message(i))
+            done.set()
+
+        threading.Thread(target=feed, daemon=True).start()
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < 100 and time.monotonic() < deadline:
+            out = reader.recv(timeout=0.2)
+            if isinstance(out, Batch):
+                got.append(out.step)
+        assert done.wait(10) and got == list(range(100))
+        snap = statsview.request(stats_sub, 10)  # the stats client reads only now
+        assert stats_sub.stats.received == 0
+        mine = snap["subscribers"][statsview.CLIENT_NAME]
+        assert mine["routed"] == 0 and mine["sent"] == 0
+        assert snap["published"] == 100 and snap["unrouted"] == 0
+        assert snap["subscribers"]["reader"]["sent"] == 100
+        assert snap["latency"]["n"] == 100 and snap["latency"]["p50_ms"] >= 0
+        assert snap["latency"]["p50_ms"] <= snap["latency"]["p99_ms"]
+    finally:
+        stats_sub.close()
+        reader.close()
+
+
+def test_heartbeats_carry_each_subscribers_own_accounting(publisher, address):
+    with Subscriber(address, Subscription(policy="drop_newest", window=2, name="d")) as sub:
+        sub.wait_welcome(10)
+        for i in range(30):  # not read meanwhile: most are dropped
+            publisher.publish(*message(i))
+        wait_for(lambda: publisher.stats()["published"] == 30, 10, "all routed")
+        beat = None
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the first heartbeat after routing finished
+            out = sub.recv(timeout=0.2)
+            if isinstance(out, Event) and out.kind == "heartbeat" and out.body["published"] == 30:
+                beat = out.body
+                break
+        assert beat is not None
+        you = beat["you"]
+        assert you == sub.stats.publisher_view
+        assert you["routed"] == 30 and you["dropped"]["queue_full"] > 0
+        assert you["routed"] == you["sent"] + you["dropped"]["queue_full"] + you["queue_depth"]
+        assert you["lag_steps"] > 0  # nothing acknowledged yet
+        assert beat["latency"]["n"] >= 2
+
+
+def test_actbus_stats_once_and_json(publisher, address, capsys):
+    subs = [
+        Subscriber(address, Subscription(policy="drop_oldest", window=2, name="trainer")),
+        Subscriber(address, Subscription(policy="sample", sample_every=5, name="dash")),
+    ]
+    try:
+        for s in subs:
+            s.wait_welcome(10)
+        for i in range(20):
+            publisher.publish(*message(i))
+        wait_for(lambda: publisher.stats()["published"] == 20, 10, "all routed")
+        table = _cli("stats", "--connect", address, "--once")  # as a user runs it
+        assert main(["stats", "--connect", address, "--json"]) == 0
+        snap = json.loads(capsys.readouterr().out)
+    finally:
+        for s in subs:
+            s.close()
+    assert table.returncode == 0, table.stderr
+    assert "published 20" in table.stdout
+    lines = {ln.split()[1]: ln for ln in table.stdout.splitlines() if ln.startswith("│")}
+    assert set(lines) == {"trainer", "dash"}  # the stats clients themselves are not listed
+    assert "drop_oldest" in lines["trainer"] and "evicted=" in lines["trainer"]
+    assert "sample:5" in lines["dash"]
+    assert snap["subscribers"]["trainer"]["dropped"]["evicted"] > 0
+    assert snap["subscribers"]["dash"]["sampled_out"] == 16
+
+
+def test_actbus_stats_without_a_publisher_fails_clearly(tmp_path, capsys):
+    assert main(["stats", "--connect", f"ipc://{tmp_path}/none.sock", "--timeout", "1"]) == 1
+    assert "no publisher answered" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tags", "{bad"], "--tags: tags must be a JSON object"),
+        (["--tags", '{"split": {"a": 1}}'], "--tags: tags['split']"),
+        (["--policy", "spill:lots"], "--policy: spill needs a cap in MiB"),
+        (["--policy", "spill:4:sample"], "--policy: spill fallback 'sample' is unknown"),
+    ],
+)
+def test_run_refuses_bad_flags_by_name(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "null", "--connect", f"ipc://{tmp_path}/x.sock", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+
+
+def test_consumer_subscription_carries_the_new_fields():
+    from consumers.null import NullConsumer
+
+    s = NullConsumer().subscription(
+        policy="spill:64:drop_oldest", tags={"split": ["train", "dev"]}, group="ranks"
+    )
+    assert (s.policy, s.spill_mb, s.spill_fallback) == ("spill", 64.0, "drop_oldest")
+    assert s.tags == {"split": ["train", "dev"]} and s.group == "ranks" and s.name == "null"
+    assert Subscription.from_wire(s.to_wire()) == s
+
+
+def test_group_and_tags_flags_reach_the_publisher(publisher, address, tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "actbus.cli",
+            "run",
+            "null",
+            "--connect",
+            address,
+            "--group",
+            "ranks",
+            "--tags",
+            '{"split": "train"}',
+            "--policy",
+            "spill:8:block",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: "null" in publisher.stats()["subscribers"], 30, "the consumer to join")
+        st = publisher.stats()["subscribers"]["null"]
+        assert st["group"] == "ranks" and st["policy"] == "spill:8:block"
+        publisher.publish(*message(0))  # its one request has no tags: filtered out
+        wait_for(
+            lambda: publisher.stats()["subscribers"]["null"]["filtered_out"] == 1, 10, "filtered"
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

@@ -1,0 +1,1 @@
+"""Helpers shared by the test folders: processes, publishers, the HF oracle, engines."""

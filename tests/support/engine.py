@@ -1,0 +1,113 @@
+"""The shared CPU engines of the test suite: their settings, and a pool that keeps one alive.
+
+Engine start costs about a minute on CPU, so engines are shared by the whole session.
+The pool holds at most one at a time (two would need twice the memory), and the root
+conftest orders the tests so that each architecture's engine starts once: every test
+that needs the Llama engine, whether through ``engine[llama]`` or ``sched_engine``, runs
+in one block.
+
+The Llama engine is the hard one: prefix caching on, a KV cache far too small for its
+batches (so the scheduler preempts and recomputes), and small prefill chunks; the tests
+of selections, aborts, n>1 and faults run on it.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+SCHED_ARCH = "llama"
+# 0: the first layer gets residual=None (pre_attn is the embeddings);
+# 3: the last layer of the tiny models (post_block before the final norm).
+CAPTURE_LAYERS = [0, 3]
+HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
+MAX_BATCHED_TOKENS = 64  # small, so longer prompts are split by chunked prefill
+SCHED_BLOCKS = 17  # x 32 tokens: one max_model_len request (+ the null block), no more
+
+
+@dataclass
+class Engine:
+    llm: object
+    address: str
+    model_path: Path
+    arch: str
+
+
+def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
+    """One offline ``LLM`` with actbus publishing every hook of ``CAPTURE_LAYERS``."""
+    from vllm import LLM
+
+    address = f"ipc://{sock_dir}/bus.sock"
+    t0 = time.monotonic()
+    sched = arch == SCHED_ARCH
+    llm = LLM(
+        str(model_path),
+        dtype="float32",
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        max_num_seqs=16,
+        enable_prefix_caching=True,
+        block_size=32 if sched else None,
+        num_gpu_blocks_override=SCHED_BLOCKS if sched else 64,
+        disable_log_stats=not sched,  # the Llama engine counts preemptions
+        seed=0,
+        additional_config={
+            "actbus": {
+                "publish": address,
+                "layers": CAPTURE_LAYERS,
+                "hooks": HOOKS,
+                # Small, so a subscriber that blocks visibly holds generation back.
+                "queue_mb": 1,
+                "heartbeat_s": 0.25,
+                # Long, so tests see death detected by the socket, not by silence.
+                "subscriber_timeout_s": 30,
+            }
+        },
+    )
+    print(f"\n[engine {arch}] started in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return Engine(llm=llm, address=address, model_path=model_path, arch=arch)
+
+
+def stop_engine(engine: Engine) -> None:
+    engine.llm.llm_engine.engine_core.shutdown()
+    engine.llm = None
+    gc.collect()
+
+
+class EnginePool:
+    """Hands out the session's engines, keeping at most one alive."""
+
+    def __init__(self, models: dict[str, Path], sock_root: Path) -> None:
+        self._models = models
+        self._sock_root = sock_root
+        self._live: Engine | None = None
+        self.starts: list[str] = []  # architectures in the order their engines started
+
+    def get(self, arch: str) -> Engine:
+        if self._live is not None and self._live.arch == arch:
+            return self._live
+        self.close()
+        sock_dir = self._sock_root / f"bus-{arch}-{len(self.starts)}"
+        sock_dir.mkdir(parents=True)
+        self._live = start_engine(arch, self._models[arch], sock_dir)
+        self.starts.append(arch)
+        return self._live
+
+    def close(self) -> None:
+        if self._live is not None:
+            stop_engine(self._live)
+            self._live = None
+
+
+def preemptions(llm) -> int:
+    """How many times the engine preempted a request so far (vLLM's own counter)."""
+    total = 0
+    for m in llm.get_metrics():
+        if m.name == "vllm:num_preemptions":
+            total += int(getattr(m, "value", 0))
+    return total

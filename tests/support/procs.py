@@ -1,0 +1,93 @@
+"""Helpers that run real consumer processes and subscribers, and wait on them with deadlines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from actbus.bus import Batch, Subscriber
+from actbus.cli import consumer_command
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_sink(address: str, out: Path, *extra: str, policy: str = "block") -> subprocess.Popen:
+    """``actbus run fs-sink`` as its own process, as a user would start it."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out.parent / f"{out.name}.log", "wb")  # noqa: SIM115 (lives with the process)
+    return subprocess.Popen(
+        consumer_command(
+            "fs-sink", address, "--out", str(out), "--policy", policy, "--flush-s", "0.5", *extra
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGTERM (the sink flushes and exits), then SIGKILL if it does not."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    return proc.returncode
+
+
+def recv_batches(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Batch]:
+    """Up to ``n`` batches from ``sub``, whatever arrived before ``timeout``."""
+    got: list[Batch] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        out = sub.recv(timeout=0.2)
+        if isinstance(out, Batch):
+            got.append(out)
+    return got
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def manifest(out: Path) -> dict[str, Any] | None:
+    p = out / "manifest.json"
+    try:
+        return json.loads(p.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def wait_rows(out: Path, layer: int, at_least: int, timeout: float = 60.0) -> dict[str, Any]:
+    """Wait until the sink has committed ``at_least`` rows of ``layer`` and stopped growing."""
+    key = f"{layer}/post_block"
+
+    def enough():
+        m = manifest(out)
+        return m if m and m["rows"].get(key, 0) >= at_least else None
+
+    wait_for(enough, timeout, f"{at_least} rows of layer {layer} in {out}")
+    last, deadline = -1, time.monotonic() + timeout
+    while time.monotonic() < deadline:  # settle: extra rows are a bug the caller should see
+        m = manifest(out)
+        if m["total_rows"] == last:
+            return m
+        last = m["total_rows"]
+        time.sleep(1.0)
+    raise TimeoutError(f"rows in {out} kept growing for {timeout}s")

@@ -1,0 +1,163 @@
+"""``actbus run sae|probe`` as a user runs them: from a live publisher, from a stored run,
+and under DDP (2 CPU processes, one load-balanced subscriber per rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from actbus.bus import Publisher
+from actbus.wire import Header, RowIndex
+from consumers.fs.sink import FsSink  # noqa: F401  (the sink that writes --from runs)
+from tests.support.procs import start_sink, stop, wait_for
+from tests.support.trainer_synth import SynthPublisher
+from trainers.checkpoint import load_sae
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(kind: str, *flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "actbus.cli", "run", kind, *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_ddp_two_ranks_train_each_token_once(tmp_path):
+    """Each rank subscribes in one load-balancing group: the tokens they trained on are
+    disjoint and together are every token published (block policy: none dropped)."""
+    address = f"ipc://{tmp_path}/synth.sock"
+    messages = 60
+    pub = SynthPublisher(address, messages, "--rows", "256", "--wait-subscribers", "2")
+    ledger = tmp_path / "ledger"
+    try:
+        r = _run(
+            "sae", "--connect", address, "--d-in", "64", "--layer", "0", "--k", "4",
+            "--expansion", "4", "--policy", "block", "--batch-tokens", "256",
+            "--buffer-tokens", "2048", "--warmup-tokens", "512", "--idle-s", "10",
+            "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+            "--out", str(tmp_path / "out"), "--no-progress", "--ledger", str(ledger),
+            "--summary", str(tmp_path / "summary.json"),
+        )  # fmt: skip
+    finally:
+        pub.stop()
+    assert r.returncode == 0, r.stderr[-4000:]
+    seen = []
+    for rank in (0, 1):
+        lines = Path(f"{ledger}.rank{rank}").read_text().splitlines()
+        seen.append({tuple(line.split("\t")[1:]) for line in lines})
+        assert len(lines) == len(seen[-1]), f"rank {rank} trained a token twice"
+        assert len(lines) > 0, f"rank {rank} got nothing: not load-balanced"
+    assert not seen[0] & seen[1]
+    ids = [f"s{s}-r{i}" for s in range(messages) for i in range(8)]
+    expected = {(r, str(p)) for r in ids for p in range(32)}
+    assert seen[0] | seen[1] == expected
+    print(f"\nrank 0: {len(seen[0])} tokens, rank 1: {len(seen[1])} tokens")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] > 0
+    load_sae(next(p for p in (tmp_path / "out").iterdir() if (p / "cfg.json").exists()))
+
+
+def test_sae_and_probe_from_a_stored_run(tmp_path):
+    """Publisher -> fs sink process -> run dir; then ``--from DIR`` trains from it, with
+    probe labels from the tags the sink kept."""
+    address = f"ipc://{tmp_path}/bus.sock"
+    run_dir = tmp_path / "run"
+    pub = Publisher(address, info={"model": "synthetic", "hidden_size": 64}, heartbeat_s=0.2)
+    sink = start_sink(address, run_dir, "--exit-on-end")
+    g = torch.Generator().manual_seed(0)
+    direction = torch.nn.functional.normalize(torch.randn(64, generator=g), dim=0)
+    try:
+        wait_for(lambda: pub.stats()["subscribers"], 30, "the sink to subscribe")
+        for step in range(40):
+            labels = torch.randint(0, 2, (8,), generator=g)
+            x = torch.randn(256, 64, generator=g) * 0.3
+            x += ((2 * labels.float() - 1).repeat_interleave(32))[:, None] * direction
+            ri = RowIndex(
+                [f"q{step}-{i}" for i in range(8)],
+                np.arange(9, dtype=np.int64) * 32,
+                np.tile(np.arange(32), 8),
+                np.zeros(256, dtype=np.int64),
+                tags=[{"label": int(v)} for v in labels],
+            )
+            pub.publish(Header(step, 2, "post_block", "float32", (256, 64), "synthetic", ri), x)
+        pub.close(timeout=30)
+        assert sink.wait(timeout=60) == 0
+    finally:
+        stop(sink)
+    common = ["--from", str(run_dir), "--layer", "2", "--batch-tokens", "256"]
+    common += ["--buffer-tokens", "2048", "--warmup-tokens", "512", "--no-progress"]
+    r = _run("sae", *common, "--k", "8", "--expansion", "2", "--out", str(tmp_path / "sae"),
+             "--summary", str(tmp_path / "sae.json"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    s = json.loads((tmp_path / "sae.json").read_text())
+    assert s["data"]["tokens/L2/post_block"] == 40 * 256  # every stored row, once
+    (ckpt,) = [p for p in (tmp_path / "sae").iterdir() if (p / "cfg.json").exists()]
+    assert load_sae(ckpt).cfg.layer == 2
+
+    r = _run("probe", *common, "--label", "label", "--lr", "0.05", "--out",
+             str(tmp_path / "probe"), "--summary", str(tmp_path / "probe.json"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    p = json.loads((tmp_path / "probe.json").read_text())
+    acc = [v for k, v in p["metrics"].items() if k.endswith("heldout_accuracy")]
+    print(f"\nprobe from the stored run: {p['metrics']}")
+    assert acc and acc[0] >= 0.95
+    (saved,) = (tmp_path / "probe").glob("*/probe.safetensors")
+    assert load_file(str(saved))["linear.weight"].shape == (1, 64)
+
+
+def test_bad_flags_are_named():
+    r = _run("sae", "--layer", "0")
+    assert r.returncode == 2 and "--connect ADDR" in r.stderr
+    r = _run("sae", "--from", "/nonexistent", "--layer", "0")
+    assert r.returncode == 2 and "/nonexistent" in r.stderr
+    r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "999",
+             "--expansion", "2")  # fmt: skip
+    assert r.returncode == 2 and "k: expected 1..d_sae (16)" in r.stderr
+    r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
+             "--policy", "sometimes")  # fmt: skip
+    assert r.returncode == 2 and "sometimes" in r.stderr
+
+
+def test_several_saes_from_one_subscription(tmp_path):
+    """--layer 0,3 --k 4,8: four SAEs (2 layers x 2 k) fed by one subscriber, every
+    token of both layers trained on by the two SAEs of its layer."""
+    address = f"ipc://{tmp_path}/synth.sock"
+    messages = 40
+    pub = SynthPublisher(address, messages, "--rows", "256", "--layers", "0,3")
+    try:
+        r = _run(
+            "sae", "--connect", address, "--d-in", "64", "--layer", "0,3", "--k", "4,8",
+            "--expansion", "2", "--policy", "block", "--batch-tokens", "256",
+            "--buffer-tokens", "2048", "--warmup-tokens", "512", "--idle-s", "5",
+            "--out", str(tmp_path / "out"), "--no-progress",
+            "--summary", str(tmp_path / "summary.json"),
+        )  # fmt: skip
+    finally:
+        pub.stop()
+    assert r.returncode == 0, r.stderr[-4000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["data"]["bus/received"] == 2 * messages  # one subscriber got both layers
+    for layer in (0, 3):
+        assert s["data"][f"tokens/L{layer}/post_block"] == messages * 256
+    saved = sorted(p.name for p in (tmp_path / "out").iterdir() if (p / "cfg.json").exists())
+    assert saved == [
+        "L0-post_block-topk-k4-x2",
+        "L0-post_block-topk-k8-x2",
+        "L3-post_block-topk-k4-x2",
+        "L3-post_block-topk-k8-x2",
+    ]
+    assert load_sae(tmp_path / "out" / saved[3]).cfg.layer == 3
+    assert set(s["fvu_history"]) == set(saved)

@@ -1,0 +1,135 @@
+"""SAE kinds and checkpoints: every kind learns, keeps unit decoder rows, and reloads exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.trainer_synth import planted, sample
+from trainers.checkpoint import load_sae, save_sae
+from trainers.config import SAEConfig
+from trainers.sae import SparseAutoencoder, geometric_median
+
+KINDS = ("topk", "batchtopk", "relu", "jumprelu")
+
+
+def _train(cfg: SAEConfig, steps: int) -> tuple[SparseAutoencoder, list[float]]:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    atoms, _ = planted()
+    g = torch.Generator().manual_seed(7)
+    sae = SparseAutoencoder(cfg)
+    opt = torch.optim.Adam(sae.parameters(), lr=cfg.lr)
+    fvus = []
+    l0s = []
+    for _ in range(steps):
+        x = 3.0 * sample(256, g, atoms) + 0.5  # off-centre and off-scale: normalisation matters
+        if not bool(sae.initialized):
+            sae.initialize(x)
+        out = sae.training_loss(x)
+        opt.zero_grad()
+        out["loss"].backward()
+        sae.remove_parallel_grad()
+        opt.step()
+        sae.normalize_decoder()
+        fvus.append(float(out["fvu"].detach()))
+        l0s.append(float(out["l0"].detach()))
+    sae.l0_history = l0s
+    return sae, fvus
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_learns_and_reloads_bit_for_bit(kind, tmp_path):
+    cfg = SAEConfig(d_in=64, d_sae=256, kind=kind, k=8, lr=3e-3, dead_tokens=2048)
+    sae, fvus = _train(cfg, 100)
+    print(kind, fvus[:3], fvus[-3:])
+    assert sum(fvus[-10:]) / 10 < 0.8 * sum(fvus[:3]) / 3, (fvus[:3], fvus[-10:])
+    assert torch.allclose(sae.W_dec.norm(dim=1), torch.ones(256), atol=1e-5)
+    # Sparse, not just small: relu/jumprelu's penalties bring L0 well below d_sae.
+    assert sae.l0_history[-1] <= (8 if kind == "topk" else 8 * 1.5 if kind == "batchtopk" else 64)
+    # The scale makes the mean squared norm of the scaled inputs d_in.
+    x = 3.0 * sample(4096, torch.Generator().manual_seed(9), planted()[0]) + 0.5
+    assert float((x * sae.norm_scale).pow(2).sum(-1).mean()) == pytest.approx(64, rel=0.05)
+
+    path = save_sae(sae, tmp_path / "sae", model="synthetic")
+    cfg_json = json.loads((path / "cfg.json").read_text())
+    weights = load_file(str(path / "sae_weights.safetensors"))
+    assert weights["W_enc"].shape == (64, 256) and weights["W_dec"].shape == (256, 64)
+    assert weights["b_enc"].shape == (256,) and weights["b_dec"].shape == (64,)
+    assert cfg_json["d_in"] == 64 and cfg_json["d_sae"] == 256
+    assert cfg_json["actbus"]["kind"] == kind and cfg_json["actbus"]["layer"] == 0
+    assert cfg_json["norm_scale"] == float(sae.norm_scale)
+    if kind in ("topk", "batchtopk"):
+        assert cfg_json["k"] == 8
+    if kind == "jumprelu":
+        assert weights["threshold"].shape == (256,)
+
+    fresh = load_sae(path)
+    assert fresh is not sae
+    sae.eval()
+    fresh.eval()
+    with torch.no_grad():
+        a, b = sae(x), fresh(x)
+        za, zb = sae.encode(x), fresh.encode(x)
+    assert torch.equal(a, b) and torch.equal(za, zb)
+    assert (za > 0).any()
+    # And it reconstructs in the stream's own units.
+    fvu = float((a - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+    assert fvu < 0.7, fvu
+
+
+def test_sparse_and_dense_decoders_agree():
+    x = torch.randn(64, 32)
+    grads = []
+    for decoder in ("sparse", "dense"):
+        cfg = SAEConfig(d_in=32, d_sae=128, kind="topk", k=4, decoder=decoder, aux_k=8)
+        sae = SparseAutoencoder(cfg)
+        sae.since_fired.fill_(10**9)  # all dead: AuxK runs too
+        out = sae.training_loss(x)
+        out["loss"].backward()
+        grads.append([p.grad.clone() for p in sae.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_encoder_gives_b_dec_the_gradient_of_plain_centring():
+    """pre_acts routes b_dec's gradient through a matrix-vector product instead of a
+    per-row gradient; values and every gradient must match (x - b_dec) @ W_enc + b_enc."""
+    g = torch.Generator().manual_seed(5)
+    sae = SparseAutoencoder(SAEConfig(d_in=32, d_sae=128, kind="topk", k=4))
+    with torch.no_grad():
+        sae.b_dec.copy_(torch.randn(32, generator=g))
+        sae.b_enc.copy_(torch.randn(128, generator=g))
+    xn, up = torch.randn(64, 32, generator=g), torch.randn(64, 128, generator=g)
+    grads, values = [], []
+    for plain in (False, True):
+        sae.zero_grad()
+        pre = (xn - sae.b_dec) @ sae.W_enc + sae.b_enc if plain else sae.pre_acts(xn)
+        (pre * up).sum().backward()
+        values.append(pre.detach())
+        grads.append([sae.b_dec.grad.clone(), sae.W_enc.grad.clone(), sae.b_enc.grad.clone()])
+    assert torch.equal(values[0], values[1])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert grads[0][0].abs().sum() > 0
+
+
+def test_geometric_median_resists_outliers():
+    x = torch.zeros(101, 4)
+    x[:3] = 1000.0
+    assert geometric_median(x).abs().max() < 1.0
+    assert x.mean(0).abs().max() > 25
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ValueError, match="kind"):
+        SAEConfig(d_in=8, kind="gated")
+    with pytest.raises(ValueError, match=r"k: expected 1\.\.d_sae"):
+        SAEConfig(d_in=8, expansion=2, k=17)
+    with pytest.raises(ValueError, match="b_dec_init"):
+        SAEConfig(d_in=8, b_dec_init="median")
+    with pytest.raises(FileNotFoundError, match=r"cfg\.json"):
+        load_sae("/nonexistent/dir")
