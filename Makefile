@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo docs test test-fast lint clean
 
 setup:
 	@bash scripts/setup.sh
@@ -10,7 +10,11 @@ setup:
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup
+# The user guide (docs/, mkdocs.yml); --strict: a broken link or anchor fails the build.
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir site
+
+test: setup docs
 	$(PY) -m pytest -q
 
 test-fast: setup
@@ -21,4 +25,4 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf out .pytest_cache .ruff_cache
+	rm -rf out site .pytest_cache .ruff_cache

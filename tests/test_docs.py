@@ -1,0 +1,111 @@
+"""The README stays short and its links stay true.
+
+MkDocs checks the pages under docs/ (``make docs``, ``--strict``); these files live
+outside docs/, so their links are checked here: every relative link leads to a file
+that exists, and every ``#anchor`` to a heading of the file it names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README_LIMIT = 12 * 1024
+CHECKED = ("README.md", "benchmarks/RESULTS.md")
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REF = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)", re.M)
+_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """The text without code, where bracket-paren pairs are not links."""
+    return _INLINE_CODE.sub("", _FENCE.sub("", text))
+
+
+def links(text: str) -> list[str]:
+    prose = _prose(text)
+    return _LINK.findall(prose) + _REF.findall(prose)
+
+
+def _heading_text(raw: str) -> str:
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", raw)  # [text](url) -> text
+    return text.replace("`", "").replace("*", "")
+
+
+def mkdocs_slug(heading: str) -> str:
+    """The id MkDocs (Python-Markdown's toc extension) gives a heading."""
+    text = unicodedata.normalize("NFKD", _heading_text(heading))
+    text = text.encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def github_slug(heading: str) -> str:
+    """The id GitHub gives a heading of a Markdown file it renders."""
+    text = _heading_text(heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Ids of the headings of ``path``: MkDocs' under docs/, GitHub's elsewhere."""
+    slug = mkdocs_slug if ROOT / "docs" in path.parents else github_slug
+    return {slug(m.group(2)) for m in _HEADING.finditer(_FENCE.sub("", path.read_text()))}
+
+
+def broken_links(path: Path) -> list[str]:
+    """Every relative link of ``path`` that leads nowhere, with the reason."""
+    out = []
+    for target in links(path.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto: ...
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            out.append(f"{target}: {os.path.relpath(dest, ROOT)} does not exist")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            out.append(f"{target}: no heading with the id #{anchor} in {dest.name}")
+    return out
+
+
+def test_readme_is_short() -> None:
+    size = (ROOT / "README.md").stat().st_size
+    assert size < README_LIMIT, (
+        f"README.md is {size} bytes, over {README_LIMIT}: move the detail to a page under docs/"
+    )
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_relative_links_lead_somewhere(name: str) -> None:
+    path = ROOT / name
+    assert links(path.read_text()), f"{name} has no links: the link pattern is broken"
+    assert broken_links(path) == [], f"{name} has broken links"
+
+
+def test_the_checker_finds_broken_links(tmp_path: Path) -> None:
+    """A missing file and a missing heading are both reported; fine links are not."""
+    page = ROOT / "docs" / "index.md"
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "# Title\n\n## Some `code` here\n\n"
+        f"[ok]({page}) [ok](#some-code-here) [ok](https://example.org/x.md)\n"
+        f"[gone](nowhere.md) [bad anchor]({page}#no-such-heading)\n"
+        "`[not a link](in-code.md)`\n```\n[not a link](in-fence.md)\n```\n"
+    )
+    found = broken_links(doc)
+    assert len(found) == 2, found
+    assert "nowhere.md" in found[0] and "#no-such-heading" in found[1]
+
+
+def test_slugs_match_mkdocs() -> None:
+    assert mkdocs_slug("actbus run sae / probe") == "actbus-run-sae-probe"
+    assert mkdocs_slug("W&B") == "wb"
+    assert mkdocs_slug("`n > 1`") == "n-1"
+    assert github_slug("Serve and train live") == "serve-and-train-live"
