@@ -31,6 +31,10 @@ def make_logger(project: str, name: str, save_dir: str | Path, config: dict[str,
         offline=offline,
         config=config,
         job_type="train",
+        # Lightning asks for offline through WANDB_MODE, which wandb reads once per
+        # process: after an earlier wandb.init here it would try to log in. Say it to
+        # wandb.init itself.
+        **({"mode": "offline"} if offline else {}),
     )
 
 
