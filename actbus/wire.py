@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,13 +107,37 @@ class RowIndex:
     def num_rows(self) -> int:
         return int(self.offsets[-1]) if len(self.offsets) else 0
 
-    def row_request_ids(self) -> list[str]:
-        """The request id of every row (expanded from the per-request table)."""
+    def per_row(self, values: Sequence[Any] | np.ndarray) -> np.ndarray:
+        """A per-request field (one entry per request, in ``request_ids`` order) as one
+        entry per row: ``values[i]`` for rows ``offsets[i]:offsets[i+1]``.
+
+        The one place where request fields become row columns (the fs sink's rows,
+        the trainers' rows). A numpy array keeps its dtype and trailing dimensions
+        (per-request label vectors give a label matrix); any other sequence gives an
+        object array of the very objects given, so a request's tags dict is shared
+        by its rows, not copied."""
         counts = np.diff(self.offsets)
-        out: list[str] = []
-        for rid, c in zip(self.request_ids, counts, strict=True):
-            out.extend([rid] * int(c))
-        return out
+        if len(values) != len(counts):
+            raise ValueError(f"per_row: {len(values)} values for {len(counts)} requests")
+        if not isinstance(values, np.ndarray):
+            objects = np.empty(len(values), dtype=object)
+            for i, v in enumerate(values):  # item by item: a dict or list stays one entry
+                objects[i] = v
+            values = objects
+        return np.repeat(values, counts, axis=0)
+
+    def row_request_ids(self) -> list[str]:
+        """The request id of every row."""
+        return self.per_row(self.request_ids).tolist()
+
+    def row_sample_index(self) -> np.ndarray:
+        """The sample index (int32) of every row's request."""
+        n = len(self.request_ids)
+        return self.per_row(np.asarray(self.sample_index or [0] * n, dtype=np.int32))
+
+    def row_tags(self) -> list[dict[str, Any]]:
+        """The tags of every row's request (one dict per request, shared by its rows)."""
+        return self.per_row([self.request_tags(i) for i in range(len(self.request_ids))]).tolist()
 
     def to_wire(self) -> dict[str, Any]:
         """Made once (the index is not changed after it is first encoded)."""

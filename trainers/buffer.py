@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from actbus.wire import RowIndex
+
 
 def split_value(request_id: str) -> float:
     """A request's place in [0, 1): a stable hash, so train/held-out splits by request."""
@@ -23,7 +25,7 @@ def split_value(request_id: str) -> float:
 
 
 @dataclass
-class Rows:
+class TrainingRows:
     """Rows of one stream with what the trainers need to know about each."""
 
     activation: torch.Tensor  # [n, d]
@@ -35,13 +37,23 @@ class Rows:
     def __len__(self) -> int:
         return int(self.activation.shape[0])
 
-    def slice(self, a: int, b: int) -> Rows:
-        return Rows(
+    def slice(self, a: int, b: int) -> TrainingRows:
+        return TrainingRows(
             self.activation[a:b],
             self.position[a:b],
             self.request_id[a:b],
             self.split[a:b],
             self.label[a:b],
+        )
+
+    def take(self, idx: torch.Tensor) -> TrainingRows:
+        """The rows at ``idx`` (int64 indices, in order)."""
+        return TrainingRows(
+            self.activation[idx],
+            self.position[idx],
+            self.request_id[idx.numpy()],
+            self.split[idx],
+            self.label[idx],
         )
 
     def as_batch(self) -> dict[str, Any]:
@@ -54,34 +66,29 @@ class Rows:
         }
 
     @staticmethod
-    def from_requests(
-        activation: torch.Tensor,
-        request_ids: list[str],
-        offsets: np.ndarray,
-        positions: np.ndarray,
-        tags: list[dict[str, Any]],
-        label_tags: tuple[str, ...],
-    ) -> Rows:
-        """Rows of one message laid out by request (``RowIndex``'s layout)."""
-        counts = np.diff(np.asarray(offsets, dtype=np.int64))
-        n = int(counts.sum())
-        rid = np.repeat(np.array(request_ids, dtype=object), counts)
-        split = torch.from_numpy(np.repeat([split_value(r) for r in request_ids], counts))
-        label = torch.full((n, len(label_tags)), float("nan"))
+    def from_message(
+        activation: torch.Tensor, index: RowIndex, label_tags: tuple[str, ...]
+    ) -> TrainingRows:
+        """The rows of one bus message: its tensor and its row index, whose request
+        fields (id, split, the ``label_tags`` values) are expanded per row."""
+        n_req = len(index.request_ids)
+        split = index.per_row(np.array([split_value(r) for r in index.request_ids]))
         if label_tags:
-            per_req = torch.tensor(
+            per_req = np.array(
                 [
-                    [_as_float((tags[i] if tags else {}).get(t)) for t in label_tags]
-                    for i in range(len(request_ids))
+                    [_as_float(index.request_tags(i).get(t)) for t in label_tags]
+                    for i in range(n_req)
                 ],
-                dtype=torch.float32,
-            ).reshape(len(request_ids), len(label_tags))
-            label = per_req.repeat_interleave(torch.from_numpy(counts), dim=0)
-        return Rows(
+                dtype=np.float32,
+            ).reshape(n_req, len(label_tags))
+            label = torch.from_numpy(index.per_row(per_req))
+        else:
+            label = torch.full((index.num_rows, 0), float("nan"))
+        return TrainingRows(
             activation,
-            torch.as_tensor(np.asarray(positions, dtype=np.int64)),
-            rid,
-            split.to(torch.float64),
+            torch.as_tensor(np.asarray(index.positions, dtype=np.int64)),
+            index.per_row(index.request_ids),
+            torch.from_numpy(split).to(torch.float64),
             label,
         )
 
@@ -119,7 +126,7 @@ class ShuffleBuffer:
     def room(self) -> int:
         return self.capacity - self.n
 
-    def put(self, rows: Rows) -> int:
+    def put(self, rows: TrainingRows) -> int:
         """Append as many rows as fit; returns how many."""
         m = min(len(rows), self.room)
         a, b = self.n, self.n + m
@@ -131,12 +138,12 @@ class ShuffleBuffer:
         self.n = b
         return m
 
-    def take(self, count: int) -> Rows:
+    def take(self, count: int) -> TrainingRows:
         """Remove ``count`` random rows (all of them if fewer); the rest stay packed."""
         count = min(count, self.n)
         n = self.n
         pick = torch.randperm(n, generator=self._gen)[:count]
-        out = Rows(  # advanced indexing copies: the rows are the batch's own
+        out = TrainingRows(  # advanced indexing copies: the rows are the batch's own
             self.x[pick],
             self.position[pick],
             self.request_id[pick.numpy()],

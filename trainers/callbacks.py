@@ -1,5 +1,5 @@
-"""Lightning callbacks of the trainers: periodic SAE checkpoints, data-path metrics and
-the progress bar."""
+"""Lightning callbacks of the trainers: SAE and probe checkpoints (each module returns
+its own from ``configure_callbacks``), data-path metrics and the progress bar."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
 
-from trainers.checkpoint import save_sae
+from trainers.checkpoint import save_probe, save_sae
 
 
 class MetricsProgressBar(RichProgressBar):
@@ -43,6 +43,25 @@ class SaveSAEs(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._save(trainer, pl_module)
+
+
+class SaveProbes(pl.Callback):
+    """When the fit ends: ``out/<name>/`` per probe, with its final metrics.
+
+    ``on_fit_end``, not ``on_train_end``: Lightning runs the module's own
+    ``on_train_end`` (where the last held-out metrics are computed) after callbacks'."""
+
+    def __init__(self, out: str | Path) -> None:
+        self.out = Path(out)
+        self.saved: list[Path] = []
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        metrics = pl_module.fit_summary()["metrics"]
+        for c in pl_module.configs:
+            m = {k: v for k, v in metrics.items() if k.startswith(f"{c.name}/")}
+            self.saved.append(save_probe(pl_module.probe(c.name), self.out / c.name, metrics=m))
 
 
 class DataStats(pl.Callback):

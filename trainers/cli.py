@@ -161,7 +161,7 @@ def _data_cfg(opts: argparse.Namespace, name: str, **kw: Any) -> DataConfig:
 def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) -> dict:
     import lightning.pytorch as pl
 
-    from trainers.callbacks import DataStats, MetricsProgressBar, SaveSAEs
+    from trainers.callbacks import DataStats, MetricsProgressBar
     from trainers.data import ActivationDataModule
     from trainers.wandb_log import make_logger
 
@@ -175,9 +175,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         {"data": {k: v for k, v in vars(data_cfg).items() if k != "extra"}}
         | {"models": [c.to_dict() for c in configs]},
     )
-    callbacks: list = [DataStats(dm, opts.log_every)]
-    if hasattr(module, "saes"):
-        callbacks.append(SaveSAEs(out, opts.checkpoint_every))
+    callbacks: list = [DataStats(dm, opts.log_every)]  # checkpoints: the module's own
     if not opts.no_progress:
         callbacks.append(MetricsProgressBar())
     devices: Any = int(opts.devices) if str(opts.devices).isdigit() else opts.devices
@@ -195,14 +193,9 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    stop = threading.Event()
 
     def _stop(*_: Any) -> None:  # Ctrl-C / SIGTERM: end the stream, save, exit cleanly
-        stop.set()
-        if dm.stream is not None:
-            dm.stream.stop_event.set()
-            if dm.stream.source is not None:
-                dm.stream.source.stop_event.set()
+        dm.stop()
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -211,19 +204,10 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
     summary = {
         "rank": trainer.global_rank,
         "steps": trainer.global_step,
-        "metrics": {k: float(v) for k, v in getattr(module, "last_metrics", {}).items()},
+        **module.fit_summary(),
         "data": dm.stats(),
         "wandb_dir": str(out / "wandb"),
     }
-    if hasattr(module, "fvu_history"):
-        summary["fvu_history"] = module.fvu_history
-    if hasattr(module, "probes") and trainer.is_global_zero:
-        from trainers.checkpoint import save_probe
-        from trainers.sae_module import module_key
-
-        for c in configs:
-            m = {k: v for k, v in summary["metrics"].items() if k.startswith(f"{c.name}/")}
-            save_probe(module.probes[module_key(c.name)], out / c.name, metrics=m)
     if opts.summary and trainer.is_global_zero:
         Path(opts.summary).write_text(json.dumps(summary))
     return summary
@@ -298,7 +282,8 @@ def sae_main(argv: list[str] | None = None) -> int:
     opts, configs, data_cfg = _parse(_sae_parser(), argv, _sae_configs)
     from trainers.sae_module import SAETrainer
 
-    _fit(SAETrainer(configs), data_cfg, opts, configs)
+    module = SAETrainer(configs, checkpoint_dir=opts.out, checkpoint_every=opts.checkpoint_every)
+    _fit(module, data_cfg, opts, configs)
     return 0
 
 
@@ -306,7 +291,7 @@ def probe_main(argv: list[str] | None = None) -> int:
     opts, configs, data_cfg = _parse(_probe_parser(), argv, _probe_configs)
     from trainers.probe import ProbeTrainer
 
-    _fit(ProbeTrainer(configs, tuple(opts.label)), data_cfg, opts, configs)
+    _fit(ProbeTrainer(configs, tuple(opts.label), checkpoint_dir=opts.out), data_cfg, opts, configs)
     return 0
 
 

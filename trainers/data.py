@@ -4,8 +4,8 @@ A source thread (``BusSource``: a subscriber; ``RunSource``: a run the sink wrot
 puts rows into a ``TokenHub``: one shuffle buffer per (layer, hook) stream. The
 trainer's ``TokenStream`` takes batches out: the first after a warm-up, then one
 whenever every stream has a batch's worth. A batch is ``{stream_key: {"activation",
-"position", "request_id", "split", "label"}}`` (see ``Rows``), so several SAEs or
-probes on different layers train from one subscription.
+"position", "request_id", "split", "label"}}`` (see ``TrainingRows``), so several
+SAEs or probes on different layers train from one subscription.
 
 Nothing is lost silently: the publisher's drops for this subscriber (its
 ``drop_oldest`` policy when the trainer is slower than the engine) come back as
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from trainers.buffer import Rows, ShuffleBuffer
+from trainers.buffer import ShuffleBuffer, TrainingRows, split_value
 from trainers.config import DataConfig, stream_key
 
 log = logging.getLogger("actbus.trainers")
@@ -60,7 +60,7 @@ class TokenHub:
         self.first_data_at: float | None = None
 
     # -------------------------------------------------------------- source side
-    def put(self, key: str, rows: Rows, stop: threading.Event) -> None:
+    def put(self, key: str, rows: TrainingRows, stop: threading.Event) -> None:
         """Add rows; waits while the buffer is full and the trainer can make progress."""
         if key not in self.keys:
             return
@@ -153,8 +153,8 @@ class TokenHub:
             return out
 
 
-def _empty(d: int) -> Rows:
-    return Rows(
+def _empty(d: int) -> TrainingRows:
+    return TrainingRows(
         torch.zeros(0, d),
         torch.zeros(0, dtype=torch.long),
         np.empty(0, dtype=object),
@@ -232,24 +232,14 @@ class BusSource(threading.Thread):
 
     def _put(self, batch) -> None:
         h = batch.header
-        ri = h.rows
-        rows = Rows.from_requests(
-            batch.tensor, ri.request_ids, ri.offsets, ri.positions, ri.tags, self.cfg.label_tags
-        )
+        rows = TrainingRows.from_message(batch.tensor, h.rows, self.cfg.label_tags)
         if self.cfg.labelled_only and self.cfg.label_tags:
             keep = ~torch.isnan(rows.label).any(1)
             if not bool(keep.all()):
                 self.stats["unlabelled_rows"] = self.stats.get("unlabelled_rows", 0) + int(
                     (~keep).sum()
                 )
-                idx = keep.nonzero().squeeze(1)
-                rows = Rows(
-                    rows.activation[idx],
-                    rows.position[idx],
-                    rows.request_id[idx.numpy()],
-                    rows.split[idx],
-                    rows.label[idx],
-                )
+                rows = rows.take(keep.nonzero().squeeze(1))
         if len(rows):
             self.hub.put(stream_key(h.layer, h.hook), rows, self.stop_event)
 
@@ -318,9 +308,7 @@ class RunSource(threading.Thread):
         finally:
             self.hub.finish(error)
 
-    def _rows(self, chunk: dict[str, Any]) -> Rows:
-        from trainers.buffer import split_value
-
+    def _rows(self, chunk: dict[str, Any]) -> TrainingRows:
         rid = np.array(chunk["request_id"], dtype=object)
         n = len(rid)
         tags_cols = self.cfg.label_tags
@@ -335,16 +323,9 @@ class RunSource(threading.Thread):
                 dtype=torch.float32,
             ).reshape(n, len(tags_cols))
         split = torch.tensor([split_value(r) for r in rid], dtype=torch.float64)
-        rows = Rows(chunk["activation"], chunk["position"], rid, split, label)
+        rows = TrainingRows(chunk["activation"], chunk["position"], rid, split, label)
         if self.cfg.labelled_only and tags_cols:
-            keep = (~torch.isnan(label).any(1)).nonzero().squeeze(1)
-            rows = Rows(
-                rows.activation[keep],
-                rows.position[keep],
-                rid[keep.numpy()],
-                split[keep],
-                label[keep],
-            )
+            rows = rows.take((~torch.isnan(label).any(1)).nonzero().squeeze(1))
         return rows
 
 
@@ -384,6 +365,8 @@ class TokenStream(IterableDataset):
             self.source = BusSource(self.cfg, self.hub, group=group)
         else:
             self.source = RunSource(self.cfg, self.hub, self.rank, self.world_size)
+        if self.stop_event.is_set():  # stopped before it started: the source ends at once
+            self.source.stop_event.set()
         self.source.start()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -456,10 +439,17 @@ class TokenStream(IterableDataset):
             out.update({k: float(v) for k, v in self.source.stats.items()})
         return out
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """End the stream: the source stops reading and the batches end soon after.
+        Only sets events, so a signal handler may call it (``close`` joins)."""
         self.stop_event.set()
         if self.source is not None:
             self.source.stop_event.set()
+
+    def close(self) -> None:
+        """Stop, wait for the source thread to end, close the ledger."""
+        self.stop()
+        if self.source is not None:
             self.source.join(timeout=10)
         if self.ledger is not None:
             self.ledger.close()
@@ -474,6 +464,7 @@ class ActivationDataModule(LightningDataModule):
         self.cfg = cfg
         self.ledger_path = ledger_path
         self.stream: TokenStream | None = None
+        self._stopped = False
 
     def train_dataloader(self) -> DataLoader:
         trainer = getattr(self, "trainer", None)
@@ -483,11 +474,21 @@ class ActivationDataModule(LightningDataModule):
             self.stream = TokenStream(self.cfg, rank=rank, world_size=world)
             if self.ledger_path:
                 self.stream.ledger = open(f"{self.ledger_path}.rank{rank}", "w")  # noqa: SIM115
+            if self._stopped:
+                self.stream.stop()
         # batch_size=None: the stream batches; workers=0: the source is a thread here.
         return DataLoader(self.stream, batch_size=None, num_workers=0)
 
     def stats(self) -> dict[str, float]:
         return self.stream.stats() if self.stream is not None else {}
+
+    def stop(self) -> None:
+        """End the subscription (or the stored run's reading) and so the epoch;
+        ``teardown`` then joins the source thread. Safe to call from a signal handler
+        (Ctrl-C, SIGTERM), and before the stream exists (it then starts stopped)."""
+        self._stopped = True
+        if self.stream is not None:
+            self.stream.stop()
 
     def teardown(self, stage: str) -> None:
         if self.stream is not None:

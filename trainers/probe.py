@@ -8,6 +8,7 @@ metrics (accuracy and AUROC, or R²), the others train.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
+from trainers.callbacks import SaveProbes
 from trainers.config import ProbeConfig
 from trainers.sae_module import module_key
 
@@ -50,9 +52,17 @@ class LinearProbe(nn.Module):
 class ProbeTrainer(pl.LightningModule):
     """Probes on streams of ``ActivationDataModule`` batches (with ``label_tags``)."""
 
-    def __init__(self, configs: list[ProbeConfig], label_tags: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        configs: list[ProbeConfig],
+        label_tags: tuple[str, ...],
+        checkpoint_dir: str | Path | None = None,
+    ) -> None:
+        """``checkpoint_dir``: each probe is saved to ``<dir>/<name>/`` with its final
+        metrics when the fit ends (None: not saved)."""
         super().__init__()
         self.configs = list(configs)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.label_tags = tuple(label_tags)
         for c in configs:
             missing = [t for t in c.labels if t not in self.label_tags]
@@ -78,6 +88,17 @@ class ProbeTrainer(pl.LightningModule):
         self.heldout_rows = 0
         self._updated: set[str] = set()
         self._classes: dict[str, set[int]] = {}  # per window: AUROC needs both classes
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """The probes' own checkpoints (Lightning adds these to the trainer's callbacks)."""
+        return [] if self.checkpoint_dir is None else [SaveProbes(self.checkpoint_dir)]
+
+    def fit_summary(self) -> dict[str, Any]:
+        """What a finished fit reports: the last metrics (held-out ones included)."""
+        return {"metrics": {k: float(v) for k, v in self.last_metrics.items()}}
+
+    def probe(self, name: str) -> LinearProbe:
+        return self.probes[module_key(name)]
 
     def configure_optimizers(self):
         groups = [

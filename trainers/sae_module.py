@@ -8,6 +8,7 @@ as its own optimizer would.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainers.callbacks import SaveSAEs
 from trainers.config import SAEConfig
 from trainers.optim import adam
 from trainers.sae import SparseAutoencoder
@@ -31,7 +33,14 @@ def module_key(name: str) -> str:
 class SAETrainer(pl.LightningModule):
     """Trains ``SparseAutoencoder``s on batches from ``ActivationDataModule``."""
 
-    def __init__(self, configs: list[SAEConfig]) -> None:
+    def __init__(
+        self,
+        configs: list[SAEConfig],
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 1000,
+    ) -> None:
+        """``checkpoint_dir``: each SAE is saved to ``<dir>/<name>/`` every
+        ``checkpoint_every`` optimizer steps and at the end (None: not saved)."""
         super().__init__()
         if not configs:
             raise ValueError("configs: give at least one SAEConfig")
@@ -39,6 +48,8 @@ class SAETrainer(pl.LightningModule):
         if len(set(names)) != len(names):
             raise ValueError(f"SAE names must be unique, got {names}")
         self.configs = list(configs)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
         self.saes = nn.ModuleDict({module_key(c.name): SparseAutoencoder(c) for c in configs})
         self.last_metrics: dict[str, torch.Tensor] = {}
         self.fvu_history: dict[str, list[float]] = {c.name: [] for c in configs}
@@ -48,6 +59,19 @@ class SAETrainer(pl.LightningModule):
     def _items(self):
         for c in self.configs:
             yield c, self.saes[module_key(c.name)]
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """The SAEs' own checkpoints (Lightning adds these to the trainer's callbacks)."""
+        if self.checkpoint_dir is None:
+            return []
+        return [SaveSAEs(self.checkpoint_dir, self.checkpoint_every)]
+
+    def fit_summary(self) -> dict[str, Any]:
+        """What a finished fit reports: the last metrics and each SAE's FVU history."""
+        return {
+            "metrics": {k: float(v) for k, v in self.last_metrics.items()},
+            "fvu_history": self.fvu_history,
+        }
 
     def configure_optimizers(self):
         groups = [{"params": list(sae.parameters()), "lr": c.lr} for c, sae in self._items()]

@@ -1,5 +1,6 @@
-"""Rows of one (step, layer, hook) as the sink handles them: metadata per row, plus
-the tensor. Cut from a bus ``Batch``; sliced by selection and by request."""
+"""The rows of one tap at one step as the sink handles them: per-row metadata plus
+the tensor. Cut from a bus ``Batch`` (the request table expanded per row by the
+wire's ``RowIndex.per_row``); sliced by the store filter and by request."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from actbus.bus import Batch
 
 
 @dataclass
-class Rows:
+class TapRows:
+    """Rows of one (step, layer, hook), each with its request's fields."""
+
     step: int
     layer: int
     hook: str
@@ -27,27 +30,19 @@ class Rows:
     tensor: torch.Tensor  # [n, hidden]
 
     @classmethod
-    def from_batch(cls, batch: Batch) -> Rows:
+    def from_batch(cls, batch: Batch) -> TapRows:
         h = batch.header
         ri = h.rows
-        counts = np.diff(ri.offsets).astype(np.int64)
-        n_req = len(ri.request_ids)
-        tags: list[dict[str, Any]] = []
-        for i, c in enumerate(counts):
-            tags.extend([ri.request_tags(i)] * int(c))
         return cls(
             step=h.step,
             layer=h.layer,
             hook=h.hook,
             dtype=h.dtype,
             request_ids=ri.row_request_ids(),
-            sample_index=np.repeat(
-                np.array([ri.request_sample_index(i) for i in range(n_req)], dtype=np.int32),
-                counts,
-            ),
+            sample_index=ri.row_sample_index(),
             positions=np.asarray(ri.positions, dtype=np.int64),
             token_ids=np.asarray(ri.token_ids, dtype=np.int64),
-            tags=tags,
+            tags=ri.row_tags(),
             tensor=batch.tensor,
         )
 
@@ -58,10 +53,10 @@ class Rows:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
-    def take(self, idx: np.ndarray) -> Rows:
+    def take(self, idx: np.ndarray) -> TapRows:
         """The rows at ``idx`` (int indices, in order); the tensor is copied."""
         il = idx.tolist()
-        return Rows(
+        return TapRows(
             self.step,
             self.layer,
             self.hook,

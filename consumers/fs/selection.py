@@ -1,10 +1,10 @@
-"""Selection at the sink: which rows are stored.
+"""What the sink stores: a filter on taps and positions, and the marked window.
 
-``Selection`` keeps layers, hooks and a position range (layers and hooks are also
+``StoreFilter`` keeps layers, hooks and a position range (layers and hooks are also
 asked of the publisher, so unwanted taps never cross the bus). ``MarkedWindow``
 is post-hoc selective storage: recent requests are held in memory and written
-only once marked, by a tag at submission (``--keep-tag``) or by a mark on the bus
-(``Subscriber.mark``, e.g. a probe that fired). The window is bounded by requests
+only once marked, by tags that match at submission (``--keep-match``) or by a mark
+on the bus (``Subscriber.mark``, e.g. a probe that fired). The window is bounded by requests
 and bytes; evicted requests, and marks that come too late for them, are counted.
 """
 
@@ -18,17 +18,20 @@ from typing import Any
 
 import numpy as np
 
-from consumers.fs.rows import Rows
+from consumers.fs.rows import TapRows
 
 log = logging.getLogger("actbus.fs_sink")
 REMEMBERED = 100_000  # kept / evicted request keys remembered (oldest forgotten first)
 
 
 @dataclass(frozen=True)
-class Selection:
+class StoreFilter:
+    """The taps and token positions the sink stores (the capture side has its own
+    ``actbus.capture.selection.Selection``: what a request asks to be captured)."""
+
     layers: tuple[int, ...] | None = None
     hooks: tuple[str, ...] | None = None
-    positions: tuple[int, int | None] | None = None
+    position_range: tuple[int, int | None] | None = None
     """``[start, stop)`` of token positions kept (stop None: to the end)."""
 
     def wants(self, layer: int, hook: str) -> bool:
@@ -38,16 +41,16 @@ class Selection:
 
     def position_rows(self, positions: np.ndarray) -> np.ndarray | None:
         """Indices of rows in the position range; None when all are kept."""
-        if self.positions is None:
+        if self.position_range is None:
             return None
-        start, stop = self.positions
+        start, stop = self.position_range
         ok = positions >= start
         if stop is not None:
             ok &= positions < stop
         return None if ok.all() else np.flatnonzero(ok)
 
 
-def parse_positions(text: str) -> tuple[int, int | None]:
+def parse_position_range(text: str) -> tuple[int, int | None]:
     """``START:STOP`` (either may be empty): token positions kept, STOP excluded."""
     start, sep, stop = text.partition(":")
     try:
@@ -62,14 +65,14 @@ def parse_positions(text: str) -> tuple[int, int | None]:
     return lo, hi
 
 
-def parse_keep_tags(items: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` items; VALUE is read as JSON when it parses (``keep=true`` is
-    the boolean), else as a string."""
+def parse_keep_match(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items, the request tags that keep a request at once; VALUE is read
+    as JSON when it parses (``keep=true`` is the boolean), else as a string."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--keep-tag {item!r}: expected KEY=VALUE, e.g. keep=true")
+            raise ValueError(f"--keep-match {item!r}: expected KEY=VALUE, e.g. keep=true")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -79,14 +82,14 @@ def parse_keep_tags(items: list[str]) -> dict[str, Any]:
 
 @dataclass
 class _Held:
-    rows: list[Rows] = field(default_factory=list)
+    rows: list[TapRows] = field(default_factory=list)
     nbytes: int = 0
 
 
 class MarkedWindow:
     """Holds recent requests until marked; gives back the rows to store."""
 
-    def __init__(self, max_requests: int, max_bytes: int, keep_tags: dict[str, Any]) -> None:
+    def __init__(self, max_requests: int, max_bytes: int, keep_match: dict[str, Any]) -> None:
         if max_requests < 1 or max_bytes < 1:
             raise ValueError(
                 f"--window-requests {max_requests} / --window-mb-held {max_bytes / (1 << 20):g}: "
@@ -94,22 +97,23 @@ class MarkedWindow:
             )
         self.max_requests = max_requests
         self.max_bytes = max_bytes
-        self.keep_tags = keep_tags
+        self.keep_match = keep_match
+        """Request tags that keep a request as soon as its rows arrive (empty: none)."""
         self._held: OrderedDict[tuple[str, int], _Held] = OrderedDict()
         self._bytes = 0
         self._kept: OrderedDict[tuple[str, int], str] = OrderedDict()  # key -> why
         self._evicted: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.counts: Counter[str] = Counter()
 
-    def _tagged(self, tags: dict[str, Any]) -> bool:
-        return bool(self.keep_tags) and all(tags.get(k) == v for k, v in self.keep_tags.items())
+    def _matches(self, tags: dict[str, Any]) -> bool:
+        return bool(self.keep_match) and all(tags.get(k) == v for k, v in self.keep_match.items())
 
-    def offer(self, rows: Rows) -> list[Rows]:
+    def offer(self, rows: TapRows) -> list[TapRows]:
         """Rows to store now (of requests already kept); the others are held."""
         out = []
         for key, idx in rows.by_request().items():
             part = rows.take(idx) if len(idx) != len(rows) else rows
-            if key not in self._kept and self._tagged(part.tags[0]):
+            if key not in self._kept and self._matches(part.tags[0]):
                 self._keep(key, "tag")
                 self.counts["kept_by_tag"] += 1
             if key in self._kept:
@@ -125,7 +129,7 @@ class MarkedWindow:
         self._evict()
         return out
 
-    def mark(self, request_id: str, sample_index: int, reason: str = "") -> list[Rows]:
+    def mark(self, request_id: str, sample_index: int, reason: str = "") -> list[TapRows]:
         """Keep a request: its held rows are returned, its later rows stored."""
         key = (request_id, sample_index)
         self.counts["marks"] += 1

@@ -3,7 +3,7 @@
 Rows are buffered per (layer, hook) and written as one shard when the buffer
 reaches ``--shard-rows`` or ``--shard-mb``, when ``--flush-s`` has passed since its
 first row, when the publisher shows we are caught up, and at the end (see
-``writer.py`` for crash safety). Before that, rows pass the selection (layers,
+``writer.py`` for crash safety). Before that, rows pass the store filter (layers,
 hooks, positions) and, with ``--keep marked``, the window of unmarked requests
 (``selection.py``); the reduction (``reductions.py``) is applied as rows are
 buffered.
@@ -22,12 +22,12 @@ from actbus.consumer import Consumer
 from actbus.flags import int_list
 from consumers.fs import layout
 from consumers.fs.reductions import parse_reduction
-from consumers.fs.rows import Rows
+from consumers.fs.rows import TapRows
 from consumers.fs.selection import (
     MarkedWindow,
-    Selection,
-    parse_keep_tags,
-    parse_positions,
+    StoreFilter,
+    parse_keep_match,
+    parse_position_range,
 )
 from consumers.fs.writer import ShardWriter, WriterConfig
 
@@ -45,7 +45,7 @@ class FsSink(Consumer):
         out: str,
         config: WriterConfig | None = None,
         *,
-        selection: Selection | None = None,
+        store_filter: StoreFilter | None = None,
         window: MarkedWindow | None = None,
         shard_rows: int | None = None,
         flush_s: float | None = None,
@@ -57,7 +57,7 @@ class FsSink(Consumer):
                 shard_rows=shard_rows if shard_rows is not None else cfg.shard_rows,
                 flush_s=flush_s if flush_s is not None else cfg.flush_s,
             )
-        self.selection = selection or Selection()
+        self.store_filter = store_filter or StoreFilter()
         self.window = window
         self.writer = ShardWriter(out, cfg)
         self.out = self.writer.out
@@ -104,7 +104,7 @@ class FsSink(Consumer):
             help="request tag keys that also get a column tag_KEY of their own "
             "(all tags are in the JSON column 'tags' anyway)",
         )
-        s = parser.add_argument_group("fs-sink: selection")
+        s = parser.add_argument_group("fs-sink: what is stored")
         s.add_argument("--layers", type=int_list, default=None, help="keep only these layers: 0,3")
         s.add_argument("--hooks", default=None, help="keep only these hooks: post_block,mlp_out")
         s.add_argument(
@@ -114,15 +114,15 @@ class FsSink(Consumer):
             "--keep",
             default="all",
             choices=("all", "marked"),
-            help="marked: hold recent requests, store only those marked by --keep-tag or a "
+            help="marked: hold recent requests, store only those kept by --keep-match or a "
             "mark on the bus",
         )
         s.add_argument(
-            "--keep-tag",
+            "--keep-match",
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="with --keep marked: requests submitted with this tag are kept at once",
+            help="with --keep marked: requests submitted with tags that match are kept at once",
         )
         s.add_argument(
             "--window-requests", type=int, default=1024, help="--keep marked: requests held"
@@ -143,28 +143,30 @@ class FsSink(Consumer):
                 ),
                 tag_columns=tuple(k for k in args.tag_columns.split(",") if k),
             )
-            selection = Selection(
+            store_filter = StoreFilter(
                 layers=tuple(args.layers) if args.layers else None,
                 hooks=tuple(args.hooks.split(",")) if args.hooks else None,
-                positions=parse_positions(args.positions) if args.positions else None,
+                position_range=parse_position_range(args.positions) if args.positions else None,
             )
             window = None
             if args.keep == "marked":
                 window = MarkedWindow(
                     args.window_requests,
                     int(args.window_mb_held * (1 << 20)),
-                    parse_keep_tags(args.keep_tag),
+                    parse_keep_match(args.keep_match),
                 )
-            elif args.keep_tag:
-                raise ValueError("--keep-tag applies only with --keep marked")
+            elif args.keep_match:
+                raise ValueError("--keep-match applies only with --keep marked")
         except ValueError as e:
             raise SystemExit(f"actbus run fs-sink: {e}") from None
-        return cls(args.out, cfg, selection=selection, window=window)
+        return cls(args.out, cfg, store_filter=store_filter, window=window)
 
     def subscription(self, *args: Any, **kwargs: Any) -> Subscription:
         """Layers and hooks are cut at the publisher: unwanted taps never cross the bus."""
         sub = super().subscription(*args, **kwargs)
-        return dataclasses.replace(sub, layers=self.selection.layers, hooks=self.selection.hooks)
+        return dataclasses.replace(
+            sub, layers=self.store_filter.layers, hooks=self.store_filter.hooks
+        )
 
     # ------------------------------------------------------------------ events
     def on_welcome(self, info: dict[str, Any]) -> None:
@@ -176,11 +178,11 @@ class FsSink(Consumer):
             return
         self.rows_received += h.rows.num_rows
         self.counts["rows_received"] += h.rows.num_rows
-        if not self.selection.wants(h.layer, h.hook):
+        if not self.store_filter.wants(h.layer, h.hook):
             self.counts["rows_not_selected"] += h.rows.num_rows
             return
-        rows = Rows.from_batch(batch)
-        keep = self.selection.position_rows(rows.positions)
+        rows = TapRows.from_batch(batch)
+        keep = self.store_filter.position_rows(rows.positions)
         if keep is not None:
             self.counts["rows_not_selected"] += len(rows) - len(keep)
             rows = rows.take(keep)

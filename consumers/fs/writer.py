@@ -36,7 +36,7 @@ import torch
 
 from consumers.fs import layout
 from consumers.fs.reductions import Encoder, Reduction, fit_pca, load_basis, save_basis
-from consumers.fs.rows import Rows
+from consumers.fs.rows import TapRows
 
 log = logging.getLogger("actbus.fs_sink")
 # Pending rows are appended to the open shard file once they reach either size.
@@ -98,7 +98,7 @@ class _Tap:
 
     encoder: Encoder
     schema: pa.Schema | None = None
-    warmup: list[Rows] = field(default_factory=list)
+    warmup: list[TapRows] = field(default_factory=list)
     warmup_rows: int = 0
 
 
@@ -242,7 +242,7 @@ class ShardWriter:
             self.write_manifest()
 
     # ------------------------------------------------------------------- rows
-    def add(self, rows: Rows) -> None:
+    def add(self, rows: TapRows) -> None:
         """Buffer rows; a shard is written once its buffer is full."""
         if not len(rows):
             return
@@ -260,7 +260,7 @@ class ShardWriter:
             return
         self._append(key, tap, rows)
 
-    def _tap(self, key: tuple[int, str], rows: Rows) -> _Tap:
+    def _tap(self, key: tuple[int, str], rows: TapRows) -> _Tap:
         tap = self._taps.get(key)
         if tap is None:
             hidden = rows.tensor.shape[1]
@@ -304,7 +304,7 @@ class ShardWriter:
             tap.schema = pa.schema(fields, metadata=meta)
         return tap.schema
 
-    def _append(self, key: tuple[int, str], tap: _Tap, rows: Rows) -> None:
+    def _append(self, key: tuple[int, str], tap: _Tap, rows: TapRows) -> None:
         n = len(rows)
         cols: list[pa.Array] = [
             pa.array(rows.request_ids, pa.string()),

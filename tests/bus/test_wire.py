@@ -99,3 +99,33 @@ def test_request_tags_ends_and_selection_round_trip():
     bad["rows"]["tags"] = [{}]
     with pytest.raises(WireError, match="tags must have one entry per request"):
         Header.decode(msgpack.packb(bad))
+
+
+def test_per_row_expands_each_request_field_to_its_rows():
+    tags = [{"label": 1}, {}, {"label": 0, "split": "train"}]
+    ri = RowIndex(
+        ["a", "b", "c"],
+        np.array([0, 2, 3, 5]),
+        np.arange(5),
+        np.arange(5),
+        sample_index=[0, 1, 0],
+        tags=tags,
+    )
+    assert ri.row_request_ids() == ["a", "a", "b", "c", "c"]
+    sample = ri.row_sample_index()
+    assert sample.dtype == np.int32 and sample.tolist() == [0, 0, 1, 0, 0]
+    row_tags = ri.row_tags()
+    assert row_tags == [tags[0], tags[0], tags[1], tags[2], tags[2]]
+    assert row_tags[0] is tags[0] and row_tags[4] is tags[2]  # shared, not copied
+    # A numpy field keeps its dtype and trailing dimensions: per-request label vectors.
+    labels = ri.per_row(np.array([[1, 2], [3, 4], [5, 6]], dtype=np.float32))
+    assert labels.dtype == np.float32
+    assert labels.tolist() == [[1, 2], [1, 2], [3, 4], [5, 6], [5, 6]]
+    # A list entry is one value, not a row of values.
+    assert ri.per_row([[1], [2, 3], []]).tolist() == [[1], [1], [2, 3], [], []]
+    # Absent per-request lists read as their defaults.
+    bare = RowIndex(["a"], np.array([0, 2]), np.arange(2), np.arange(2))
+    assert bare.row_sample_index().tolist() == [0, 0] and bare.row_tags() == [{}, {}]
+    assert RowIndex.empty().row_request_ids() == [] and RowIndex.empty().row_tags() == []
+    with pytest.raises(ValueError, match="2 values for 3 requests"):
+        ri.per_row(["x", "y"])

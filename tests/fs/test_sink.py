@@ -11,7 +11,7 @@ import torch
 from actbus.bus import Batch
 from actbus.wire import Header, RowIndex
 from consumers.fs import ActivationRun, FsSink, StorageError, WriterConfig, parse_reduction
-from consumers.fs.selection import Selection
+from consumers.fs.selection import StoreFilter
 from consumers.fs.torch_dataset import TokenDataset
 
 INFO = {"model": "m", "hidden_size": 8, "dtype": "float32", "layers": [1], "hooks": ["post_block"]}
@@ -137,7 +137,7 @@ def test_token_dataset_decodes_reduced_runs(tmp_path, spec):
 
 
 def test_positions_selected_and_counted(tmp_path):
-    sink = FsSink(str(tmp_path / "run"), selection=Selection(positions=(1, 3)))
+    sink = FsSink(str(tmp_path / "run"), store_filter=StoreFilter(position_range=(1, 3)))
     sink.on_welcome(INFO)
     sink.on_batch(_batch(0, "a", [0, 1, 2, 3]))
     sink.close()
@@ -155,13 +155,13 @@ def test_unwritable_out_is_named(tmp_path):
 def test_mark_after_eviction_counted_even_when_later_rows_are_held_again():
     """A request evicted, then held again by its later rows, then marked: only the
     later rows are kept, and the mark is counted (and logged) as after eviction."""
-    from consumers.fs.rows import Rows
+    from consumers.fs.rows import TapRows
     from consumers.fs.selection import MarkedWindow
 
     w = MarkedWindow(1, 1 << 30, {})
-    w.offer(Rows.from_batch(_batch(0, "x", [0, 1])))
-    w.offer(Rows.from_batch(_batch(1, "y", [0, 1])))  # evicts x
-    w.offer(Rows.from_batch(_batch(2, "x", [2, 3])))  # x held again, y evicted
+    w.offer(TapRows.from_batch(_batch(0, "x", [0, 1])))
+    w.offer(TapRows.from_batch(_batch(1, "y", [0, 1])))  # evicts x
+    w.offer(TapRows.from_batch(_batch(2, "x", [2, 3])))  # x held again, y evicted
     released = w.mark("x", 0, "late")
     assert [p for r in released for p in r.positions.tolist()] == [2, 3]
     assert w.counts["marks_after_eviction"] == 1 and w.counts["evicted_rows"] == 4

@@ -166,7 +166,7 @@ def test_marked_requests_kept_exactly(tmp_path):
     probe = None
     try:
         proc = sink(
-            pub.address, out, "--keep", "marked", "--keep-tag", "keep=true",
+            pub.address, out, "--keep", "marked", "--keep-match", "keep=true",
             "--window-requests", "3",
         )  # fmt: skip
         probe = Subscriber(pub.address, Subscription(layers=(), name="probe"))

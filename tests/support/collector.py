@@ -19,7 +19,9 @@ from actbus.bus.subscriber import Batch, Subscriber
 
 
 @dataclass
-class Rows:
+class RequestRows:
+    """The rows of one (request, sample, layer, hook), in arrival order."""
+
     positions: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     acts: list[torch.Tensor] = field(default_factory=list)
@@ -41,7 +43,7 @@ class Collector:
     def __init__(self, address: str, subscription: Subscription | None = None) -> None:
         self.sub = Subscriber(address, subscription or Subscription(window=1024))
         self.sub.wait_welcome(60)
-        self.rows: dict[tuple[str, int, int, str], Rows] = defaultdict(Rows)
+        self.rows: dict[tuple[str, int, int, str], RequestRows] = defaultdict(RequestRows)
         self.tags: dict[tuple[str, int], dict] = {}
         self.ended: dict[tuple[str, int], str] = {}
         self.messages = 0

@@ -116,6 +116,10 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
     assert acc and acc[0] >= 0.95
     (saved,) = (tmp_path / "probe").glob("*/probe.safetensors")
     assert load_file(str(saved))["linear.weight"].shape == (1, 64)
+    # Saved when the fit ended: with the final held-out metrics the summary reports.
+    kept = json.loads((saved.parent / "probe.json").read_text())["metrics"]
+    assert kept == {k: v for k, v in p["metrics"].items() if k.startswith(saved.parent.name + "/")}
+    assert any(k.endswith("heldout_accuracy") for k in kept)
 
 
 def test_bad_flags_are_named():

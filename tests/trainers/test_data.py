@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.support.trainer_synth import SynthPublisher
-from trainers.buffer import Rows, ShuffleBuffer
+from trainers.buffer import ShuffleBuffer, TrainingRows
 from trainers.config import DataConfig
-from trainers.data import TokenStream
+from trainers.data import ActivationDataModule, TokenStream
 
 
 def test_slow_trainer_drops_oldest_and_counts_every_drop(tmp_path):
@@ -50,10 +50,45 @@ def test_slow_trainer_drops_oldest_and_counts_every_drop(tmp_path):
     assert len(seen) == s["bus/received"] * 256 == s["tokens/L0/post_block"]
 
 
+def test_data_module_stop_ends_a_live_stream_and_its_source_thread(tmp_path):
+    """``stop()`` (what Ctrl-C calls) ends the batches while the publisher still has
+    data, and teardown then finds the subscriber's thread ended; a data module stopped
+    before its stream exists starts it stopped."""
+    address = f"ipc://{tmp_path}/synth.sock"
+    pub = SynthPublisher(address, 100_000, "--rows", "64")  # far more than is read here
+    cfg = DataConfig(
+        streams=((0, "post_block"),),
+        address=address,
+        batch_tokens=64,
+        buffer_tokens=256,
+        warmup_tokens=64,
+    )
+    try:
+        dm = ActivationDataModule(cfg)
+        batches = iter(dm.train_dataloader())
+        assert len(next(batches)["L0/post_block"]["request_id"]) == 64
+        dm.stop()
+        t0 = time.monotonic()
+        rest = sum(1 for _ in batches)
+        assert time.monotonic() - t0 < 5 and rest <= cfg.prefetch + 1
+        dm.teardown("fit")
+        assert not dm.stream.source.is_alive() and dm.stream.hub.finished
+        assert dm.stats()["bus/received"] >= 1
+
+        early = ActivationDataModule(cfg)
+        early.stop()
+        assert list(early.train_dataloader()) == []
+        early.stream.source.join(timeout=5)  # it ends on its own, not only at teardown
+        assert not early.stream.source.is_alive() and early.stream.hub.finished
+        early.teardown("fit")
+    finally:
+        pub.stop()
+
+
 def test_shuffle_buffer_hands_each_row_out_once_in_mixed_order():
     buf = ShuffleBuffer(1000, 2, torch.float32, 0, seed=0)
     n = 1000
-    rows = Rows(
+    rows = TrainingRows(
         torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 2),
         torch.arange(n),
         torch.arange(n).numpy().astype(object),
