@@ -12,7 +12,9 @@ import json
 import os
 import sys
 
-from actbus.config import HOOKS, REQUESTS, CaptureConfig, ConfigError
+from actbus.config import REQUESTS, CaptureConfig
+from actbus.errors import ConfigError
+from actbus.streams import HOOKS
 
 
 def serve_command(argv: list[str]) -> list[str]:

@@ -30,7 +30,7 @@ from actbus import consumer as consumers
 from actbus.bus import SubscriptionRejected
 from actbus.bus.protocol import parse_policy
 from actbus.bus.security import ClientAuth
-from actbus.config import ConfigError
+from actbus.errors import ConfigError
 from consumers.dashboard.board import Board
 from consumers.dashboard.consumer import WebDashboard
 from consumers.priority import lower_priority
