@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         add_help=False,
     )
     run_p.add_argument("name", nargs="?", help="consumer or trainer name (see --list)")
-    run_p.add_argument("--list", action="store_true", help="list installed consumers")
+    run_p.add_argument("--list", action="store_true", help="list installed consumers and trainers")
     run_p.add_argument("-h", "--help", action="store_true", help="show NAME's flags")
     args, rest = run_p.parse_known_args(argv)
     trainers = {ep.name: ep for ep in entry_points(group=TRAINERS)}
