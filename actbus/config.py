@@ -7,22 +7,19 @@ key, so a cached graph without taps is never reused for a run with taps.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-HOOKS = ("pre_attn", "post_attn", "mlp_out", "post_block")
-"""Per decoder layer: the residual stream entering it, after attention is added,
-what the MLP block adds, and the stream leaving it (``post_attn + mlp_out``)."""
+from actbus.bus.addresses import check_address
+from actbus.bus.security import check_server_keys
+from actbus.errors import ConfigError
+from actbus.streams import parse_hooks, parse_layers
+
 REQUESTS = ("all", "selected")
 DEFAULT_ADDRESS = "ipc:///tmp/actbus.sock"
-_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+|\*)$")
-
-
-class ConfigError(ValueError):
-    """Bad actbus configuration; the message names the field and the fix."""
+POSITION_MODES = ("all", "prompt", "generated", "last_prompt", "last")
+MAX_TAGS_BYTES = 4096
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,7 +31,8 @@ class CaptureConfig:
     layers: tuple[int, ...] = ()
     """0-based decoder layer indices; ``"all"`` in the input means every layer."""
     hooks: tuple[str, ...] = ("post_block",)
-    """Hook points per layer (see ``HOOKS``); ``post_block`` is the stream leaving it."""
+    """Hook points per layer (see ``actbus.streams.HOOKS``); ``post_block`` is the stream
+    leaving it."""
     requests: str = "all"
     """``all``: every request is captured with this config's selection; ``selected``:
     only requests whose ``extra_args["actbus"]`` asks (the others cost only the
@@ -85,8 +83,6 @@ class CaptureConfig:
         kw["insecure_allow_any_interface"] = insecure
         keys = {k: raw[k] for k in ("server_secret_key", "authorized_keys") if k in raw}
         if keys:
-            from actbus.bus.security import check_server_keys
-
             check_server_keys(**keys)
             kw.update({k: os.path.abspath(v) for k, v in keys.items()})
         kw["publish"] = check_address(
@@ -101,31 +97,9 @@ class CaptureConfig:
         if layers == "all":
             kw["all_layers"] = True
         else:
-            if isinstance(layers, int) and not isinstance(layers, bool):
-                layers = [layers]
-            if not isinstance(layers, (list, tuple)) or not layers:
-                raise ConfigError(
-                    f"actbus.layers: expected a non-empty list of layer indices or 'all', "
-                    f"got {layers!r}"
-                )
-            for i, v in enumerate(layers):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise ConfigError(
-                        f"actbus.layers[{i}]: expected a 0-based layer index (int >= 0), got {v!r}"
-                    )
-            kw["layers"] = tuple(sorted(set(layers)))
+            kw["layers"] = parse_layers(layers, "actbus.layers")
         if "hooks" in raw:
-            hooks = raw["hooks"]
-            if isinstance(hooks, str):
-                hooks = [hooks]
-            if not isinstance(hooks, (list, tuple)) or not hooks:
-                raise ConfigError(f"actbus.hooks: expected a list of hook names, got {hooks!r}")
-            for i, h in enumerate(hooks):
-                if h not in HOOKS:
-                    raise ConfigError(
-                        f"actbus.hooks[{i}]: unknown hook {h!r}; supported: {', '.join(HOOKS)}"
-                    )
-            kw["hooks"] = tuple(dict.fromkeys(hooks))
+            kw["hooks"] = parse_hooks(raw["hooks"], "actbus.hooks")
         for name, kind, lo, what in (
             ("queue_mb", int, 1, "an integer number of MiB >= 1"),
             ("heartbeat_s", (int, float), 0.01, "seconds >= 0.01"),
@@ -149,13 +123,10 @@ class CaptureConfig:
                     f"(only requests that set extra_args['actbus']), got {raw['requests']!r}"
                 )
             kw["requests"] = raw["requests"]
-        if "positions" in raw or "tags" in raw:
-            from actbus.capture.selection import parse_positions, parse_tags
-
-            if "positions" in raw:
-                kw["positions"] = parse_positions(raw["positions"], "actbus.positions")
-            if "tags" in raw:
-                kw["tags"] = parse_tags(raw["tags"], "actbus.tags")
+        if "positions" in raw:
+            kw["positions"] = parse_positions(raw["positions"], "actbus.positions")
+        if "tags" in raw:
+            kw["tags"] = check_request_tags(raw["tags"], "actbus.tags")
         if "model_name" in raw:
             if not isinstance(raw["model_name"], str):
                 raise ConfigError("actbus.model_name: expected a string")
@@ -166,78 +137,44 @@ class CaptureConfig:
         """The layer indices for a model with ``num_layers`` decoder layers."""
         if self.all_layers:
             return tuple(range(num_layers))
-        for i, layer in enumerate(self.layers):
-            if layer >= num_layers:
-                raise ConfigError(
-                    f"actbus.layers[{i}]: layer {layer} is out of range; model {model} has "
-                    f"{num_layers} decoder layers (valid: 0..{num_layers - 1})"
-                )
-        return self.layers
+        return parse_layers(self.layers, "actbus.layers", num_layers=num_layers, model=model)
 
 
-def check_address(
-    addr: Any,
-    *,
-    field_name: str,
-    allow_remote: bool = False,
-    curve: bool = False,
-    insecure_allow_any_interface: bool = False,
-) -> str:
-    """Validate a ZeroMQ address.
-
-    A bind address (``allow_remote=False``) on anything but ipc or loopback is
-    refused unless CURVE keys secure it (``curve``) or the user said
-    ``insecure_allow_any_interface``: activations are model internals, and a
-    ``block`` subscriber can stall generation, so nobody should get either by accident.
-    """
-    if not isinstance(addr, str):
-        raise ConfigError(f"{field_name}: expected a string address, got {addr!r}")
-    if addr.startswith("ipc://"):
-        path = addr[len("ipc://") :]
-        if not path or path.startswith("@"):
-            if path.startswith("@") and len(path) > 1:
-                return addr  # Linux abstract namespace
+def parse_positions(raw: Any, where: str) -> str | tuple[int, ...]:
+    """Token positions to capture: a mode of ``POSITION_MODES`` or a non-empty list of
+    0-based positions (sorted, without repeats). Shared by the engine's config and a
+    request's own selection (``actbus.capture.selection``)."""
+    if isinstance(raw, str):
+        if raw not in POSITION_MODES:
             raise ConfigError(
-                f"{field_name}={addr!r}: ipc address needs a path, e.g. ipc:///tmp/actbus.sock"
+                f"{where}: unknown mode {raw!r}; use one of {', '.join(POSITION_MODES)} "
+                "or a list of token positions"
             )
-        parent = os.path.dirname(os.path.abspath(path)) or "/"
-        if not os.path.isdir(parent):
-            raise ConfigError(f"{field_name}={addr!r}: directory {parent} does not exist")
-        return addr
-    m = _TCP.match(addr)
-    if m:
-        port = m.group("port")
-        if port != "*" and not 0 < int(port) < 65536:
-            raise ConfigError(f"{field_name}={addr!r}: port must be 1..65535")
-        host = m.group("host").strip("[]")
-        if not (allow_remote or curve or insecure_allow_any_interface or _is_loopback(host)):
-            prefix = field_name.rpartition(".")[0] + "." if "." in field_name else ""
-            raise ConfigError(
-                f"{field_name}={addr!r}: binding a non-loopback interface is refused without "
-                f"CURVE keys; run `actbus keys DIR` and set {prefix}server_secret_key="
-                f"DIR/server.key_secret and {prefix}authorized_keys=DIR/authorized_keys, or set "
-                f"{prefix}insecure_allow_any_interface=true (anyone who reaches it reads the "
-                "stream); or bind ipc:// or tcp://127.0.0.1:PORT"
-            )
-        return addr
-    raise ConfigError(
-        f"{field_name}={addr!r}: not a ZeroMQ address; use ipc:///path/to/socket "
-        "or tcp://127.0.0.1:PORT"
-    )
+        return raw
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError(
+            f"{where}: expected one of {', '.join(POSITION_MODES)} or a non-empty list of "
+            f"token positions, got {raw!r}"
+        )
+    for i, p in enumerate(raw):
+        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+            raise ConfigError(f"{where}[{i}]: expected a 0-based token position, got {p!r}")
+    return tuple(sorted(set(raw)))
 
 
-def is_loopback_address(addr: str) -> bool:
-    """True for ipc:// and tcp:// on a loopback host: reachable from this machine only."""
-    if addr.startswith(("ipc://", "inproc://")):
-        return True
-    m = _TCP.match(addr)
-    return bool(m) and _is_loopback(m.group("host").strip("[]"))
+def check_request_tags(raw: Any, where: str) -> dict[str, Any]:
+    """Labels put on a request (its rows carry them): string keys, values msgpack can
+    carry, at most ``MAX_TAGS_BYTES`` encoded. Returns a copy."""
+    import msgpack
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        raise ConfigError(f"{where}: expected a mapping of string keys to values, got {raw!r}")
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        size = len(msgpack.packb(raw, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(f"{where}: values must be strings, numbers, lists or maps ({e})") from e
+    if size > MAX_TAGS_BYTES:
+        raise ConfigError(f"{where}: {size} bytes encoded; keep tags under {MAX_TAGS_BYTES} bytes")
+    return dict(raw)

@@ -12,7 +12,10 @@ import json
 import os
 import sys
 
-from actbus.config import HOOKS, REQUESTS, CaptureConfig, ConfigError
+from actbus.config import REQUESTS, CaptureConfig
+from actbus.errors import ConfigError
+from actbus.flags import HelpFormatter
+from actbus.streams import HOOKS
 
 
 def serve_command(argv: list[str]) -> list[str]:
@@ -21,6 +24,7 @@ def serve_command(argv: list[str]) -> list[str]:
         prog="actbus serve",
         description="Start vLLM's OpenAI-compatible server with actbus capture. "
         "Arguments not listed here are passed to vLLM.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("model", help="model path or name, as for vllm serve")
     p.add_argument("--layers", default="all", help="layers to tap: 'all' or e.g. 8,16,24")
@@ -70,6 +74,7 @@ def _int(text: str, flag: str) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """start vLLM's OpenAI server with capture (see serve -h)"""
     try:
         cmd = serve_command(argv)
     except (ConfigError, json.JSONDecodeError) as e:

@@ -34,3 +34,20 @@ def test_bad_policy_is_refused_with_the_choices():
     out = _actbus("run", "null", "--connect", "ipc:///tmp/x.sock", "--policy", "newest")
     assert out.returncode == 2
     assert "--policy: unknown policy 'newest'; choose block, drop_newest, drop_oldest" in out.stderr
+
+
+def test_help_lists_every_registered_command():
+    from actbus.cli import commands
+
+    out = _actbus("--help")
+    assert out.returncode == 0
+    listed = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
+    assert (
+        set(listed) == set(commands()) >= {"run", "serve", "keys", "stats", "dashboard", "replay"}
+    )
+    assert all(len(line.split()) > 2 for line in listed.values())  # each with a description
+
+
+def test_unknown_command_is_named_with_the_commands():
+    out = _actbus("nope")
+    assert out.returncode == 2 and "unknown command 'nope'" in out.stderr and "replay" in out.stderr

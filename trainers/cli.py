@@ -24,42 +24,45 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from actbus.flags import int_list
-from trainers.config import SAE_KINDS, DataConfig, ProbeConfig, SAEConfig
+from actbus.bus.options import SubscriberOptions
+from actbus.flags import HelpFormatter, add_fields, name_flag, sweeps, values
+from trainers.config import DataConfig, ProbeConfig, SAEConfig
 
 log = logging.getLogger("actbus.trainers")
 
+MODEL_FROM_SOURCE = ("d_in", "layer", "hook", "name", "seed")
+"""Model fields set from the source and the stream, not by a flag of their own."""
+DATA_FLAGS = ("batch_tokens", "buffer_tokens", "warmup_tokens", "max_tokens", "idle_s", "seed")
+DATA_DEFAULTS = {"buffer_tokens": 65536, "warmup_tokens": 16384}
+"""The command's shuffle is smaller than DataConfig's, to start training sooner."""
 
-def _strs(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
 
-
-def _common(p: argparse.ArgumentParser) -> None:
+def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"actbus run {kind}", description=description, formatter_class=HelpFormatter
+    )
     src = p.add_argument_group("source (exactly one)")
-    src.add_argument("--connect", help="publisher address, e.g. ipc:///tmp/actbus.sock")
+    SubscriberOptions.add_arguments(src, only=("connect",), required=())
     src.add_argument("--from", dest="run_dir", help="a run directory the fs sink wrote")
-    src.add_argument("--layer", type=int_list, required=True, help="layer(s), comma-separated")
-    src.add_argument("--hook", type=_strs, default=["post_block"], help="hook(s), comma-separated")
+    SubscriberOptions.add_arguments(
+        src, only=("layers", "hooks"), defaults={"hooks": ("post_block",)}, required=("layers",)
+    )
     src.add_argument("--d-in", type=int, help="input width (default: from the publisher or run)")
     d = p.add_argument_group("data")
-    d.add_argument("--policy", default="drop_oldest", help="bus policy (default drop_oldest)")
-    d.add_argument("--window", type=int, default=64)
-    d.add_argument("--window-mb", type=float, default=128.0)
-    d.add_argument("--group", default="", help="load-balancing group (DDP sets one itself)")
-    d.add_argument("--tags", help='keep only requests whose tags match, JSON: {"split": "train"}')
-    d.add_argument("--batch-tokens", type=int, default=4096)
-    d.add_argument("--buffer-tokens", type=int, default=65536, help="shuffle buffer per stream")
-    d.add_argument("--warmup-tokens", type=int, default=16384)
-    d.add_argument("--max-tokens", type=int, help="stop after this many tokens per stream")
-    d.add_argument("--idle-s", type=float, help="live: stop after this long without data")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--server-key")
-    d.add_argument("--client-secret-key")
+    SubscriberOptions.add_arguments(
+        d,
+        exclude=("connect", "layers", "hooks"),
+        defaults={"policy": "drop_oldest", "name": kind},
+        required=(),
+    )
+    add_fields(d, DataConfig, only=DATA_FLAGS, defaults=DATA_DEFAULTS)
+    if model is ProbeConfig:
+        add_fields(d, DataConfig, only=("labels_file",))
+    add_fields(p.add_argument_group(kind), model, exclude=MODEL_FROM_SOURCE)
     t = p.add_argument_group("training")
-    t.add_argument("--lr", type=float, help="learning rate")
-    t.add_argument("--accelerator", default="auto")
+    t.add_argument("--accelerator", default="auto", help="Lightning accelerator: cpu, gpu...")
     t.add_argument("--devices", default="1", help="devices per node (DDP when more than 1)")
-    t.add_argument("--strategy", default="auto")
+    t.add_argument("--strategy", default="auto", help="Lightning strategy, e.g. ddp")
     t.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
     t.add_argument("--out", default="out/trainers", help="checkpoints and the W&B run go here")
     t.add_argument("--checkpoint-every", type=int, default=1000, help="optimizer steps")
@@ -69,93 +72,75 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("WANDB_PROJECT", "actbus"),
         help="W&B project (default $WANDB_PROJECT or actbus); group: $WANDB_RUN_GROUP",
     )
-    t.add_argument("--run-name", default=None)
+    t.add_argument("--run-name", default=None, help="W&B run name (default: --name)")
     t.add_argument("--no-progress", action="store_true", help="no rich progress bar")
     t.add_argument("--ledger", help=argparse.SUPPRESS)  # every trained (request, position)
     t.add_argument("--summary", help="write final metrics as JSON to this file")
+    return p
 
 
 def _sae_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="actbus run sae",
-        description="Train sparse autoencoders (one per layer x hook x k x expansion).",
+    return _parser(
+        "sae", SAEConfig, "Train sparse autoencoders (one per layer x hook x k x expansion)."
     )
-    _common(p)
-    s = p.add_argument_group("SAE")
-    s.add_argument("--kind", choices=SAE_KINDS, default="topk")
-    s.add_argument("--k", type=int_list, default=[32], help="k, comma-separated for several")
-    s.add_argument("--expansion", type=int_list, default=[16], help="d_sae / d_in, comma-separated")
-    s.add_argument("--aux-k", type=int, help="AuxK dead latents (default d_in/2; 0: off)")
-    s.add_argument("--aux-coeff", type=float, default=1 / 32)
-    s.add_argument("--dead-tokens", type=int, default=10_000_000)
-    s.add_argument("--l1-coeff", type=float, default=0.2)
-    s.add_argument("--l0-coeff", type=float, default=0.01)
-    s.add_argument("--b-dec-init", default="geometric_median")
-    s.add_argument("--no-normalize", action="store_true", help="no input scaling")
-    s.add_argument("--decoder", default="sparse", choices=("sparse", "dense"))
-    return p
 
 
 def _probe_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="actbus run probe",
-        description="Train linear probes on request-tag labels, one head per --label tag.",
+    return _parser(
+        "probe",
+        ProbeConfig,
+        "Train linear probes on request-tag labels, one head per --label tag.",
     )
-    _common(p)
-    s = p.add_argument_group("probe")
-    s.add_argument("--label", type=_strs, default=["label"], help="request tag(s) to predict")
-    s.add_argument("--kind", choices=("logistic", "linear"), default="logistic")
-    s.add_argument("--heldout", type=float, default=0.2, help="fraction of requests held out")
-    s.add_argument("--weight-decay", type=float, default=0.0)
-    s.add_argument("--labels-file", help="stored runs: JSON request_id -> {tag: value}")
-    return p
 
 
-def _d_in(opts: argparse.Namespace) -> int:
+def _d_in(opts: argparse.Namespace, sub: SubscriberOptions) -> int:
     if opts.d_in:
         return opts.d_in
     if opts.run_dir:
         from consumers.fs import ActivationRun
 
         return ActivationRun(opts.run_dir).hidden_size
-    from actbus.bus import Subscriber, Subscription
+    from actbus.bus import Subscription
 
-    with Subscriber(
-        opts.connect,
-        Subscription(layers=(), name="trainer-probe-width"),
-        server_key=opts.server_key,
-        client_secret_key=opts.client_secret_key,
-    ) as sub:
-        info = sub.wait_welcome(timeout=60)
+    with sub.subscribe(Subscription(layers=(), name="trainer-probe-width")) as s:
+        info = s.wait_welcome(timeout=60)
     if "hidden_size" not in info:
         raise ValueError("the publisher does not announce hidden_size; pass --d-in")
     return int(info["hidden_size"])
 
 
-def _data_cfg(opts: argparse.Namespace, name: str, **kw: Any) -> DataConfig:
-    from actbus.bus.protocol import parse_policy, parse_tags
-
-    parse_policy(opts.policy)  # a bad policy fails here, naming it
+def _data_cfg(opts: argparse.Namespace, sub: SubscriberOptions, **kw: Any) -> DataConfig:
     return DataConfig(
-        streams=tuple(itertools.product(opts.layer, opts.hook)),
-        address=opts.connect,
+        streams=tuple(itertools.product(sub.layers or (), sub.hooks or ())),
+        address=sub.connect,
         run_dir=opts.run_dir,
-        batch_tokens=opts.batch_tokens,
-        buffer_tokens=opts.buffer_tokens,
-        warmup_tokens=opts.warmup_tokens,
-        max_tokens=opts.max_tokens,
-        idle_s=opts.idle_s,
-        policy=opts.policy,
-        window=opts.window,
-        window_mb=opts.window_mb,
-        group=opts.group,
-        tags=parse_tags(opts.tags) if opts.tags else None,
-        seed=opts.seed,
-        name=name,
-        server_key=opts.server_key,
-        client_secret_key=opts.client_secret_key,
+        policy=sub.policy,
+        window=sub.window,
+        window_mb=sub.window_mb,
+        group=sub.group,
+        match=sub.match,
+        name=sub.name,
+        **sub.keys,
+        **values(opts, DataConfig, only=DATA_FLAGS),
         **kw,
     )
+
+
+def _models(model: type, opts: argparse.Namespace, sub: SubscriberOptions, d_in: int) -> list:
+    """One config per stream and per value of each swept field (``--k 32,64``)."""
+    kw = values(opts, model, exclude=MODEL_FROM_SOURCE)
+    swept = sweeps(model)
+    grid = itertools.product(sub.layers or (), sub.hooks or (), *(kw[n] for n in swept))
+    return [
+        model(
+            d_in=d_in,
+            layer=layer,
+            hook=hook,
+            seed=opts.seed,
+            **{**kw, **dict(zip(swept, v, strict=True))},
+        )
+        for layer, hook, *v in grid
+    ]
 
 
 def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) -> dict:
@@ -216,69 +201,41 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
 def _parse(
     parser: argparse.ArgumentParser, argv: list[str] | None, build: Any
 ) -> tuple[argparse.Namespace, list[Any], DataConfig]:
-    """Flags, then ``build(opts, d_in) -> (configs, data config)``; a bad value or an
-    unreachable source ends the command with the parser's error, naming it."""
+    """Flags, then ``build(opts, subscriber options, d_in) -> (configs, data config)``; a
+    bad value or an unreachable source ends the command with the parser's error, naming
+    the flag."""
     opts = parser.parse_args(argv)
-    if (opts.connect is None) == (opts.run_dir is None):
+    sub = SubscriberOptions.from_args(opts, parser)
+    if (sub.connect is None) == (opts.run_dir is None):
         parser.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
     try:
-        configs, data_cfg = build(opts, _d_in(opts))
+        configs, data_cfg = build(opts, sub, _d_in(opts, sub))
     except (ValueError, TimeoutError, FileNotFoundError) as e:
-        parser.error(str(e))
+        parser.error(name_flag(parser, str(e)))
     return opts, configs, data_cfg
 
 
-def _sae_configs(opts: argparse.Namespace, d_in: int) -> tuple[list[SAEConfig], DataConfig]:
-    configs = [
-        SAEConfig(
-            d_in=d_in,
-            kind=opts.kind,
-            k=k,
-            expansion=x,
-            aux_k=opts.aux_k,
-            aux_coeff=opts.aux_coeff,
-            dead_tokens=opts.dead_tokens,
-            l1_coeff=opts.l1_coeff,
-            l0_coeff=opts.l0_coeff,
-            b_dec_init=opts.b_dec_init,
-            normalize=not opts.no_normalize,
-            decoder=opts.decoder,
-            layer=layer,
-            hook=hook,
-            seed=opts.seed,
-            **({"lr": opts.lr} if opts.lr else {}),
-        )
-        for layer, hook, k, x in itertools.product(opts.layer, opts.hook, opts.k, opts.expansion)
-    ]
-    return configs, _data_cfg(opts, name="sae")
+def _sae_configs(
+    opts: argparse.Namespace, sub: SubscriberOptions, d_in: int
+) -> tuple[list[SAEConfig], DataConfig]:
+    return _models(SAEConfig, opts, sub, d_in), _data_cfg(opts, sub)
 
 
-def _probe_configs(opts: argparse.Namespace, d_in: int) -> tuple[list[ProbeConfig], DataConfig]:
-    configs = [
-        ProbeConfig(
-            d_in=d_in,
-            labels=tuple(opts.label),
-            kind=opts.kind,
-            heldout=opts.heldout,
-            weight_decay=opts.weight_decay,
-            layer=layer,
-            hook=hook,
-            seed=opts.seed,
-            **({"lr": opts.lr} if opts.lr else {}),
-        )
-        for layer, hook in itertools.product(opts.layer, opts.hook)
-    ]
+def _probe_configs(
+    opts: argparse.Namespace, sub: SubscriberOptions, d_in: int
+) -> tuple[list[ProbeConfig], DataConfig]:
     data_cfg = _data_cfg(
         opts,
-        name="probe",
-        label_tags=tuple(opts.label),
+        sub,
+        label_tags=tuple(opts.labels),
         labelled_only=True,
         labels_file=opts.labels_file,
     )
-    return configs, data_cfg
+    return _models(ProbeConfig, opts, sub, d_in), data_cfg
 
 
 def sae_main(argv: list[str] | None = None) -> int:
+    """train sparse autoencoders"""
     opts, configs, data_cfg = _parse(_sae_parser(), argv, _sae_configs)
     from trainers.sae_module import SAETrainer
 
@@ -288,10 +245,11 @@ def sae_main(argv: list[str] | None = None) -> int:
 
 
 def probe_main(argv: list[str] | None = None) -> int:
+    """train linear probes on request-tag labels"""
     opts, configs, data_cfg = _parse(_probe_parser(), argv, _probe_configs)
     from trainers.probe import ProbeTrainer
 
-    _fit(ProbeTrainer(configs, tuple(opts.label), checkpoint_dir=opts.out), data_cfg, opts, configs)
+    _fit(ProbeTrainer(configs, tuple(opts.labels), checkpoint_dir=opts.out), data_cfg, opts, configs)
     return 0
 
 

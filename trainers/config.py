@@ -1,7 +1,9 @@
 """Configurations of the trainers: what to train, on what, from where.
 
 Plain dataclasses, checked when built, so a bad value fails before any data
-flows, with an error naming the field and the fix.
+flows, with an error naming the field and the fix. ``actbus run sae|probe`` makes its
+flags from these fields (``actbus.flags``): a field's docstring is its help, and
+``metadata=flag(...)`` says what its type cannot (choices, a list of values to sweep).
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from actbus.flags import flag
+
 SAE_KINDS = ("topk", "batchtopk", "relu", "jumprelu")
 PROBE_KINDS = ("logistic", "linear")
 B_DEC_INITS = ("geometric_median", "mean", "zeros")
+DECODERS = ("sparse", "dense")
 
 
 def stream_key(layer: int, hook: str) -> str:
@@ -30,15 +35,18 @@ class SAEConfig:
     """One sparse autoencoder on one (layer, hook) stream."""
 
     d_in: int
-    kind: str = "topk"
-    expansion: int = 16
+    kind: str = field(default="topk", metadata=flag(choices=SAE_KINDS))
+    """Activation: topk, batchtopk, relu (L1 penalty) or jumprelu (L0 penalty)."""
+    expansion: int = field(default=16, metadata=flag(sweep=True))
+    """Latents per input dimension (d_sae / d_in)."""
     d_sae: int | None = None
     """Latents; default ``d_in * expansion``."""
-    k: int = 32
+    k: int = field(default=32, metadata=flag(sweep=True))
     """Active latents per token (topk), or on average per token (batchtopk)."""
     aux_k: int | None = None
     """Dead latents used by the AuxK loss (topk, batchtopk); default ``d_in // 2``; 0: off."""
     aux_coeff: float = 1 / 32
+    """Weight of the AuxK loss."""
     dead_tokens: int = 10_000_000
     """A latent that fired on none of the last this many tokens is dead."""
     l1_coeff: float = 0.2
@@ -46,13 +54,16 @@ class SAEConfig:
     l0_coeff: float = 0.01
     """jumprelu: weight of the L0 penalty (active latents per token)."""
     jumprelu_init_threshold: float = 0.5
-    """On normalised inputs (about unit scale per dimension)."""
+    """jumprelu: initial threshold, on normalised inputs (about unit scale per dimension)."""
     jumprelu_bandwidth: float = 0.1
+    """jumprelu: width of the rectangle kernel that gives the threshold its gradient."""
     lr: float = 2e-4
-    b_dec_init: str = "geometric_median"
+    """Learning rate (Adam)."""
+    b_dec_init: str = field(default="geometric_median", metadata=flag(choices=B_DEC_INITS))
+    """Initial decoder bias, from the first batch: its geometric median, its mean, or zeros."""
     normalize: bool = True
     """Scale inputs by one scalar so their mean squared norm is ``d_in`` (kept with the model)."""
-    decoder: str = "sparse"
+    decoder: str = field(default="sparse", metadata=flag(choices=DECODERS))
     """topk/batchtopk: ``sparse`` decodes with a gather (embedding_bag), ``dense`` with a matmul."""
     layer: int = 0
     hook: str = "post_block"
@@ -80,7 +91,7 @@ class SAEConfig:
             f"b_dec_init: {self.b_dec_init!r} is unknown; choose {B_DEC_INITS}",
         )
         _check(
-            self.decoder in ("sparse", "dense"),
+            self.decoder in DECODERS,
             f"decoder: expected sparse or dense, got {self.decoder!r}",
         )
         _check(self.layer >= 0, f"layer: expected >= 0, got {self.layer}")
@@ -106,14 +117,18 @@ class ProbeConfig:
     """Linear probes (one head per label tag) on one (layer, hook) stream."""
 
     d_in: int
-    labels: tuple[str, ...] = ("label",)
+    labels: tuple[str, ...] = field(default=("label",), metadata=flag("--label"))
     """Request tags holding the targets, one head each."""
-    kind: str = "logistic"
+    kind: str = field(default="logistic", metadata=flag(choices=PROBE_KINDS))
+    """logistic: a classifier per label (0/1 or booleans); linear: a regression."""
     lr: float = 1e-2
+    """Learning rate (AdamW)."""
     weight_decay: float = 0.0
+    """AdamW's weight decay."""
     heldout: float = 0.2
     """Fraction of requests (by a hash of the request id) kept out of training."""
     normalize: bool = True
+    """Standardise each input feature by its mean and std in the first batch."""
     layer: int = 0
     hook: str = "post_block"
     name: str = ""
@@ -149,6 +164,7 @@ class DataConfig:
     address: str | None = None
     run_dir: str | None = None
     batch_tokens: int = 4096
+    """Tokens per training batch."""
     buffer_tokens: int = 262_144
     """Shuffle buffer per stream, in tokens: batches are drawn at random from it."""
     warmup_tokens: int = 65_536
@@ -162,8 +178,8 @@ class DataConfig:
     window_mb: float = 128.0
     group: str = ""
     """Load-balancing group; set automatically per trainer when several ranks run (DDP)."""
-    tags: dict[str, Any] | None = None
-    """Keep only requests whose tags match (filtered at the publisher)."""
+    match: dict[str, Any] | None = None
+    """Keep only requests whose tags match this filter (cut out at the publisher)."""
     label_tags: tuple[str, ...] = ()
     """Request tags read into a per-row ``label`` tensor (NaN where missing)."""
     labelled_only: bool = False
@@ -171,6 +187,7 @@ class DataConfig:
     labels_file: str | None = None
     """Stored runs: a JSON map request_id -> {tag: value}, as the bus would carry."""
     seed: int = 0
+    """Seed of the shuffle (the command seeds the models with it too)."""
     prefetch: int = 2
     """Batches drawn ahead of the trainer on a thread of their own (pinned where CUDA is
     available, so the copy to the GPU is asynchronous); 0 draws them in the loop."""

@@ -29,7 +29,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from actbus.config import ConfigError, check_address, is_loopback_address
+from actbus.bus.addresses import check_address, is_loopback_address
+from actbus.errors import ConfigError
 
 log = logging.getLogger("actbus.security")
 

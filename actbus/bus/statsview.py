@@ -17,18 +17,26 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from actbus.bus.options import SubscriberOptions
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Event, Subscriber
+from actbus.flags import HelpFormatter
 
 CLIENT_NAME = "actbus-stats"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connect", required=True, help="publisher address")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="actbus stats",
+        description="The publisher's counters, per subscriber and group: a live table.",
+        formatter_class=HelpFormatter,
+    )
+    SubscriberOptions.add_arguments(p, only=("connect", "server_key", "client_secret_key"))
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     p.add_argument("--interval", type=float, default=1.0, help="refresh period, seconds")
     p.add_argument("--timeout", type=float, default=10.0, help="give up after this, seconds")
+    return p
 
 
 def stats_subscription() -> Subscription:
@@ -98,11 +106,15 @@ def render(stats: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(argv: list[str]) -> int:
+    """the publisher's counters: a live table (--once: one)"""
+    p = parser()
+    args = p.parse_args(argv)
+    opts = SubscriberOptions.from_args(args, p)
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
         console = Console(width=200)
-    with Subscriber(args.connect, stats_subscription(), keepalive=False) as sub:
+    with Subscriber(opts.connect, stats_subscription(), keepalive=False, **opts.keys) as sub:
         try:
             sub.wait_welcome(args.timeout)
             snap = request(sub, args.timeout)

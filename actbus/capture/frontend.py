@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from actbus.capture.selection import Selection, parse_selection
-from actbus.config import ConfigError
+from actbus.errors import ConfigError
 
 KEY = "actbus"
 

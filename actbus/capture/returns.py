@@ -29,7 +29,7 @@ import torch
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch, Subscriber
 from actbus.capture.selection import Selection
-from actbus.config import ConfigError
+from actbus.errors import ConfigError
 from actbus.wire import DTYPES
 
 log = logging.getLogger("actbus.returns")

@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from actbus.config import HOOKS, ConfigError
-
-POSITION_MODES = ("all", "prompt", "generated", "last_prompt", "last")
-MAX_TAGS_BYTES = 4096
+from actbus.config import check_request_tags, parse_positions
+from actbus.errors import ConfigError
+from actbus.streams import parse_hooks, parse_layers
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class Selection:
     layers: tuple[int, ...]
     hooks: tuple[str, ...]
     positions: str | tuple[int, ...] = "all"
-    """A mode of ``POSITION_MODES`` or explicit 0-based token positions."""
+    """A mode of ``actbus.config.POSITION_MODES`` or explicit 0-based token positions."""
     tags: dict[str, Any] = field(default_factory=dict)
     returns: bool = False
     """Attach the rows to the request's own outputs too (``"return": true``)."""
@@ -116,17 +115,23 @@ def parse_selection(
         if key not in known:
             raise ConfigError(f"{where}.{key}: unknown key; valid keys are {', '.join(known)}")
     layers = base.layers
-    if "layers" in raw:
-        layers = _layers(raw["layers"], engine_layers, num_layers, f"{where}.layers")
+    if raw.get("layers") == "all":
+        layers = engine_layers
+    elif "layers" in raw:
+        layers = parse_layers(
+            raw["layers"], f"{where}.layers", num_layers=num_layers, tapped=engine_layers
+        )
     hooks = base.hooks
-    if "hooks" in raw:
-        hooks = _hooks(raw["hooks"], engine_hooks, f"{where}.hooks")
+    if raw.get("hooks") == "all":
+        hooks = engine_hooks
+    elif "hooks" in raw:
+        hooks = parse_hooks(raw["hooks"], f"{where}.hooks", tapped=engine_hooks)
     positions = base.positions
     if "positions" in raw:
         positions = parse_positions(raw["positions"], f"{where}.positions")
     tags = dict(base.tags)
     if "tags" in raw:
-        tags.update(parse_tags(raw["tags"], f"{where}.tags"))
+        tags.update(check_request_tags(raw["tags"], f"{where}.tags"))
     returns = raw.get("return", base.returns)
     if not isinstance(returns, bool):
         raise ConfigError(
@@ -134,81 +139,3 @@ def parse_selection(
             "request's activations to its outputs)"
         )
     return Selection(layers, hooks, positions, tags, returns)
-
-
-def parse_positions(raw: Any, where: str) -> str | tuple[int, ...]:
-    if isinstance(raw, str):
-        if raw not in POSITION_MODES:
-            raise ConfigError(
-                f"{where}: unknown mode {raw!r}; use one of {', '.join(POSITION_MODES)} "
-                "or a list of token positions"
-            )
-        return raw
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = [raw]
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise ConfigError(
-            f"{where}: expected one of {', '.join(POSITION_MODES)} or a non-empty list of "
-            f"token positions, got {raw!r}"
-        )
-    for i, p in enumerate(raw):
-        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-            raise ConfigError(f"{where}[{i}]: expected a 0-based token position, got {p!r}")
-    return tuple(sorted(set(raw)))
-
-
-def parse_tags(raw: Any, where: str) -> dict[str, Any]:
-    import msgpack
-
-    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
-        raise ConfigError(f"{where}: expected a mapping of string keys to values, got {raw!r}")
-    try:
-        size = len(msgpack.packb(raw, use_bin_type=True))
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ConfigError(f"{where}: values must be strings, numbers, lists or maps ({e})") from e
-    if size > MAX_TAGS_BYTES:
-        raise ConfigError(f"{where}: {size} bytes encoded; keep tags under {MAX_TAGS_BYTES} bytes")
-    return dict(raw)
-
-
-def _layers(raw: Any, engine: tuple[int, ...], num_layers: int, where: str) -> tuple[int, ...]:
-    if raw == "all":
-        return engine
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = [raw]
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise ConfigError(
-            f"{where}: expected a non-empty list of layer indices or 'all', got {raw!r}"
-        )
-    for i, v in enumerate(raw):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ConfigError(f"{where}[{i}]: expected a 0-based layer index (int), got {v!r}")
-        if not 0 <= v < num_layers:
-            raise ConfigError(
-                f"{where}[{i}]: layer {v} is out of range; the model has {num_layers} decoder "
-                f"layers (valid: 0..{num_layers - 1})"
-            )
-        if v not in engine:
-            raise ConfigError(
-                f"{where}[{i}]: layer {v} is not tapped by this engine (it taps {list(engine)}); "
-                "add it to the engine's actbus.layers"
-            )
-    return tuple(sorted(set(raw)))
-
-
-def _hooks(raw: Any, engine: tuple[str, ...], where: str) -> tuple[str, ...]:
-    if raw == "all":
-        return engine
-    if isinstance(raw, str):
-        raw = [raw]
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise ConfigError(f"{where}: expected a non-empty list of hook names, got {raw!r}")
-    for i, h in enumerate(raw):
-        if h not in HOOKS:
-            raise ConfigError(f"{where}[{i}]: unknown hook {h!r}; hooks are {', '.join(HOOKS)}")
-        if h not in engine:
-            raise ConfigError(
-                f"{where}[{i}]: hook {h!r} is not tapped by this engine (it taps "
-                f"{list(engine)}); add it to the engine's actbus.hooks"
-            )
-    return tuple(h for h in engine if h in raw)

@@ -17,7 +17,8 @@ from torch import nn
 
 from actbus.capture.taps import check_architecture, install_taps, owned_layers
 from actbus.capture.worker import CaptureWorker
-from actbus.config import CaptureConfig, ConfigError
+from actbus.config import CaptureConfig
+from actbus.errors import ConfigError
 
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's

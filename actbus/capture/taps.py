@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from actbus.capture import ops  # noqa: F401  (registers torch.ops.actbus.*)
-from actbus.config import HOOKS, ConfigError
+from actbus.errors import ConfigError
+from actbus.streams import HOOKS
 
 # Architectures whose vLLM decoder layers take ``(positions, hidden_states,
 # residual)`` and return ``(hidden_states, residual)`` where, on the way out,

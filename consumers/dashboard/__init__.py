@@ -4,58 +4,63 @@
 (``sample:5/s`` by default: it can never slow generation), keeps the same
 statistics as the W&B consumer (``consumers.stats``) and serves them on
 127.0.0.1 only: one page, no assets from the internet, updated live over
-server-sent events. Flags are defined here, without importing the web stack,
-so ``actbus --help`` stays quick.
+server-sent events. The web stack is imported only when the command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from actbus.bus.options import SubscriberOptions
 from actbus.bus.protocol import DASHBOARD_POLICY
+from actbus.flags import HelpFormatter
 from consumers.priority import add_priority_arguments
 
 DEFAULT_PORT = 8765
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connect", required=True, help="publisher address")
-    p.add_argument(
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="actbus dashboard",
+        description="A live web view of the bus and its activations, served on 127.0.0.1. "
+        f"Its default policy, {DASHBOARD_POLICY}, bounds what watching costs the engine; a "
+        "lossless policy would let the dashboard slow generation.",
+        formatter_class=HelpFormatter,
+    )
+    SubscriberOptions.add_arguments(
+        p.add_argument_group("subscription"),
+        exclude=("layers", "hooks"),
+        defaults={"policy": DASHBOARD_POLICY, "name": "dashboard"},
+    )
+    d = p.add_argument_group("dashboard")
+    d.add_argument(
         "--port",
         type=int,
         default=DEFAULT_PORT,
-        help=f"port on 127.0.0.1 (default {DEFAULT_PORT}; 0: any free port, printed)",
+        help="port on 127.0.0.1 (0: any free port, printed)",
     )
-    p.add_argument(
-        "--policy",
-        default=DASHBOARD_POLICY,
-        help=f"subscription policy (default {DASHBOARD_POLICY}): sample:R/s (at most R "
-        "steps a second) or sample:N (every N-th step), so the dashboard never slows "
-        "generation (a lossless policy would)",
-    )
-    p.add_argument(
+    d.add_argument(
         "--interval", type=float, default=1.0, metavar="S", help="seconds between updates"
     )
-    p.add_argument(
-        "--requests", type=int, default=16, metavar="N", help="recent requests kept (default 16)"
-    )
-    p.add_argument("--bins", type=int, default=32, help="histogram bins of the per-token norms")
-    p.add_argument(
+    d.add_argument("--requests", type=int, default=16, metavar="N", help="recent requests kept")
+    d.add_argument("--bins", type=int, default=32, help="histogram bins of the per-token norms")
+    d.add_argument(
         "--outlier-k",
         type=float,
         default=6.0,
         help="a hidden dimension is an outlier when its peak |x| exceeds K x the RMS "
-        "of the median dimension (default 6)",
+        "of the median dimension",
     )
-    add_priority_arguments(p)
-    p.add_argument("--server-key", default=None, help="CURVE: the publisher's public key file")
-    p.add_argument(
-        "--client-secret-key", default=None, help="CURVE: this subscriber's secret key file"
-    )
-    p.add_argument("--log-level", default="INFO")
+    add_priority_arguments(d)
+    d.add_argument("--log-level", default="INFO", help="logging level")
+    return p
 
 
-def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def main(argv: list[str]) -> int:
+    """a live web view of the bus and its activations, on 127.0.0.1"""
+    p = parser()
+    args = p.parse_args(argv)
+    options = SubscriberOptions.from_args(args, p)
     from consumers.dashboard.app import serve
 
-    return serve(args, parser)
+    return serve(args, options, p)

@@ -28,9 +28,7 @@ from fastapi.staticfiles import StaticFiles
 
 from actbus import consumer as consumers
 from actbus.bus import SubscriptionRejected
-from actbus.bus.protocol import parse_policy
-from actbus.bus.security import ClientAuth
-from actbus.config import ConfigError
+from actbus.bus.options import SubscriberOptions
 from consumers.dashboard.board import Board
 from consumers.dashboard.consumer import WebDashboard
 from consumers.priority import lower_priority
@@ -77,27 +75,19 @@ def make_app(board: Board, poll_s: float = 0.2) -> FastAPI:
     return app
 
 
-def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def serve(
+    args: argparse.Namespace, options: SubscriberOptions, parser: argparse.ArgumentParser
+) -> int:
     """``actbus dashboard``: the consumer thread and the web server, until a signal."""
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be 0..65535, got {args.port}")
-    try:
-        parse_policy(args.policy)
-    except ValueError as e:
-        parser.error(f"--policy: {e}")
     if args.interval <= 0:
         parser.error(f"--interval must be above 0 seconds, got {args.interval}")
     if args.requests < 1:
         parser.error(f"--requests must be at least 1, got {args.requests}")
     try:
         config = StatsConfig(bins=args.bins, outlier_k=args.outlier_k)
-        ClientAuth(
-            args.connect,
-            server_key=args.server_key,
-            client_secret_key=args.client_secret_key,
-            fields=("--server-key", "--client-secret-key"),
-        )
-    except (ValueError, ConfigError) as e:
+    except ValueError as e:
         parser.error(str(e).replace("StatsConfig.", "--").replace("_", "-"))
     lower_priority(args.nice, args.sched)  # before the server and consumer threads start
     logging.basicConfig(
@@ -106,12 +96,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     board = Board(RecentRequests(keep=args.requests))
     make = functools.partial(
         WebDashboard,
-        args.connect,
+        options.connect,
         board,
         interval_s=args.interval,
         config=config,
-        server_key=args.server_key,
-        client_secret_key=args.client_secret_key,
+        **options.keys,
     )
     stop = threading.Event()
     failed: list[BaseException] = []
@@ -120,12 +109,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             out = consumers.run(
                 make,
-                args.connect,
-                subscription=lambda c: c.subscription(policy=args.policy),
+                options.connect,
+                subscription=options.consumer_subscription,
                 restart=consumers.RestartPolicy(on_error="restart"),
                 stop=stop,
-                server_key=args.server_key,
-                client_secret_key=args.client_secret_key,
+                **options.keys,
             )
             log.info("consumer stopped: received=%d missed=%d", out.received, out.missed)
         except SubscriptionRejected as e:

@@ -19,7 +19,8 @@ import zmq.auth
 
 from actbus.bus import Batch, Publisher, Subscriber, Subscription, SubscriptionRejected
 from actbus.bus.security import generate_keys
-from actbus.config import CaptureConfig, ConfigError
+from actbus.config import CaptureConfig
+from actbus.errors import ConfigError
 from actbus.wire import Header, RowIndex
 from tests.support.procs import ROOT, recv_batches, wait_for
 

@@ -149,7 +149,11 @@ def test_consumer_subscription_carries_the_new_fields():
     assert Subscription.from_wire(s.to_wire()) == s
 
 
-def test_group_and_tags_flags_reach_the_publisher(publisher, address, tmp_path):
+@pytest.mark.parametrize(
+    "match", [["--match", "split=train"], ["--tags", '{"split": "train"}']], ids=["match", "tags"]
+)
+def test_group_and_match_flags_reach_the_publisher(match, publisher, address, tmp_path):
+    """--match (and its deprecated spelling --tags) filters requests at the publisher."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -161,8 +165,7 @@ def test_group_and_tags_flags_reach_the_publisher(publisher, address, tmp_path):
             address,
             "--group",
             "ranks",
-            "--tags",
-            '{"split": "train"}',
+            *match,
             "--policy",
             "spill:8:block",
         ],

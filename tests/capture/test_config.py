@@ -3,7 +3,8 @@
 import pytest
 
 from actbus.capture.taps import check_architecture
-from actbus.config import CaptureConfig, ConfigError
+from actbus.config import CaptureConfig
+from actbus.errors import ConfigError
 
 
 def test_valid_config_parses():

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from actbus.capture.taps import install_taps
-from actbus.config import HOOKS
+from actbus.streams import HOOKS
 
 
 class Layer(nn.Module):

@@ -30,8 +30,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actbus.bus import Publisher
-from actbus.flags import int_list
+from actbus.flags import HelpFormatter, int_list, str_list
 from actbus.wire import DTYPE_NAMES, Header, RowIndex
+from consumers.fs.reader import ActivationRun
 
 log = logging.getLogger("actbus.replay")
 
@@ -56,7 +57,9 @@ class ReplayConfig:
             raise ValueError(f"--wait-subscribers must be >= 0, got {self.wait_subscribers}")
 
 
-def _index(run: Any, layers: tuple[int, ...] | None, hooks: tuple[str, ...] | None) -> pa.Table:
+def _index(
+    run: ActivationRun, layers: tuple[int, ...] | None, hooks: tuple[str, ...] | None
+) -> tuple[pa.Table, list[dict[str, Any]]]:
     """``step, layer, hook, shard, row`` of every stored row, in replay order."""
     parts = []
     entries = [
@@ -96,7 +99,7 @@ def _index(run: Any, layers: tuple[int, ...] | None, hooks: tuple[str, ...] | No
     return table.take(order), entries
 
 
-def _message(run: Any, rows: pa.Table) -> tuple[Header, Any]:
+def _message(run: ActivationRun, rows: pa.Table) -> tuple[Header, Any]:
     """One (step, layer, hook) group's header and decoded tensor."""
     ri_req: list[str] = []
     ri_si: list[int] = []
@@ -141,8 +144,6 @@ def _message(run: Any, rows: pa.Table) -> tuple[Header, Any]:
 
 def replay(cfg: ReplayConfig) -> dict[str, Any]:
     """Publish the run; returns counts (steps, messages, rows, seconds, publisher stats)."""
-    from consumers.fs.reader import ActivationRun
-
     run = ActivationRun(cfg.run)
     index, entries = _index(run, cfg.layers, cfg.hooks)
     sample = run.read(run.path / entries[0]["path"]).slice(0, 1)
@@ -211,7 +212,14 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
     return out
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def main(argv: list[str]) -> int:
+    """publish a stored run (fs-sink) back on the bus"""
+    p = argparse.ArgumentParser(
+        prog="actbus replay",
+        description="Publish a run the fs sink stored back on the bus, step by step, "
+        "through an ordinary publisher: any consumer runs from it as from an engine.",
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("run", help="run directory written by fs-sink")
     p.add_argument("--publish", required=True, help="address to publish on, e.g. ipc:///tmp/r")
     p.add_argument("--rate", type=float, default=None, help="steps/s (default: as fast as taken)")
@@ -220,11 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for them")
     p.add_argument("--layers", type=int_list, default=None, help="replay only these layers: 0,3")
-    p.add_argument("--hooks", default=None, help="replay only these hooks: post_block")
-    p.add_argument("--log-level", default="INFO")
-
-
-def main(args: argparse.Namespace) -> int:
+    p.add_argument("--hooks", type=str_list, default=None, help="replay only these hooks")
+    p.add_argument("--log-level", default="INFO", help="logging level")
+    args = p.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -236,7 +242,7 @@ def main(args: argparse.Namespace) -> int:
             wait_subscribers=args.wait_subscribers,
             wait_s=args.wait_s,
             layers=tuple(args.layers) if args.layers else None,
-            hooks=tuple(args.hooks.split(",")) if args.hooks else None,
+            hooks=tuple(args.hooks) if args.hooks else None,
         )
         out = replay(cfg)
     except (ValueError, FileNotFoundError, TimeoutError, OSError) as e:

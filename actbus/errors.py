@@ -1,0 +1,7 @@
+"""The error every check of user input raises: the bottom of actbus's import stack."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """Bad actbus configuration; the message names the field and the fix."""

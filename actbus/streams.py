@@ -1,0 +1,70 @@
+"""Which streams a decoder layer has, and the checks of a list of layers or hooks.
+
+A stream is one (layer, hook) pair. The engine's config, a request's selection and a
+subscriber's command line all name layers and hooks; they are checked here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actbus.errors import ConfigError
+
+HOOKS = ("pre_attn", "post_attn", "mlp_out", "post_block")
+"""Per decoder layer: the residual stream entering it, after attention is added,
+what the MLP block adds, and the stream leaving it (``post_attn + mlp_out``)."""
+
+
+def parse_layers(
+    raw: Any,
+    where: str,
+    *,
+    num_layers: int | None = None,
+    tapped: tuple[int, ...] | None = None,
+    model: str | None = None,
+) -> tuple[int, ...]:
+    """A non-empty list of 0-based layer indices (one int stands for itself), sorted,
+    without repeats. With ``num_layers``, each must exist in the model (named by
+    ``model``); with ``tapped``, each must be one the engine taps. ``"all"`` is the
+    caller's to resolve."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError(
+            f"{where}: expected a non-empty list of layer indices or 'all', got {raw!r}"
+        )
+    owner = f"model {model}" if model else "the model"
+    for i, v in enumerate(raw):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"{where}[{i}]: expected a 0-based layer index (int >= 0), got {v!r}")
+        if num_layers is not None and v >= num_layers:
+            raise ConfigError(
+                f"{where}[{i}]: layer {v} is out of range; {owner} has {num_layers} decoder "
+                f"layers (valid: 0..{num_layers - 1})"
+            )
+        if tapped is not None and v not in tapped:
+            raise ConfigError(
+                f"{where}[{i}]: layer {v} is not tapped by this engine (it taps {list(tapped)}); "
+                "add it to the engine's actbus.layers"
+            )
+    return tuple(sorted(set(raw)))
+
+
+def parse_hooks(raw: Any, where: str, *, tapped: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """A non-empty list of hook names (one name stands for itself), without repeats, in
+    the order given, or with ``tapped`` in the engine's order, each one it taps."""
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError(f"{where}: expected a non-empty list of hook names, got {raw!r}")
+    for i, h in enumerate(raw):
+        if h not in HOOKS:
+            raise ConfigError(f"{where}[{i}]: unknown hook {h!r}; supported: {', '.join(HOOKS)}")
+        if tapped is not None and h not in tapped:
+            raise ConfigError(
+                f"{where}[{i}]: hook {h!r} is not tapped by this engine (it taps "
+                f"{list(tapped)}); add it to the engine's actbus.hooks"
+            )
+    if tapped is not None:
+        return tuple(h for h in tapped if h in raw)
+    return tuple(dict.fromkeys(raw))

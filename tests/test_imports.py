@@ -1,0 +1,175 @@
+"""The import stack, read from the source (nothing is imported): no circles, no upward
+arrows. ``actbus`` is the core, in layers; ``consumers`` and ``trainers`` are plugins
+on top of it, reached from the core only through entry points."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("actbus", "consumers", "trainers")
+
+# The core's layers, bottom first: a module imports only from its own layer or lower.
+# Keys are module names or prefixes ending in "." (a package's modules); the longest match
+# wins. A module of actbus named by none of them fails the test: place it when adding it.
+LAYERS: dict[str, int] = {
+    "actbus": 0,  # the package's own __init__: a docstring and the version
+    "actbus.errors": 0,
+    "actbus.streams": 0,
+    "actbus.flags": 0,
+    "actbus.wire": 1,
+    "actbus.bus": 2,
+    "actbus.bus.": 2,
+    "actbus.config": 3,
+    "actbus.capture": 4,
+    "actbus.capture.": 4,
+    "actbus.tiny_models": 4,
+    "actbus.consumer": 5,
+    "actbus.plugin": 6,
+    "actbus.serve": 6,
+    "actbus.keys": 6,
+    "actbus.run": 6,
+    "actbus.cli": 6,
+}
+# Which top-level package may import which (each may import itself).
+ALLOWED = {
+    "actbus": set(),
+    "consumers": {"actbus"},
+    "trainers": {"actbus", "consumers"},
+}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the three packages, by dotted name."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """(module imported, line) for every import in the file, at any depth (a function's
+    lazy import is an arrow too), resolved to the modules of the three packages."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            # ``from pkg import mod`` imports the module pkg.mod when there is one
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # ``import a.b.c`` of a package's name
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                yield target, node.lineno
+
+
+def graph() -> dict[str, dict[str, int]]:
+    known = modules()
+    edges: dict[str, dict[str, int]] = {m: {} for m in known}
+    for name, path in known.items():
+        for target, line in imports(name, path, known):
+            edges[name].setdefault(target, line)
+    return edges
+
+
+def circles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each as a cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def layer(module: str) -> int | None:
+    best = None
+    for key, rank in LAYERS.items():
+        hit = module == key or (key.endswith(".") and module.startswith(key))
+        if hit and (best is None or len(key) > len(best[0])):
+            best = (key, rank)
+    return best[1] if best else None
+
+
+def test_the_walk_sees_lazy_and_from_imports():
+    """The walker itself: a function-level import, ``from pkg import module`` and a
+    package's own modules are all found (a walker that saw none would pass below)."""
+    edges = graph()
+    assert "actbus.bus.protocol" in edges["actbus.bus"]  # the package re-exports it
+    assert "actbus.capture.ops" in edges["actbus.capture.taps"]  # from actbus.capture import ops
+    assert "actbus.capture.session" in edges["actbus.plugin"]  # inside a function
+    assert len(edges) > 60
+
+
+def test_no_circles():
+    found = circles(graph())
+    assert not found, "import circles (each list imports itself round): " + "; ".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_no_upward_arrows_between_packages():
+    bad = [
+        f"{src} imports {dst} (line {line})"
+        for src, targets in graph().items()
+        for dst, line in targets.items()
+        if (a := src.split(".")[0]) != (b := dst.split(".")[0]) and b not in ALLOWED[a]
+    ]
+    assert not bad, (
+        "actbus reaches consumers and trainers only through entry points, and consumers "
+        "never import trainers:\n  " + "\n  ".join(bad)
+    )
+
+
+def test_core_layers():
+    edges = graph()
+    core = [m for m in edges if m.split(".")[0] == "actbus"]
+    unplaced = [m for m in core if layer(m) is None]
+    assert not unplaced, f"place these modules in LAYERS of {__file__}: {unplaced}"
+    bad = [
+        f"{src} (layer {layer(src)}) imports {dst} (layer {layer(dst)}), line {line}"
+        for src in core
+        for dst, line in edges[src].items()
+        if dst.split(".")[0] == "actbus" and layer(dst) > layer(src)
+    ]
+    assert not bad, "the core imports only from its own layer or lower:\n  " + "\n  ".join(bad)
