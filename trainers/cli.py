@@ -249,7 +249,9 @@ def probe_main(argv: list[str] | None = None) -> int:
     opts, configs, data_cfg = _parse(_probe_parser(), argv, _probe_configs)
     from trainers.probe import ProbeTrainer
 
-    _fit(ProbeTrainer(configs, tuple(opts.labels), checkpoint_dir=opts.out), data_cfg, opts, configs)
+    _fit(
+        ProbeTrainer(configs, tuple(opts.labels), checkpoint_dir=opts.out), data_cfg, opts, configs
+    )
     return 0
 
 
