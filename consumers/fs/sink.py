@@ -7,6 +7,13 @@ first row, when the publisher shows we are caught up, and at the end (see
 hooks, positions) and, with ``--keep marked``, the window of unmarked requests
 (``selection.py``); the reduction (``reductions.py``) is applied as rows are
 buffered.
+
+Whatever arrives, the sink creates, replaces and lists files inside ``--out``
+only: headers are checked at decode time (``actbus.wire``; refused messages are
+counted in the manifest's counters as ``messages_rejected_FIELD``), and shard
+paths are built only from a plain hook and a layer >= 0 and resolved under the
+run (``layout.shard_dir``; rows refused there are counted as
+``rows_refused_unsafe_path``). A refusal is logged once and the sink goes on.
 """
 
 from __future__ import annotations

@@ -21,7 +21,18 @@ import pytest
 import torch
 import zmq
 
-from actbus.wire import DATA, END, HELLO, SCHEMA_VERSION, WELCOME, Header, RowIndex, pack_seq
+from actbus.wire import (
+    DATA,
+    END,
+    HELLO,
+    MARK,
+    REJECT,
+    SCHEMA_VERSION,
+    WELCOME,
+    Header,
+    RowIndex,
+    pack_seq,
+)
 from consumers.fs import ActivationRun
 from tests.support.procs import manifest, start_sink, stop, wait_for
 
@@ -86,7 +97,7 @@ class HostilePublisher:
         self.sock.bind(address)
         self.ident: bytes | None = None
 
-    def welcome(self, timeout: float) -> None:
+    def hello(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while self.ident is None:
             left = deadline - time.monotonic()
@@ -94,6 +105,9 @@ class HostilePublisher:
             frames = self.sock.recv_multipart()
             if frames[1] == HELLO:
                 self.ident = frames[0]
+
+    def welcome(self, timeout: float) -> None:
+        self.hello(timeout)
         info = {
             "schema": SCHEMA_VERSION,
             "publisher_id": "hostile",
@@ -109,8 +123,11 @@ class HostilePublisher:
         frames = [DATA, pack_seq(seq), msgpack.packb(header), tensor]
         self.sock.send_multipart([self.ident, *frames])
 
+    def control(self, tag: bytes, body: dict) -> None:
+        self.sock.send_multipart([self.ident, tag, msgpack.packb(body)])
+
     def end(self) -> None:
-        self.sock.send_multipart([self.ident, END, msgpack.packb({})])
+        self.control(END, {})
 
     def close(self) -> None:
         self.sock.close()
@@ -188,3 +205,49 @@ def test_fs_sink_refuses_every_malformed_header_and_stays_in_its_run(tmp_path):
         assert positions.tolist() == list(range(ROWS)) and torch.equal(
             x, torch.full((ROWS, HIDDEN), float(step))
         )
+
+
+@pytest.mark.timeout(180)
+def test_bad_marks_are_counted_and_huge_fields_never_reach_the_log(tmp_path):
+    """Marks are relayed from any subscriber: one with a 1 MB request id, one whose
+    sample index is a string, one with 10 MB of reason; the sink keeping only marked
+    requests counts the bad ones, keeps the good one, and logs a few lines."""
+    out = tmp_path / "run"
+    pub = HostilePublisher(f"ipc://{tmp_path}/bus.sock")
+    proc = start_sink(f"ipc://{tmp_path}/bus.sock", out, "--exit-on-end", "--keep", "marked")
+    try:
+        pub.welcome(60)
+        wait_for(lambda: (manifest(out) or {}).get("sessions"), 60, "the sink's first manifest")
+        for step in range(3):
+            pub.data(step, *good(step))
+        pub.control(MARK, {"request_id": "r" * 1_000_000, "sample_index": 0})
+        pub.control(MARK, {"request_id": "g1", "sample_index": "0"})
+        pub.control(MARK, {"request_id": "g1", "sample_index": 0, "reason": "y" * 10_000_000})
+        pub.end()
+        wait_for(lambda: proc.poll() is not None, 90, "the sink to exit at END")
+    finally:
+        rc = stop(proc)
+        pub.close()
+    text = (tmp_path / "run.log").read_text(errors="replace")
+    assert rc == 0, text[-3000:]
+    assert len(text) < 20_000, len(text)
+    run = ActivationRun(out)
+    assert run.manifest["counters"]["marks_refused"] == 2
+    assert run.request_ids(0) == ["g1"]  # the good mark kept its request, the rest let go
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_with_a_10_mb_reason_is_quoted_short(tmp_path):
+    out = tmp_path / "run"
+    pub = HostilePublisher(f"ipc://{tmp_path}/bus.sock")
+    proc = start_sink(f"ipc://{tmp_path}/bus.sock", out)
+    try:
+        pub.hello(60)
+        pub.control(REJECT, {"reason": "go away " + "x" * 10_000_000})
+        rc = proc.wait(timeout=60)
+    finally:
+        stop(proc)
+        pub.close()
+    text = (tmp_path / "run.log").read_text(errors="replace")
+    assert rc == 1 and "refused: go away xxx" in text, text[-2000:]
+    assert len(text) < 20_000, len(text)
