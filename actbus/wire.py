@@ -56,22 +56,22 @@ class WireError(ValueError):
 # Bounds of a data message's header, checked at decode time on every subscriber: a
 # consumer uses these fields as path parts (hook, layer), types (dtype), sizes
 # (shape) and log text, so a buggy or hostile publisher's header is refused here,
-# with the field named, before any consumer sees it.
+# with the field named, before any consumer sees it. One message serves every
+# request of a step, so the bounds are loose enough for anything capture accepts
+# (tags of at most 4096 bytes encoded fit every tag bound).
 MAX_INT32 = (1 << 31) - 1
 MAX_INT64 = (1 << 63) - 1
-MAX_MODEL_CHARS = 1024
-MAX_REQUEST_ID_CHARS = 512
+MAX_MODEL_CHARS = 4096
+MAX_REQUEST_ID_CHARS = 4096
 MAX_REASON_CHARS = 64
 MAX_REQUESTS = 1 << 16
 """Requests in one message's row index, and request ends in one header."""
-MAX_TAGS = 64
-"""Keys of one request's tags (and of a header's own ``tags``)."""
-MAX_TAG_KEY_CHARS = 128
-MAX_TAG_VALUE_CHARS = 4096
-"""Characters of one tag string (capture refuses tags over 4096 bytes encoded)."""
-MAX_TAG_ITEMS = 1024
-"""Values in one request's tags, nested lists and maps included."""
-MAX_TAG_DEPTH = 4
+MAX_TAG_CHARS = 4096
+"""Characters of one tag key or string value."""
+MAX_TAG_ITEMS = 4096
+"""Keys of one request's tags (or of a header's own), and values in them all,
+nested lists and maps included."""
+MAX_TAG_DEPTH = 16
 
 _hooks: frozenset[str] | None = None
 
@@ -394,18 +394,18 @@ def _tags(v: Any, field: str) -> dict[str, Any]:
     Flat maps of short strings and numbers (the usual tags) are checked inline."""
     if type(v) is not dict:
         raise WireError(f"header field {field!r}: {capped(v)} is not a map", field)
-    if len(v) > MAX_TAGS:
+    if len(v) > MAX_TAG_ITEMS:
         raise WireError(
-            f"header field {field!r}: {len(v)} tags, more than the {MAX_TAGS} allowed", field
+            f"header field {field!r}: {len(v)} tags, more than the {MAX_TAG_ITEMS} allowed", field
         )
     budget = None
     for k, x in v.items():
-        if type(k) is not str or len(k) > MAX_TAG_KEY_CHARS:
-            _str(k, field, MAX_TAG_KEY_CHARS, "key")
+        if type(k) is not str or len(k) > MAX_TAG_CHARS:
+            _str(k, field, MAX_TAG_CHARS, "key")
         t = type(x)
         if t is str:
-            if len(x) > MAX_TAG_VALUE_CHARS:
-                _str(x, field, MAX_TAG_VALUE_CHARS, "value")
+            if len(x) > MAX_TAG_CHARS:
+                _str(x, field, MAX_TAG_CHARS, "value")
         elif x is not None and t not in _SCALARS:
             budget = budget or [MAX_TAG_ITEMS - len(v)]
             _tag_value(x, field, 1, budget)
@@ -422,12 +422,12 @@ def _flat_tags_ok(tags: list[Any]) -> bool:
     them all, where one check per map cost a microsecond each. False: look closer."""
     if not tags:
         return True
-    if set(map(type, tags)) != {dict} or max(map(len, tags)) > MAX_TAGS:
+    if set(map(type, tags)) != {dict} or max(map(len, tags)) > MAX_TAG_ITEMS:
         return False
     keys = list(chain.from_iterable(tags))
     if not keys:
         return True
-    if set(map(type, keys)) != {str} or max(map(len, keys)) > MAX_TAG_KEY_CHARS:
+    if set(map(type, keys)) != {str} or max(map(len, keys)) > MAX_TAG_CHARS:
         return False
     values = list(chain.from_iterable(map(dict.values, tags)))
     kinds = set(map(type, values))
@@ -435,7 +435,7 @@ def _flat_tags_ok(tags: list[Any]) -> bool:
         return False
     if str in kinds:
         strings = values if kinds == {str} else [v for v in values if type(v) is str]
-        return max(map(len, strings)) <= MAX_TAG_VALUE_CHARS
+        return max(map(len, strings)) <= MAX_TAG_CHARS
     return True
 
 
@@ -449,7 +449,7 @@ def _tag_value(v: Any, field: str, depth: int, budget: list[int]) -> None:
     if v is None or type(v) in _SCALARS:
         return
     if type(v) is str:
-        _str(v, field, MAX_TAG_VALUE_CHARS, "value")
+        _str(v, field, MAX_TAG_CHARS, "value")
         return
     if type(v) not in (list, dict):  # bytes, extension types: not storable as JSON
         raise WireError(
@@ -461,7 +461,7 @@ def _tag_value(v: Any, field: str, depth: int, budget: list[int]) -> None:
         raise WireError(f"header field {field!r}: nested deeper than {MAX_TAG_DEPTH}", field)
     if type(v) is dict:
         for k, x in v.items():
-            _str(k, field, MAX_TAG_KEY_CHARS, "key")
+            _str(k, field, MAX_TAG_CHARS, "key")
             _tag_value(x, field, depth + 1, budget)
     else:
         for x in v:

@@ -137,21 +137,25 @@ BIG = "x" * 10_000_000  # a 10 MB field: refused, and never quoted whole
         (_set(["shape"], [3, 1 << 33]), "shape", "'shape' width"),
         (_set(["shape"], [24]), "shape", "is not \\[rows, width\\]"),
         (_set(["shape"], [2, 8]), "shape", "2 rows, the row index has 3"),
-        (_set(["model"], BIG), "model", "10000000 characters, more than the 1024 allowed"),
-        (_set(["rows", "request_ids"], ["a" * 513, "b"]), "request_ids", "more than the 512"),
+        (_set(["model"], BIG), "model", "10000000 characters, more than the 4096 allowed"),
+        (_set(["rows", "request_ids"], ["a" * 4097, "b"]), "request_ids", "more than the 4096"),
         (_set(["rows", "request_ids"], [1, "b"]), "request_ids", "1 is not a string"),
         (_set(["rows", "request_ids"], "ab"), "request_ids", "is not a list"),
         (_set(["rows", "sample_index"], [-1, 0]), "sample_index", "-1 is not an integer"),
-        (_set(["rows", "tags"], [{f"k{i}": i for i in range(65)}, {}]), "tags", "65 tags"),
+        (_set(["rows", "tags"], [{f"k{i}": i for i in range(4097)}, {}]), "tags", "4097 tags"),
         (_set(["rows", "tags"], [{"k": "v" * 4097}, {}]), "tags", "'tags' value: 4097"),
-        (_set(["rows", "tags"], [{"k" * 129: 1}, {}]), "tags", "'tags' key: 129"),
+        (_set(["rows", "tags"], [{"k" * 4097: 1}, {}]), "tags", "'tags' key: 4097"),
         (_set(["rows", "tags"], [{"k": b"raw"}, {}]), "tags", "a value of type bytes"),
-        (_set(["rows", "tags"], [{"k": [[[["deep"]]]]}, {}]), "tags", "nested deeper than 4"),
-        (_set(["rows", "tags"], [{"k": list(range(2000))}, {}]), "tags", "more than 1024"),
+        (
+            _set(["rows", "tags"], [{"k": [[[[[[[[[[[[[[[["deep"]]]]]]]]]]]]]]]]}, {}]),
+            "tags",
+            "deeper than 16",
+        ),
+        (_set(["rows", "tags"], [{"k": list(range(5000))}, {}]), "tags", "more than 4096 values"),
         (_set(["rows", "tags"], ["label", {}]), "tags", "is not a map"),
         (_set(["rows", "returned"], [1, 0]), "returned", "must be booleans"),
-        (_set(["tags"], {f"k{i}": i for i in range(100)}), "tags", "100 tags"),
-        (_set(["ended"], [["z" * 600, 0, "stop"]]), "ended", "request id: 600 characters"),
+        (_set(["tags"], {f"k{i}": i for i in range(5000)}), "tags", "5000 tags"),
+        (_set(["ended"], [["z" * 5000, 0, "stop"]]), "ended", "request id: 5000 characters"),
         (_set(["ended"], [["z", 0, "r" * 100]]), "ended", "reason: 100 characters"),
         (_set(["ended"], [["z", -2, "stop"]]), "ended", "sample index: -2"),
         (_set(["ended"], [["z"]]), "ended", "is not \\[request_id, sample_index, reason\\]"),
@@ -176,12 +180,19 @@ def test_headers_at_their_bounds_are_accepted():
     d = msgpack.unpackb(_header().encode())
     d["layer"] = (1 << 31) - 1
     d["step"] = (1 << 63) - 1
-    d["model"] = "m" * 1024
-    d["rows"]["request_ids"] = ["a" * 512, "b"]
-    d["rows"]["tags"] = [{f"k{i}": "v" * 4096 for i in range(64)}, {"k": [{"a": [1, 2.5]}, None]}]
-    d["ended"] = [["z" * 512, (1 << 31) - 1, "r" * 64]]
+    d["model"] = "m" * 4096
+    d["rows"]["request_ids"] = ["a" * 4096, "b"]
+    deep: list = [1]
+    for _ in range(14):
+        deep = [deep]
+    d["rows"]["tags"] = [
+        {**{f"k{i}": i for i in range(4095)}, "s" * 4096: "v" * 4096},
+        {"k": [{"a": [1, 2.5]}, None], "deep": deep},
+    ]
+    d["ended"] = [["z" * 4096, (1 << 31) - 1, "r" * 64]]
     h = Header.decode(msgpack.packb(d))
-    assert h.layer == (1 << 31) - 1 and h.rows.request_tags(1) == {"k": [{"a": [1, 2.5]}, None]}
+    assert h.layer == (1 << 31) - 1 and h.rows.request_tags(1)["deep"] == deep
+    assert len(h.rows.request_tags(0)) == 4096
 
 
 def test_a_tensor_frame_that_disagrees_with_the_shape_names_it():
