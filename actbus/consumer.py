@@ -81,6 +81,11 @@ class Consumer(ABC):
     def on_end(self) -> None:
         """The publisher shut down (the engine stopped)."""
 
+    def on_rejected(self, rejected_by: dict[str, int]) -> None:
+        """The subscriber refused messages that broke the schema or a bound (logged
+        there, never delivered); ``rejected_by`` is the running total by the header
+        field at fault, given after each new refusal."""
+
     def close(self) -> None:
         """Release resources; called once, last."""
 
@@ -230,8 +235,12 @@ def _run_once(
         # stream of messages triggers stop rescanning it (py-spy: 21% and 44% of the
         # null consumer's samples at 2 MiB messages, under 2% once frozen).
         gc.freeze()
+        rejected = 0
         while not stop.is_set():
             out = sub.recv(timeout=0.25)
+            if sub.stats.rejected != rejected:
+                rejected = sub.stats.rejected
+                _call(consumer, "on_rejected", consumer.on_rejected, dict(sub.stats.rejected_by))
             if out is not None and _deliver(consumer, sub, out) and exit_on_end:
                 break
     except ConsumerFailed as e:

@@ -13,11 +13,15 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import msgpack
 import numpy as np
 import torch
+
+from actbus.logcap import capped
+from actbus.streams import HOOKS
 
 SCHEMA_VERSION = 1
 
@@ -43,7 +47,36 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
 class WireError(ValueError):
-    """A message that does not follow the schema (malformed, truncated, wrong version)."""
+    """A message that does not follow the schema (malformed, truncated, wrong version,
+    a field out of its bounds); ``field`` names the header field at fault."""
+
+    def __init__(self, message: str, field: str = "message") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# Bounds of a data message's header, checked at decode time on every subscriber: a
+# consumer uses these fields as path parts (hook, layer), types (dtype), sizes
+# (shape) and log text, so a buggy or hostile publisher's header is refused here,
+# with the field named, before any consumer sees it. One message serves every
+# request of a step, so the bounds are loose enough for anything capture accepts
+# (tags of at most 4096 bytes encoded fit every tag bound).
+MAX_INT32 = (1 << 31) - 1
+MAX_INT64 = (1 << 63) - 1
+MAX_MODEL_CHARS = 4096
+MAX_REQUEST_ID_CHARS = 4096
+MAX_REASON_CHARS = 64
+MAX_REQUESTS = 1 << 16
+"""Requests in one message's row index, and request ends in one header."""
+MAX_TAG_CHARS = 4096
+"""Characters of one tag key or string value."""
+MAX_TAG_ITEMS = 4096
+"""Keys of one request's tags (or of a header's own), and values in them all,
+nested lists and maps included."""
+MAX_TAG_DEPTH = 16
+
+KNOWN_HOOKS = frozenset(HOOKS)
+"""The hook names a header may carry: exactly the hook points capture taps."""
 
 
 @dataclass
@@ -155,29 +188,61 @@ class RowIndex:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> RowIndex:
+        """The index of a received header, every field checked against its bounds."""
+        if type(d) is not dict:
+            raise WireError(f"header field 'rows': {capped(d)} is not a map", "rows")
         try:
+            ids = _list(d["request_ids"], "request_ids", MAX_REQUESTS)
+            if set(map(type, ids)) - {str} or max(map(len, ids), default=0) > (
+                MAX_REQUEST_ID_CHARS
+            ):
+                for r in ids:  # the one at fault, named
+                    _str(r, "request_ids", MAX_REQUEST_ID_CHARS)
+            sample_index = _list(d.get("sample_index") or [], "sample_index", MAX_REQUESTS)
+            if (
+                set(map(type, sample_index)) - {int}
+                or not 0
+                <= min(sample_index, default=0)
+                <= max(sample_index, default=0)
+                <= MAX_INT32
+            ):
+                for i in sample_index:
+                    _int(i, "sample_index", 0, MAX_INT32)
+            tags = _list(d.get("tags") or [], "tags", MAX_REQUESTS)
+            if not _flat_tags_ok(tags):
+                for t in tags:  # the one at fault, named
+                    _tags(t, "tags")
+            returned = _list(d.get("returned") or [], "returned", MAX_REQUESTS)
+            if set(map(type, returned)) - {bool}:
+                raise WireError("header field 'returned': entries must be booleans", "returned")
             rows = cls(
-                request_ids=[str(r) for r in d["request_ids"]],
+                request_ids=ids,
                 offsets=_unpack_ints(d["offsets"]),
                 positions=_unpack_ints(d["positions"]),
                 token_ids=_unpack_ints(d["token_ids"]),
-                sample_index=[int(i) for i in d.get("sample_index") or []],
-                tags=[dict(t) for t in d.get("tags") or []],
-                returned=[bool(r) for r in d.get("returned") or []],
+                sample_index=sample_index,
+                tags=tags,
+                returned=returned,
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise WireError(f"bad row index in header: {e}") from e
+            if isinstance(e, WireError):
+                raise
+            raise WireError(f"bad row index in header: {capped(e)}", "rows") from e
         n = rows.num_rows
         if len(rows.offsets) != len(rows.request_ids) + 1:
-            raise WireError("row index: offsets must have one more entry than request_ids")
+            raise WireError(
+                "row index: offsets must have one more entry than request_ids", "offsets"
+            )
         for name in ("sample_index", "tags", "returned"):
             if getattr(rows, name) and len(getattr(rows, name)) != len(rows.request_ids):
-                raise WireError(f"row index: {name} must have one entry per request")
+                raise WireError(f"row index: {name} must have one entry per request", name)
         if len(rows.positions) != n or len(rows.token_ids) != n:
-            raise WireError("row index: positions/token_ids length differs from the row count")
+            raise WireError(
+                "row index: positions/token_ids length differs from the row count", "positions"
+            )
         off = rows.offsets
         if len(off) and (off[0] != 0 or bool((off[1:] < off[:-1]).any())):
-            raise WireError("row index: offsets must start at 0 and never decrease")
+            raise WireError("row index: offsets must start at 0 and never decrease", "offsets")
         return rows
 
 
@@ -247,38 +312,194 @@ class Header:
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> Header:
+        """A received header, every field a consumer uses checked against its bounds
+        (``WireError`` names the field and the bound)."""
         d = unpack_map(raw)
         schema = d.get("schema")
         if schema != SCHEMA_VERSION:
             raise WireError(
-                f"schema version {schema!r} is not supported (this actbus speaks "
-                f"{SCHEMA_VERSION}); upgrade the older side"
+                f"schema version {capped(schema)} is not supported (this actbus speaks "
+                f"{SCHEMA_VERSION}); upgrade the older side",
+                "schema",
             )
         try:
+            hook = d["hook"]
+            if type(hook) is not str or hook not in KNOWN_HOOKS:
+                raise WireError(
+                    f"header field 'hook': {capped(hook)} is not a known hook; expected one "
+                    f"of {', '.join(sorted(KNOWN_HOOKS))}",
+                    "hook",
+                )
+            dtype = d["dtype"]
+            if type(dtype) is not str or dtype not in DTYPES:
+                raise WireError(
+                    f"header field 'dtype': {capped(dtype)} is not a known dtype; expected "
+                    f"one of {', '.join(sorted(DTYPES))}",
+                    "dtype",
+                )
+            shape = d["shape"]
+            if type(shape) is not list or len(shape) != 2:
+                raise WireError(
+                    f"header field 'shape': {capped(shape)} is not [rows, width]", "shape"
+                )
             hdr = cls(
-                step=int(d["step"]),
-                layer=int(d["layer"]),
-                hook=str(d["hook"]),
-                dtype=str(d["dtype"]),
-                shape=tuple(int(s) for s in d["shape"]),
-                model=str(d["model"]),
-                tags=dict(d.get("tags") or {}),
-                ended=[RequestEnd(str(r), int(i), str(w)) for r, i, w in d.get("ended") or []],
+                step=_int(d["step"], "step", 0, MAX_INT64),
+                layer=_int(d["layer"], "layer", 0, MAX_INT32),
+                hook=hook,
+                dtype=dtype,
+                shape=(
+                    _int(shape[0], "shape", 0, MAX_INT32, "rows"),
+                    _int(shape[1], "shape", 1, MAX_INT32, "width"),
+                ),
+                model=_str(d["model"], "model", MAX_MODEL_CHARS),
+                tags=_tags(d.get("tags") or {}, "tags"),
+                ended=_ends(d.get("ended") or []),
                 rows=_rows_from_wire(d["rows"]),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, WireError):
-                raise
-            raise WireError(f"bad header field: {e!r}") from e
-        if hdr.dtype not in DTYPES:
-            raise WireError(f"unknown dtype {hdr.dtype!r}; expected one of {sorted(DTYPES)}")
-        if len(hdr.shape) != 2 or hdr.shape[0] != hdr.rows.num_rows:
-            raise WireError(f"shape {hdr.shape} does not match {hdr.rows.num_rows} rows")
+        except KeyError as e:
+            raise WireError(f"bad header field: {capped(e.args[0])} is missing", "header") from e
+        if hdr.shape[0] != hdr.rows.num_rows:
+            raise WireError(
+                f"header field 'shape': {hdr.shape[0]} rows, the row index has {hdr.rows.num_rows}",
+                "shape",
+            )
         return hdr
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+# Field checks of a received header: each raises WireError naming the field.
+
+
+def _int(v: Any, field: str, lo: int, hi: int, what: str = "") -> int:
+    """``v`` if it is an int in ``[lo, hi]``; ``what`` names the part of ``field``."""
+    if type(v) is not int or not lo <= v <= hi:  # bool is not an int here
+        part = f" {what}" if what else ""
+        raise WireError(
+            f"header field {field!r}{part}: {capped(v)} is not an integer in [{lo}, {hi}]", field
+        )
+    return v
+
+
+def _str(v: Any, field: str, limit: int, what: str = "") -> str:
+    part = f" {what}" if what else ""
+    if type(v) is not str:
+        raise WireError(f"header field {field!r}{part}: {capped(v)} is not a string", field)
+    if len(v) > limit:
+        raise WireError(
+            f"header field {field!r}{part}: {len(v)} characters, more than the {limit} allowed",
+            field,
+        )
+    return v
+
+
+def _list(v: Any, field: str, limit: int) -> list[Any]:
+    if type(v) is not list:
+        raise WireError(f"header field {field!r}: {capped(v)} is not a list", field)
+    if len(v) > limit:
+        raise WireError(
+            f"header field {field!r}: {len(v)} entries, more than the {limit} allowed", field
+        )
+    return v
+
+
+def _tags(v: Any, field: str) -> dict[str, Any]:
+    """One tag map: string keys, JSON-like values, bounded in count, length and depth.
+    Flat maps of short strings and numbers (the usual tags) are checked inline."""
+    if type(v) is not dict:
+        raise WireError(f"header field {field!r}: {capped(v)} is not a map", field)
+    if len(v) > MAX_TAG_ITEMS:
+        raise WireError(
+            f"header field {field!r}: {len(v)} tags, more than the {MAX_TAG_ITEMS} allowed", field
+        )
+    budget = None
+    for k, x in v.items():
+        if type(k) is not str or len(k) > MAX_TAG_CHARS:
+            _str(k, field, MAX_TAG_CHARS, "key")
+        t = type(x)
+        if t is str:
+            if len(x) > MAX_TAG_CHARS:
+                _str(x, field, MAX_TAG_CHARS, "value")
+        elif x is not None and t not in _SCALARS:
+            budget = budget or [MAX_TAG_ITEMS - len(v)]
+            _tag_value(x, field, 1, budget)
+    return v
+
+
+_SCALARS = (bool, int, float)
+_FLAT = {str, bool, int, float, type(None)}
+
+
+def _flat_tags_ok(tags: list[Any]) -> bool:
+    """True when every request's tags are a map of short string keys to short strings,
+    numbers, booleans or None (the usual tags): checked in a few C-level passes over
+    them all, where one check per map cost a microsecond each. False: look closer."""
+    if not tags:
+        return True
+    if set(map(type, tags)) != {dict} or max(map(len, tags)) > MAX_TAG_ITEMS:
+        return False
+    keys = list(chain.from_iterable(tags))
+    if not keys:
+        return True
+    if set(map(type, keys)) != {str} or max(map(len, keys)) > MAX_TAG_CHARS:
+        return False
+    values = list(chain.from_iterable(map(dict.values, tags)))
+    kinds = set(map(type, values))
+    if not kinds <= _FLAT:
+        return False
+    if str in kinds:
+        strings = values if kinds == {str} else [v for v in values if type(v) is str]
+        return max(map(len, strings)) <= MAX_TAG_CHARS
+    return True
+
+
+def _tag_value(v: Any, field: str, depth: int, budget: list[int]) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise WireError(
+            f"header field {field!r}: more than {MAX_TAG_ITEMS} values in one request's tags",
+            field,
+        )
+    if v is None or type(v) in _SCALARS:
+        return
+    if type(v) is str:
+        _str(v, field, MAX_TAG_CHARS, "value")
+        return
+    if type(v) not in (list, dict):  # bytes, extension types: not storable as JSON
+        raise WireError(
+            f"header field {field!r}: a value of type {type(v).__name__}; tags hold strings, "
+            "numbers, booleans, lists and maps",
+            field,
+        )
+    if depth >= MAX_TAG_DEPTH:
+        raise WireError(f"header field {field!r}: nested deeper than {MAX_TAG_DEPTH}", field)
+    if type(v) is dict:
+        for k, x in v.items():
+            _str(k, field, MAX_TAG_CHARS, "key")
+            _tag_value(x, field, depth + 1, budget)
+    else:
+        for x in v:
+            _tag_value(x, field, depth + 1, budget)
+
+
+def _ends(v: Any) -> list[RequestEnd]:
+    out = []
+    for e in _list(v, "ended", MAX_REQUESTS):
+        if type(e) is not list or len(e) != 3:
+            raise WireError(
+                f"header field 'ended': {capped(e)} is not [request_id, sample_index, reason]",
+                "ended",
+            )
+        out.append(
+            RequestEnd(
+                _str(e[0], "ended", MAX_REQUEST_ID_CHARS, "request id"),
+                _int(e[1], "ended", 0, MAX_INT32, "sample index"),
+                _str(e[2], "ended", MAX_REASON_CHARS, "reason"),
+            )
+        )
+    return out
 
 
 _last_rows: tuple[Any, RowIndex] | None = None
@@ -337,7 +558,11 @@ def tensor_to_frame(t: torch.Tensor) -> memoryview:
 def frame_to_tensor(buf: memoryview | bytes, hdr: Header) -> torch.Tensor:
     """The tensor of a data message, made zero-copy over the received frame."""
     if len(buf) != hdr.nbytes:
-        raise WireError(f"tensor frame has {len(buf)} bytes, header says {hdr.nbytes}")
+        raise WireError(
+            f"tensor frame has {len(buf)} bytes, header says {hdr.nbytes} (shape {hdr.shape}, "
+            f"{hdr.dtype})",
+            "shape",
+        )
     if hdr.nbytes == 0:
         return torch.empty(hdr.shape, dtype=DTYPES[hdr.dtype])
     return torch.frombuffer(buf, dtype=DTYPES[hdr.dtype]).view(hdr.shape)

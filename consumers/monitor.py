@@ -22,6 +22,7 @@ import torch
 from actbus.bus import Batch, Subscriber, statsview
 from actbus.bus.protocol import DASHBOARD_POLICY
 from actbus.consumer import Consumer
+from actbus.logcap import capped_text
 from consumers.priority import add_priority_arguments, lower_priority
 from consumers.stats import ActivationStats, BusHealth, RecentRequests, StatsConfig
 
@@ -63,6 +64,8 @@ class Monitor(Consumer):
         self.welcome: dict[str, Any] = {}
         self.beat: dict[str, Any] = {}
         self.stats_failures = 0
+        self.digest_errors = 0
+        """Batches left out because the statistics could not take them (logged)."""
         self._keys = (server_key, client_secret_key)
         self._stats_timeout_s = stats_timeout_s
         self._side: Subscriber | None = None
@@ -127,13 +130,28 @@ class Monitor(Consumer):
         self._maybe_report()
 
     def digest(self) -> None:
-        """Fold the batches received since the last digest into the statistics."""
+        """Fold the batches received since the last digest into the statistics.
+
+        Batches the statistics cannot take (a bug, or data no check foresaw) are
+        counted and logged, not raised: one bad row must not end the dashboard."""
         if not self._pending:
             return
         batches, self._pending, self._pending_bytes = self._pending, [], 0
-        norms = self.acts.add(batches)
-        if self.recent is not None:
-            self.recent.add(batches, norms)
+        try:
+            norms = self.acts.add(batches)
+            if self.recent is not None:
+                self.recent.add(batches, norms)
+        except Exception as e:
+            self.digest_errors += len(batches)
+            n = self.digest_errors
+            if (n - len(batches)).bit_length() < n.bit_length():  # at 1, 2, 4, 8... in all
+                log.error(
+                    "could not digest %d batches (%d so far); left out: %s",
+                    len(batches),
+                    n,
+                    capped_text(f"{type(e).__name__}: {e}"),
+                    exc_info=n == len(batches),  # the traceback once
+                )
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
         self.beat = dict(info)
@@ -183,6 +201,7 @@ class Monitor(Consumer):
                 "sampled_out": int(you.get("sampled_out", 0)),
                 "dropped": dict(you.get("dropped") or {}),
                 "lag_steps": int(you.get("lag_steps", 0)),
+                "digest_errors": self.digest_errors,
             },
             "acts": acts,
         }

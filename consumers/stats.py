@@ -4,10 +4,14 @@
 distribution of per-token L2 norms (a histogram over a recent window), the mean
 and variance of the activations and how far they drifted from the first rows
 seen (the reference), the fraction of outlier hidden dimensions, and per-tag
-breakdowns. ``BusHealth`` turns two snapshots of the publisher's own counters
-(``Publisher.stats()``) into rates, lags, drops and spill sizes. ``RecentRequests``
-keeps per-token norms of the last requests seen, for the web view. All snapshots
-are plain JSON-able dicts, so the W&B logger and the web page render the same data.
+breakdowns. Rows holding a NaN or an infinity are counted per tap (a health
+signal of its own) and kept out of every other figure, so one bad row can neither
+poison the averages nor stop the digest. ``BusHealth`` turns two snapshots of
+the publisher's own counters (``Publisher.stats()``) into rates, lags, drops and
+spill sizes. ``RecentRequests`` keeps per-token norms of the last requests seen,
+for the web view (a non-finite norm as NaN: the web server sends it as null). All
+snapshots are plain JSON-able dicts, so the W&B logger and the web page render the
+same data.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class _Tap:
     m1: np.ndarray | None = None  # exponential averages of x and x**2, per dimension
     m2: np.ndarray | None = None
     outliers: deque[float] = field(default_factory=deque)
+    nonfinite: int = 0  # rows with a NaN or an infinity: counted, kept out of the figures
 
 
 class ActivationStats:
@@ -97,6 +102,7 @@ class ActivationStats:
         self.taps: dict[str, _Tap] = {}
         self.tags: dict[str, dict[str, list[float]]] = {}  # label -> tap -> [rows, norm sum]
         self.tag_overflow_rows = 0
+        self.nonfinite_rows = 0
         self.messages = 0
         self.rows = 0
         self.bytes = 0
@@ -129,7 +135,9 @@ class ActivationStats:
         return out
 
     def _digest(self, key: str, batches: list[Batch]) -> list[np.ndarray]:
-        """One tap's batches, in arrival order: their per-row norms."""
+        """One tap's batches, in arrival order: their per-row norms (NaN or infinite
+        for rows that hold a NaN or an infinity; those rows count in ``nonfinite``
+        and nowhere else)."""
         xs = []
         for b in batches:
             x = b.tensor
@@ -148,12 +156,24 @@ class ActivationStats:
         self.rows += n
         t.rows += n
         sq = xd * xd
-        norms = np.sqrt(sq.sum(1))
+        norms = np.sqrt(sq.sum(1))  # float64: finite squares of any float32, finite sum
+        ends = np.cumsum(sizes)
+        split = np.split(norms, ends[:-1])
+        finite = np.isfinite(norms)  # False: the row holds a NaN or an infinity
+        if not finite.all():
+            bad = int(n - finite.sum())
+            t.nonfinite += bad
+            self.nonfinite_rows += bad
+            xd, sq, norms = xd[finite], sq[finite], norms[finite]
+            kept = np.concatenate([[0], np.cumsum(finite)])
+            sizes = kept[ends] - kept[ends - sizes]
+            ends = np.cumsum(sizes)
+            if not len(norms):
+                return split
         self._window(t, norms)
         self._reference(t, xd, sq)
         # Per-batch moments (not per-batch variances: a batch of a few rows would
-        # bias those low); batches without rows carry no figures.
-        ends = np.cumsum(sizes)
+        # bias those low); batches without (finite) rows carry no figures.
         starts = (ends - sizes)[sizes > 0]
         count = sizes[sizes > 0][:, None]
         m1 = np.add.reduceat(xd, starts, axis=0) / count
@@ -168,7 +188,7 @@ class ActivationStats:
         t.outliers.extend(frac.tolist())
         while len(t.outliers) > self.config.outlier_batches:
             t.outliers.popleft()
-        return np.split(norms, ends[:-1])
+        return split
 
     def _ema(self, prev: np.ndarray | None, batches: np.ndarray) -> np.ndarray:
         """``prev`` moved toward each row of ``batches`` in turn by weight ``ema``, in
@@ -219,17 +239,23 @@ class ActivationStats:
         if not rows.tags:
             return
         offsets = rows.offsets
+        finite = np.isfinite(norms)
+        counted = None
+        if not finite.all():  # non-finite rows: in no tag's figures
+            norms = np.where(finite, norms, 0.0)
+            counted = np.concatenate([[0], np.cumsum(finite)])
         for i in range(len(rows.request_ids)):
             a, b = int(offsets[i]), int(offsets[i + 1])
-            if a == b:
+            n = b - a if counted is None else int(counted[b] - counted[a])
+            if n == 0:
                 continue
             for k, v in sorted(rows.request_tags(i).items()):
                 label = f"{k}={v}"
                 if label not in self.tags and len(self.tags) >= self.config.max_tag_values:
-                    self.tag_overflow_rows += b - a
+                    self.tag_overflow_rows += n
                     label = OTHER_TAG
                 acc = self.tags.setdefault(label, {}).setdefault(key, [0, 0.0])
-                acc[0] += b - a
+                acc[0] += n
                 acc[1] += float(norms[a:b].sum())
 
     def snapshot(self) -> dict[str, Any]:
@@ -253,11 +279,12 @@ class ActivationStats:
             "taps": taps,
             "tags": tags,
             "tag_overflow_rows": self.tag_overflow_rows,
+            "nonfinite_rows": self.nonfinite_rows,
         }
 
     def _tap_snapshot(self, t: _Tap) -> dict[str, Any]:
         out: dict[str, Any] = {"layer": t.layer, "hook": t.hook, "hidden": t.hidden}
-        out.update(rows=t.rows, batches=t.batches)
+        out.update(rows=t.rows, batches=t.batches, nonfinite_rows=t.nonfinite)
         norms = np.concatenate(list(t.norms)) if t.norms else np.zeros(0)
         if len(norms):
             counts, edges = np.histogram(norms, bins=self.config.bins)

@@ -6,7 +6,8 @@ Every ``--interval`` seconds it logs one row: the publisher's health (steps/s,
 tokens/s, bytes/s, per-subscriber lag, drops by reason, spill size, from the
 publisher's own counters), what this consumer sampled (steps counted, messages,
 drops), and per (layer, hook) the per-token norm histogram, mean/variance and
-their drift, and the outlier-dimension fraction, plus per-tag breakdowns.
+their drift, the outlier-dimension fraction and the rows holding a NaN or an
+infinity (``acts/nonfinite_rows`` in all), plus per-tag breakdowns.
 
 Convention: capture and training share one W&B project and group, so one
 workspace shows both; set ``WANDB_PROJECT`` and ``WANDB_RUN_GROUP`` once (W&B reads
@@ -75,10 +76,12 @@ def flatten(snap: dict[str, Any]) -> dict[str, Any]:
     row["sampled/dropped"] = sum(me["dropped"].values())
     row["sampled/rows"] = acts["rows"]
     row["sampled/last_step"] = acts["last_step"]
+    row["acts/nonfinite_rows"] = acts.get("nonfinite_rows", 0)
     for t in acts["taps"].values():
         base = f"acts/L{t['layer']}.{_name(t['hook'])}"
         for k in (
             "rows",
+            "nonfinite_rows",
             "norm_mean",
             "norm_std",
             "norm_p50",

@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "actbus": 0,  # the package's own __init__: a docstring and the version
     "actbus.errors": 0,
     "actbus.streams": 0,
+    "actbus.logcap": 0,
     "actbus.flags": 0,
     "actbus.wire": 1,
     "actbus.bus": 2,

@@ -34,6 +34,7 @@ import zmq
 
 from actbus.bus.protocol import Subscription
 from actbus.bus.security import ClientAuth
+from actbus.logcap import capped_text
 from actbus.wire import (
     BYE,
     CREDIT,
@@ -96,6 +97,8 @@ class SubscriberStats:
     bytes_received: int = 0
     missed: int = 0  # sequence-number gaps: messages the publisher dropped for us
     rejected: int = 0  # messages that broke the schema: dropped, counted
+    rejected_by: dict[str, int] = field(default_factory=dict)
+    """``rejected`` by the header field at fault (``WireError.field``)."""
     welcomes: int = 0
     last_step: int = -1
     publisher_step: int = -1  # the publisher's last published step, from heartbeats
@@ -327,8 +330,19 @@ class Subscriber:
     def _reject(self, err: Exception) -> None:
         self.stats.rejected += 1
         n = self.stats.rejected
-        if n & (n - 1) == 0:  # 1, 2, 4, 8...: a flood of bad messages cannot flood the log
-            log.warning("rejected a message from the publisher (%d so far): %s", n, err)
+        field = err.field if isinstance(err, WireError) else type(err).__name__
+        by = self.stats.rejected_by
+        by[field] = by.get(field, 0) + 1
+        # The first of each field, then 1, 2, 4, 8... in all: a flood of bad messages
+        # cannot flood the log, and each kind of fault is named once.
+        if by[field] == 1 or n & (n - 1) == 0:
+            log.warning(
+                "rejected a message from the publisher (%d so far, %d for %s): %s",
+                n,
+                by[field],
+                field,
+                capped_text(str(err)),
+            )
 
     def _control(self, tag: bytes, body: dict[str, Any]) -> Event | None:
         if tag == HEARTBEAT:
@@ -363,7 +377,7 @@ class Subscriber:
             self.welcome = None
             return Event("end", body)
         if tag == REJECT:
-            reason = str(body.get("reason", ""))
+            reason = capped_text(str(body.get("reason", "")))
             if "unknown subscriber" in reason:
                 self._hello()
                 return None

@@ -43,6 +43,21 @@ def parser() -> argparse.ArgumentParser:
         "--interval", type=float, default=1.0, metavar="S", help="seconds between updates"
     )
     d.add_argument("--requests", type=int, default=16, metavar="N", help="recent requests kept")
+    d.add_argument(
+        "--stale-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the page says its data is stale after S seconds without an update "
+        "(default: 3 x --interval, at least 5)",
+    )
+    d.add_argument(
+        "--slow-client-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a page whose events wait S seconds to be read is dropped (default 10)",
+    )
     d.add_argument("--bins", type=int, default=32, help="histogram bins of the per-token norms")
     d.add_argument(
         "--outlier-k",

@@ -2,75 +2,68 @@
 
 Routes: ``/`` the page; ``/static/*`` its script and style (shipped in the
 package: the page works offline); ``/api/snapshot?tap=L/H`` the latest snapshot
-as JSON; ``/events?tap=L/H`` the same as server-sent events, one per update.
-The consumer runs in a thread beside the server and restarts on error; the
-server binds 127.0.0.1 only (activations are sensitive, there is no login).
+as JSON (with the event streams' counters); ``/events?tap=L/H`` the same as
+server-sent events, one per update (``events.py``: encoded once for all pages,
+slow pages dropped). Snapshots say whether their feed is live or stale. The
+consumer runs in a thread beside the server and restarts on error; the server
+binds 127.0.0.1 only (activations are sensitive, there is no login).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import functools
-import json
 import logging
 import signal
+import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from actbus import consumer as consumers
 from actbus.bus import SubscriptionRejected
 from actbus.bus.options import SubscriberOptions
+from actbus.logcap import capped_text
 from consumers.dashboard.board import Board
 from consumers.dashboard.consumer import WebDashboard
+from consumers.dashboard.events import Events, dumps
 from consumers.priority import lower_priority
 from consumers.stats import RecentRequests, StatsConfig
 
 STATIC = Path(__file__).parent / "static"
 HOST = "127.0.0.1"
-PING_S = 15.0
+SEND_BUFFER = 256 << 10
+"""Kernel send buffer of each connection (see ``_listen``)."""
 log = logging.getLogger("actbus.dashboard")
 
 
-def make_app(board: Board, poll_s: float = 0.2) -> FastAPI:
+def make_app(board: Board, poll_s: float = 0.2, slow_s: float = 10.0) -> FastAPI:
     app = FastAPI(title="actbus dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    events = Events(board, poll_s=poll_s, slow_s=slow_s)
 
     @app.get("/")
     def index() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     @app.get("/api/snapshot")
-    def snapshot(tap: str | None = None) -> JSONResponse:
-        return JSONResponse(board.view(tap))
+    def snapshot(tap: str | None = None) -> Response:
+        view = {**board.view(tap), "events": events.counters()}
+        return Response(dumps(view), media_type="application/json")
 
     @app.get("/events")
-    async def events(request: Request, tap: str | None = None) -> StreamingResponse:
-        async def stream() -> AsyncIterator[str]:
-            seen, idle = -1, 0.0
-            yield "retry: 1000\n\n"
-            while not board.closed.is_set() and not await request.is_disconnected():
-                if board.version != seen:
-                    view = board.view(tap)
-                    seen = view["version"]
-                    idle = 0.0
-                    yield f"id: {seen}\ndata: {json.dumps(view)}\n\n"
-                elif idle >= PING_S:  # keeps proxies and idle timers from closing it
-                    idle = 0.0
-                    yield ": ping\n\n"
-                await asyncio.sleep(poll_s)
-                idle += poll_s
-
+    async def stream(tap: str | None = None) -> StreamingResponse:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(
+            events.stream(tap), media_type="text/event-stream", headers=headers
+        )
 
     return app
 
@@ -85,15 +78,25 @@ def serve(
         parser.error(f"--interval must be above 0 seconds, got {args.interval}")
     if args.requests < 1:
         parser.error(f"--requests must be at least 1, got {args.requests}")
+    if args.stale_s is not None and args.stale_s <= 0:
+        parser.error(f"--stale-s must be above 0 seconds, got {args.stale_s}")
+    if args.slow_client_s <= 0:
+        parser.error(f"--slow-client-s must be above 0 seconds, got {args.slow_client_s}")
     try:
         config = StatsConfig(bins=args.bins, outlier_k=args.outlier_k)
     except ValueError as e:
         parser.error(str(e).replace("StatsConfig.", "--").replace("_", "-"))
+    try:
+        listener = _listen(args.port)
+    except OSError as e:
+        print(f"actbus dashboard: cannot listen on {HOST}:{args.port}: {e}", file=sys.stderr)
+        return 1
     lower_priority(args.nice, args.sched)  # before the server and consumer threads start
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    board = Board(RecentRequests(keep=args.requests))
+    stale_s = args.stale_s if args.stale_s is not None else max(5.0, 3 * args.interval)
+    board = Board(RecentRequests(keep=args.requests), stale_s=stale_s)
     make = functools.partial(
         WebDashboard,
         options.connect,
@@ -116,6 +119,8 @@ def serve(
                 **options.keys,
             )
             log.info("consumer stopped: received=%d missed=%d", out.received, out.missed)
+            if out.failure is not None:
+                board.stop(capped_text(f"{out.failure}; gave up after {out.restarts} restarts"))
         except SubscriptionRejected as e:
             failed.append(e)
             print(f"actbus dashboard: {e}", file=sys.stderr)
@@ -123,7 +128,7 @@ def serve(
 
     server = _Server(
         uvicorn.Config(
-            make_app(board),
+            make_app(board, slow_s=args.slow_client_s),
             host=HOST,
             port=args.port,
             log_level="warning",
@@ -134,15 +139,36 @@ def serve(
     thread = threading.Thread(target=consume, name="actbus-dashboard-consumer", daemon=True)
     thread.start()
     threading.Thread(target=_announce, args=(server,), daemon=True).start()
+
+    def shut(*_: object) -> None:
+        board.closed.set()  # open event streams end, so the server stops at once
+        server.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+        signal.signal(sig, shut)
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         board.closed.set()
         stop.set()
         thread.join(timeout=10)
     return 1 if failed else 0
+
+
+def _listen(port: int) -> socket.socket:
+    """The server's socket on 127.0.0.1. The connections it accepts inherit its send
+    buffer, fixed at ``SEND_BUFFER``: a page that never reads then holds that much of
+    the kernel's memory, where autotuned buffers grew to megabytes each and 400 such
+    pages cost the host seconds of CPU while they filled."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        sock.bind((HOST, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Server(uvicorn.Server):

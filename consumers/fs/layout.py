@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+
+from actbus.logcap import capped
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
@@ -66,8 +69,48 @@ META_FIELDS = [
 ]
 
 
+_HOOK = re.compile(r"[a-z][a-z0-9_]{0,63}")
+"""What a hook may look like to become a directory name (the wire also checks that
+it is a known hook; this holds whatever the caller passes)."""
+
+
+class UnsafePath(ValueError):
+    """Rows whose layer or hook would make a path outside the run directory."""
+
+
 def shard_dir(run: Path, layer: int, hook: str) -> Path:
-    return run / f"layer-{layer:02d}" / hook
+    """``RUN/layer-LL/HOOK``: refused (``UnsafePath``) unless the layer is an int >= 0,
+    the hook a plain name, and the directory, with symlinks resolved, inside ``run``."""
+    check_tap(run, layer, hook)
+    return inside(run, run / f"layer-{layer:02d}" / hook)
+
+
+def basis_path(run: Path, layer: int, hook: str) -> Path:
+    """Where a tap's PCA basis is stored (checked as ``shard_dir`` is)."""
+    check_tap(run, layer, hook)
+    return inside(run, run / "reductions" / f"layer-{layer:02d}-{hook}.safetensors")
+
+
+def check_tap(run: Path, layer: object, hook: object) -> None:
+    if type(layer) is not int or not 0 <= layer < 1 << 31:
+        raise UnsafePath(f"--out {run}: layer {capped(layer)} is not an int in [0, 2**31)")
+    if type(hook) is not str or not _HOOK.fullmatch(hook):
+        raise UnsafePath(
+            f"--out {run}: hook {capped(hook)} is not a plain name ([a-z][a-z0-9_]*, at "
+            "most 64 characters)"
+        )
+
+
+def inside(run: Path, path: Path) -> Path:
+    """``path`` if it resolves (symlinks followed) to somewhere strictly below ``run``."""
+    root = run.resolve()
+    resolved = path.resolve()
+    if resolved == root or not resolved.is_relative_to(root):
+        raise UnsafePath(
+            f"--out {run}: {capped(str(path))} resolves to {capped(str(resolved))}, outside "
+            "the run directory; refused"
+        )
+    return path
 
 
 def shard_name(index: int) -> str:

@@ -1,8 +1,16 @@
 """Reading a run the sink wrote: as a pyarrow dataset, one request at a time, or
-checked against its manifest."""
+checked against its manifest.
+
+Opening a run checks each listed shard cheaply (it stays inside the run, its size
+is the manifest's, its IPC framing is whole at both ends: a truncated or replaced
+shard is caught before any read); ``verify()`` also compares checksums and row
+counts. A bad shard raises ``BadShard`` naming it, or with ``skip_bad=True`` is
+left out with a warning, so one truncated shard does not make the run unreadable.
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +23,71 @@ import torch
 from consumers.fs import layout
 from consumers.fs.reductions import Decoder, Reduction
 
+log = logging.getLogger("actbus.fs_reader")
+
+# An Arrow IPC file starts with ARROW1 and two bytes of padding and ends with its
+# footer's length and ARROW1; a stream ends with the end-of-stream marker.
+_FILE_MAGIC = b"ARROW1"
+_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+class BadShard(RuntimeError):
+    """A shard the manifest lists is missing, of the wrong size, or not whole."""
+
 
 class ActivationRun:
     """A run directory: its manifest and its committed shards.
 
     Only shards the manifest lists are read: a shard renamed into place by a sink
     killed before its manifest update is invisible here until a restarted sink
-    adopts it.
+    adopts it. Every listed shard is checked on open (see the module's docstring);
+    ``skip_bad`` leaves bad ones out (``bad_shards`` names them) instead of raising.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, skip_bad: bool = False) -> None:
         self.path = Path(path)
         manifest = layout.read_manifest(self.path)
         if manifest is None:
             raise FileNotFoundError(f"{self.path}: no {layout.MANIFEST}; is this an actbus run?")
         self.manifest: dict[str, Any] = manifest
         self.decoder = Decoder(self.path)
+        self.bad_shards: dict[str, str] = {}
+        """Listed shards left out (``skip_bad``): path -> what is wrong with it."""
+        for s in manifest["shards"]:
+            why = self._shard_problem(s)
+            if why is None:
+                continue
+            if not skip_bad:
+                raise BadShard(
+                    f"{self.path}: shard {s['path']} {why}; run verify() for a full check, or "
+                    "open the run with skip_bad=True to read the other shards"
+                )
+            self.bad_shards[s["path"]] = why
+            log.warning("%s: shard %s %s; skipped (skip_bad)", self.path, s["path"], why)
+
+    def _shard_problem(self, entry: dict[str, Any]) -> str | None:
+        """What is wrong with a listed shard, by its size and framing; None: whole."""
+        p = self.path / entry["path"]
+        try:
+            layout.inside(self.path, p)
+            size = p.stat().st_size
+            if size != entry["bytes"]:
+                return f"has {size} bytes, the manifest says {entry['bytes']} (truncated?)"
+            with open(p, "rb") as f:
+                head = f.read(8)
+                f.seek(max(0, size - 10))
+                tail = f.read(10)
+        except layout.UnsafePath:
+            return "is outside the run directory"
+        except FileNotFoundError:
+            return "is listed but missing"
+        except OSError as e:
+            return f"cannot be read ({e.strerror or e})"
+        if self.ipc == "file":
+            whole = head.startswith(_FILE_MAGIC) and tail.endswith(_FILE_MAGIC)
+        else:
+            whole = head.startswith(b"\xff\xff\xff\xff") and tail.endswith(_STREAM_END)
+        return None if whole else f"is not a whole Arrow IPC {self.ipc} (its framing is broken)"
 
     @property
     def dtype(self) -> str:
@@ -54,10 +111,13 @@ class ActivationRun:
         return self.reduction.decoded_width(self.hidden_size)
 
     def shard_entries(self, layer: int | None = None, hook: str | None = None) -> list[dict]:
+        """The manifest's entries of the shards read (those of ``bad_shards`` left out)."""
         return [
             s
             for s in self.manifest["shards"]
-            if (layer is None or s["layer"] == layer) and (hook is None or s["hook"] == hook)
+            if (layer is None or s["layer"] == layer)
+            and (hook is None or s["hook"] == hook)
+            and s["path"] not in self.bad_shards
         ]
 
     def shards(self, layer: int | None = None, hook: str | None = None) -> list[Path]:

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from actbus.bus import Publisher
 from actbus.flags import HelpFormatter, int_list, str_list
 from actbus.wire import DTYPE_NAMES, Header, RowIndex
-from consumers.fs.reader import ActivationRun
+from consumers.fs.reader import ActivationRun, BadShard
 
 log = logging.getLogger("actbus.replay")
 
@@ -49,6 +49,8 @@ class ReplayConfig:
     """Longest wait, at the end, for subscribers to acknowledge everything."""
     layers: tuple[int, ...] | None = None
     hooks: tuple[str, ...] | None = None
+    skip_bad: bool = False
+    """Leave out shards that fail the check on open (warned), instead of stopping."""
 
     def __post_init__(self) -> None:
         if self.rate is not None and self.rate <= 0:
@@ -144,7 +146,7 @@ def _message(run: ActivationRun, rows: pa.Table) -> tuple[Header, Any]:
 
 def replay(cfg: ReplayConfig) -> dict[str, Any]:
     """Publish the run; returns counts (steps, messages, rows, seconds, publisher stats)."""
-    run = ActivationRun(cfg.run)
+    run = ActivationRun(cfg.run, skip_bad=cfg.skip_bad)
     index, entries = _index(run, cfg.layers, cfg.hooks)
     sample = run.read(run.path / entries[0]["path"]).slice(0, 1)
     dtype = DTYPE_NAMES[run.decode(sample).dtype]
@@ -229,6 +231,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for them")
     p.add_argument("--layers", type=int_list, default=None, help="replay only these layers: 0,3")
     p.add_argument("--hooks", type=str_list, default=None, help="replay only these hooks")
+    p.add_argument(
+        "--skip-bad-shards",
+        action="store_true",
+        help="leave out shards that are truncated or missing (warned) instead of stopping",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -243,9 +250,10 @@ def main(argv: list[str]) -> int:
             wait_s=args.wait_s,
             layers=tuple(args.layers) if args.layers else None,
             hooks=tuple(args.hooks) if args.hooks else None,
+            skip_bad=args.skip_bad_shards,
         )
         out = replay(cfg)
-    except (ValueError, FileNotFoundError, TimeoutError, OSError) as e:
+    except (ValueError, FileNotFoundError, TimeoutError, OSError, BadShard) as e:
         print(f"actbus replay: {e}", file=sys.stderr)
         return 1
     print(json.dumps(out))

@@ -7,6 +7,13 @@ first row, when the publisher shows we are caught up, and at the end (see
 hooks, positions) and, with ``--keep marked``, the window of unmarked requests
 (``selection.py``); the reduction (``reductions.py``) is applied as rows are
 buffered.
+
+Whatever arrives, the sink creates, replaces and lists files inside ``--out``
+only: headers are checked at decode time (``actbus.wire``; refused messages are
+counted in the manifest's counters as ``messages_rejected_FIELD``), and shard
+paths are built only from a plain hook and a layer >= 0 and resolved under the
+run (``layout.shard_dir``; rows refused there are counted as
+``rows_refused_unsafe_path``). A refusal is logged once and the sink goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from actbus.bus import Batch
 from actbus.bus.protocol import Subscription
 from actbus.consumer import Consumer
 from actbus.flags import int_list
+from actbus.logcap import capped, capped_text
+from actbus.wire import MAX_INT32, MAX_REASON_CHARS, MAX_REQUEST_ID_CHARS
 from consumers.fs import layout
 from consumers.fs.reductions import parse_reduction
 from consumers.fs.rows import TapRows
@@ -30,6 +39,8 @@ from consumers.fs.selection import (
     parse_position_range,
 )
 from consumers.fs.writer import ShardWriter, WriterConfig
+
+UNSAFE = "messages_refused_unsafe_path"
 
 log = logging.getLogger("actbus.fs_sink")
 
@@ -187,22 +198,47 @@ class FsSink(Consumer):
             self.counts["rows_not_selected"] += len(rows) - len(keep)
             rows = rows.take(keep)
         if self.window is None:
-            self.writer.add(rows)
+            self._store(rows)
             return
         for part in self.window.offer(rows):
-            self.writer.add(part)
+            self._store(part)
         self._sync_window_counts()
 
     def on_mark(self, info: dict[str, Any]) -> None:
         if self.window is None:
             return
-        rid, index = str(info.get("request_id", "")), int(info.get("sample_index", 0))
-        released = self.window.mark(rid, index, str(info.get("reason", "")))
+        rid, index = info.get("request_id"), info.get("sample_index", 0)
+        if not (
+            type(rid) is str
+            and len(rid) <= MAX_REQUEST_ID_CHARS
+            and type(index) is int
+            and 0 <= index <= MAX_INT32
+        ):  # a peer's mark: counted and let go, never the end of the sink
+            self.counts["marks_refused"] += 1
+            if self.counts["marks_refused"] == 1:
+                log.warning(
+                    "refused a mark of request %s, sample %s: expected a request id of at "
+                    "most %d characters and a sample index in [0, 2**31) (counted as "
+                    "marks_refused; later ones are not logged)",
+                    capped(rid),
+                    capped(index),
+                    MAX_REQUEST_ID_CHARS,
+                )
+            return
+        reason = capped_text(str(info.get("reason", "")), MAX_REASON_CHARS)
+        released = self.window.mark(rid, index, reason)
         for part in released:
-            self.writer.add(part)
+            self._store(part)
         self._sync_window_counts()
         if released:
-            log.info("kept %s/%d (marked by %s)", rid, index, info.get("by") or "?")
+            by = capped_text(str(info.get("by") or "?"), MAX_REASON_CHARS)
+            log.info("kept %s/%d (marked by %s)", capped_text(rid), index, by)
+
+    def on_rejected(self, rejected_by: dict[str, int]) -> None:
+        """Messages the subscriber refused, by header field: in the run's counters."""
+        for field, n in rejected_by.items():
+            self.counts[f"messages_rejected_{field}"] = n
+        self.counts["messages_rejected"] = sum(rejected_by.values())
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
         self.writer.tick(caught_up)
@@ -217,6 +253,17 @@ class FsSink(Consumer):
         self.writer.close()
 
     # ----------------------------------------------------------------- helpers
+    def _store(self, rows: TapRows) -> None:
+        """Rows to the writer; rows it refuses as unsafe are counted (the first logged)
+        and the sink goes on."""
+        try:
+            self.writer.add(rows)
+        except layout.UnsafePath as e:
+            self.counts["rows_refused_unsafe_path"] += len(rows)
+            self.counts[UNSAFE] += 1
+            if self.counts[UNSAFE] == 1:
+                log.error("%s (counted as %s; later ones are not logged)", e, UNSAFE)
+
     def flush(self) -> None:
         self.writer.flush(final=True)
 

@@ -62,6 +62,7 @@ class TokenDataset(IterableDataset):
         world_size: int | None = None,
         unit_rows: int = 8192,
         drop_last: bool = False,
+        skip_bad: bool = False,
     ) -> None:
         super().__init__()
         if batch_tokens < 1:
@@ -70,7 +71,7 @@ class TokenDataset(IterableDataset):
             raise ValueError(f"shuffle_buffer must be >= 0 (0: no shuffle), got {shuffle_buffer}")
         if unit_rows < 1:
             raise ValueError(f"unit_rows must be >= 1, got {unit_rows}")
-        self.run = ActivationRun(run)
+        self.run = ActivationRun(run, skip_bad=skip_bad)
         self.layer = layer
         self.hook = hook
         self.batch_tokens = batch_tokens

@@ -225,6 +225,7 @@ class ShardWriter:
             if rel in listed:
                 continue
             try:
+                layout.inside(self.out, p)  # never adopt a file a symlink leads out to
                 table = layout.read_shard(p, self.cfg.ipc)
                 layer = int(p.parent.parent.name.removeprefix("layer-"))
                 entry = self._entry(p, layer, p.parent.name, table)
@@ -243,10 +244,13 @@ class ShardWriter:
 
     # ------------------------------------------------------------------- rows
     def add(self, rows: TapRows) -> None:
-        """Buffer rows; a shard is written once its buffer is full."""
+        """Buffer rows; a shard is written once its buffer is full. Rows whose layer
+        or hook would not make a path inside the run are refused (``UnsafePath``)."""
         if not len(rows):
             return
         key = (rows.layer, rows.hook)
+        if key not in self._taps:
+            layout.shard_dir(self.out, *key)
         tap = self._tap(key, rows)
         if not tap.encoder.ready:
             tap.warmup.append(rows)
@@ -274,10 +278,9 @@ class ShardWriter:
     def _fit(self, key: tuple[int, str], tap: _Tap) -> None:
         x = torch.cat([r.tensor for r in tap.warmup])
         mean, basis = fit_pca(x, self.cfg.reduction.k)
-        d = self.out / "reductions"
-        path = d / f"layer-{key[0]:02d}-{key[1]}.safetensors"
+        path = layout.basis_path(self.out, *key)
         try:
-            d.mkdir(exist_ok=True)
+            path.parent.mkdir(exist_ok=True)
             save_basis(path, mean, basis)
         except OSError as e:
             raise self._fail(f"cannot write the PCA basis {path}", e) from e
@@ -521,12 +524,23 @@ class ShardWriter:
     def _fail(self, what: str, e: Exception) -> StorageError:
         why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
         self.failed = StorageError(
-            f"--out {self.out}: {what}: {why}. The {len(self.manifest['shards'])} shards "
-            f"listed in {self.out / layout.MANIFEST} are complete and intact; free space or "
+            f"--out {self.out}: {what}: {why}. {self._listed_on_disk()}; free space or "
             "fix permissions, then restart the sink with the same --out to continue the run"
         )
         log.error("%s", self.failed)
         return self.failed
+
+    def _listed_on_disk(self) -> str:
+        """What the manifest on disk lists (after a storage error, memory may list a
+        shard whose manifest update never reached the disk)."""
+        path = self.out / layout.MANIFEST
+        try:
+            m = layout.read_manifest(self.out)
+        except (OSError, ValueError) as e:
+            return f"{path} cannot be read back ({e})"
+        if m is None:
+            return f"{path} was never written: no shard is committed"
+        return f"The {len(m.get('shards', []))} shards listed in {path} are complete and intact"
 
 
 def _tag_value(v: Any) -> str | None:

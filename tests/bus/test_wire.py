@@ -129,3 +129,104 @@ def test_per_row_expands_each_request_field_to_its_rows():
     assert RowIndex.empty().row_request_ids() == [] and RowIndex.empty().row_tags() == []
     with pytest.raises(ValueError, match="2 values for 3 requests"):
         ri.per_row(["x", "y"])
+
+
+def _set(path, value):
+    """A mutation of a header's decoded map: ``path`` is a key, or keys into ``rows``."""
+
+    def apply(d):
+        *parents, last = path
+        for k in parents:
+            d = d[k]
+        d[last] = value
+
+    return apply
+
+
+BIG = "x" * 10_000_000  # a 10 MB field: refused, and never quoted whole
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field", "needle"),
+    [
+        (_set(["hook"], "../../x"), "hook", "'../../x' is not a known hook"),
+        (_set(["hook"], "/tmp/evil"), "hook", "is not a known hook"),
+        (_set(["hook"], "post_block/../.."), "hook", "is not a known hook"),
+        (_set(["hook"], 7), "hook", "is not a known hook"),
+        (_set(["hook"], BIG), "hook", r"\.\.\. \(10000000 characters\)"),
+        (_set(["layer"], -1), "layer", r"-1 is not an integer in \[0, 2147483647\]"),
+        (_set(["layer"], 1 << 40), "layer", "is not an integer in"),
+        (_set(["layer"], "3"), "layer", "is not an integer in"),
+        (_set(["layer"], True), "layer", "is not an integer in"),
+        (_set(["step"], -5), "step", "is not an integer in"),
+        (_set(["step"], (1 << 64) - 1), "step", "is not an integer in"),
+        (_set(["dtype"], "int64"), "dtype", "'int64' is not a known dtype"),
+        (_set(["dtype"], ["float32"]), "dtype", "is not a known dtype"),
+        (_set(["shape"], [3, 0]), "shape", r"'shape' width: 0 is not an integer in \[1,"),
+        (_set(["shape"], [3, -8]), "shape", "'shape' width"),
+        (_set(["shape"], [3, 1 << 33]), "shape", "'shape' width"),
+        (_set(["shape"], [24]), "shape", "is not \\[rows, width\\]"),
+        (_set(["shape"], [2, 8]), "shape", "2 rows, the row index has 3"),
+        (_set(["model"], BIG), "model", "10000000 characters, more than the 4096 allowed"),
+        (_set(["rows", "request_ids"], ["a" * 4097, "b"]), "request_ids", "more than the 4096"),
+        (_set(["rows", "request_ids"], [1, "b"]), "request_ids", "1 is not a string"),
+        (_set(["rows", "request_ids"], "ab"), "request_ids", "is not a list"),
+        (_set(["rows", "sample_index"], [-1, 0]), "sample_index", "-1 is not an integer"),
+        (_set(["rows", "tags"], [{f"k{i}": i for i in range(4097)}, {}]), "tags", "4097 tags"),
+        (_set(["rows", "tags"], [{"k": "v" * 4097}, {}]), "tags", "'tags' value: 4097"),
+        (_set(["rows", "tags"], [{"k" * 4097: 1}, {}]), "tags", "'tags' key: 4097"),
+        (_set(["rows", "tags"], [{"k": b"raw"}, {}]), "tags", "a value of type bytes"),
+        (
+            _set(["rows", "tags"], [{"k": [[[[[[[[[[[[[[[["deep"]]]]]]]]]]]]]]]]}, {}]),
+            "tags",
+            "deeper than 16",
+        ),
+        (_set(["rows", "tags"], [{"k": list(range(5000))}, {}]), "tags", "more than 4096 values"),
+        (_set(["rows", "tags"], ["label", {}]), "tags", "is not a map"),
+        (_set(["rows", "returned"], [1, 0]), "returned", "must be booleans"),
+        (_set(["tags"], {f"k{i}": i for i in range(5000)}), "tags", "5000 tags"),
+        (_set(["ended"], [["z" * 5000, 0, "stop"]]), "ended", "request id: 5000 characters"),
+        (_set(["ended"], [["z", 0, "r" * 100]]), "ended", "reason: 100 characters"),
+        (_set(["ended"], [["z", -2, "stop"]]), "ended", "sample index: -2"),
+        (_set(["ended"], [["z"]]), "ended", "is not \\[request_id, sample_index, reason\\]"),
+    ],
+)
+def test_every_header_field_is_checked_against_its_bound(mutate, field, needle):
+    """What a consumer uses as a path part, a type, a size or log text is refused at
+    decode time, with the field named and the bound said; a peer's value is never
+    quoted whole (a 10 MB field makes an error of a few hundred characters)."""
+    d = msgpack.unpackb(_header().encode())
+    d["rows"]["sample_index"] = [0, 0]
+    d["rows"]["tags"] = [{"lang": "en"}, {}]
+    Header.decode(msgpack.packb(d))  # the unmutated header is good
+    mutate(d)
+    with pytest.raises(WireError, match=needle) as err:
+        Header.decode(msgpack.packb(d))
+    assert err.value.field == field
+    assert len(str(err.value)) < 400
+
+
+def test_headers_at_their_bounds_are_accepted():
+    d = msgpack.unpackb(_header().encode())
+    d["layer"] = (1 << 31) - 1
+    d["step"] = (1 << 63) - 1
+    d["model"] = "m" * 4096
+    d["rows"]["request_ids"] = ["a" * 4096, "b"]
+    deep: list = [1]
+    for _ in range(14):
+        deep = [deep]
+    d["rows"]["tags"] = [
+        {**{f"k{i}": i for i in range(4095)}, "s" * 4096: "v" * 4096},
+        {"k": [{"a": [1, 2.5]}, None], "deep": deep},
+    ]
+    d["ended"] = [["z" * 4096, (1 << 31) - 1, "r" * 64]]
+    h = Header.decode(msgpack.packb(d))
+    assert h.layer == (1 << 31) - 1 and h.rows.request_tags(1)["deep"] == deep
+    assert len(h.rows.request_tags(0)) == 4096
+
+
+def test_a_tensor_frame_that_disagrees_with_the_shape_names_it():
+    h = _header()
+    with pytest.raises(WireError, match=r"header says 96 \(shape \(3, 8\), float32\)") as err:
+        frame_to_tensor(b"\0" * 95, h)
+    assert err.value.field == "shape"

@@ -1,14 +1,16 @@
 """A publisher of synthetic activations with a planted sparse dictionary (trainer tests).
 
 python -m tests.trainer_synth ADDR MESSAGES [--rows R] [--requests Q] [--seed S]
-    [--label-shift D] [--layers 0,3]
+    [--label-shift D] [--layers 0,3] [--nonfinite-every N]
 
 Each message is one step of ``--requests`` fake requests of ``rows/requests`` rows:
 every row is a sum of ``ACTIVE`` of ``ATOMS`` unit atoms in ``D`` dims with weights in
 [0.5, 1.5], plus noise. Each request carries a tag ``label`` (0/1); with
 ``--label-shift D`` its rows are moved by ``(2*label - 1) * D`` along a planted unit
-direction, so the label is linear in the activations. Prints "ready" once bound,
-publishes MESSAGES steps (waiting for the first subscriber), then closes (END).
+direction, so the label is linear in the activations. With ``--nonfinite-every N``
+every N-th message has a NaN in its first row and an infinity in its second.
+Prints "ready" once bound, publishes MESSAGES steps (waiting for the first
+subscriber), then closes (END).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> None:
     p.add_argument("--label-shift", type=float, default=0.0)
     p.add_argument("--layers", default="0")
     p.add_argument("--wait-subscribers", type=int, default=1)
+    p.add_argument("--nonfinite-every", type=int, default=0)
     a = p.parse_args()
     atoms, direction = planted()
     g = torch.Generator().manual_seed(a.seed)
@@ -94,6 +97,8 @@ def main() -> None:
         if a.label_shift:
             shift = (2 * labels.float() - 1).repeat_interleave(per) * a.label_shift
             x = x + shift[:, None] * direction
+        if a.nonfinite_every and step % a.nonfinite_every == a.nonfinite_every - 1:
+            x[0, 3], x[1, 0] = float("nan"), float("inf")
         ids = [f"s{step}-r{i}" for i in range(a.requests)]
         ri = RowIndex(
             ids,

@@ -48,8 +48,23 @@ function cards(root, items) {
   }));
 }
 
+function feed(s) {
+  // Whether these figures are current: the server says when its data feed stopped.
+  const banner = $("#feed"), state = s.feed || "live", status = $("#status");
+  banner.className = "banner" + (state === "stopped" ? " stopped" : "");
+  if (state === "stale") {
+    banner.textContent = `Stale: no new data for over ${fmt(s.stale_s)} s (the publisher is gone or the consumer is stuck); the figures below are from ${s.time ? new Date(s.time * 1000).toLocaleTimeString() : "before"}.`;
+  } else if (state === "stopped") {
+    banner.textContent = `Stopped: the dashboard's consumer gave up (${s.feed_error || "see its log"}); the figures below are its last.`;
+  }
+  banner.hidden = !(state === "stale" || state === "stopped");
+  status.textContent = state === "live" || state === "waiting" ? "live" : state;
+  status.className = "pill " + (state === "live" || state === "waiting" ? "live" : "stale");
+}
+
 function render(s) {
   updates++;
+  feed(s);
   $("#updates").textContent = updates;
   $("#updated").textContent = s.time ? new Date(s.time * 1000).toLocaleTimeString() : "-";
   $("#model").textContent = s.model || "";
@@ -77,7 +92,9 @@ function render(s) {
     ["me-received", "messages received", fmt(me.received)],
     ["me-dropped", "dropped for it", fmt(Object.values(me.dropped || {}).reduce((a, c) => a + c, 0))],
     ["me-rows", "rows digested", fmt(acts.rows)],
+    ["me-nonfinite", "rows with NaN/Inf (left out)", fmt(acts.nonfinite_rows || 0)],
   ]);
+  if (acts.nonfinite_rows) $("#me-nonfinite").classList.add("bad");
   const taps = acts.taps || {}, tbody = $("#taps tbody"); tbody.replaceChildren();
   for (const [key, t] of Object.entries(taps)) {
     (normHistory[key] = normHistory[key] || []).push(t.norm_mean || 0);
@@ -87,7 +104,8 @@ function render(s) {
     if (t.norm_hist) hist.append(bars(t.norm_hist.counts, 160, 32, "#3b6ea5", `norms ${fmt(t.norm_hist.edges[0])} .. ${fmt(t.norm_hist.edges.at(-1))}`));
     ts.append(line(normHistory[key], 140, 32, "#c0392b"));
     tr.append(el("td", {}, key), el("td", {}, fmt(t.rows)), el("td", { class: "norm-mean" }, fmt(t.norm_mean)), el("td", {}, fmt(t.norm_std)),
-      hist, ts, el("td", {}, fmt(t.mean_drift)), el("td", {}, fmt(t.var_drift)), el("td", {}, t.outlier_frac === undefined ? "-" : (100 * t.outlier_frac).toFixed(2) + " %"));
+      hist, ts, el("td", {}, fmt(t.mean_drift)), el("td", {}, fmt(t.var_drift)), el("td", {}, t.outlier_frac === undefined ? "-" : (100 * t.outlier_frac).toFixed(2) + " %"),
+      el("td", t.nonfinite_rows ? { class: "nonfinite bad" } : { class: "nonfinite" }, fmt(t.nonfinite_rows || 0)));
     tbody.append(tr);
   }
   const tags = $("#tags tbody"); tags.replaceChildren();
