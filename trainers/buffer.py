@@ -9,6 +9,7 @@ random, each row handed out once.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,45 +60,57 @@ class Rows:
         request_ids: list[str],
         offsets: np.ndarray,
         positions: np.ndarray,
-        tags: list[dict[str, Any]],
-        label_tags: tuple[str, ...],
+        labels: torch.Tensor,
     ) -> Rows:
-        """Rows of one message laid out by request (``RowIndex``'s layout)."""
+        """Rows of one message laid out by request (``RowIndex``'s layout); ``labels``
+        ``[requests, n_labels]`` per request (``parse_labels``)."""
         counts = np.diff(np.asarray(offsets, dtype=np.int64))
-        n = int(counts.sum())
         rid = np.repeat(np.array(request_ids, dtype=object), counts)
         split = torch.from_numpy(np.repeat([split_value(r) for r in request_ids], counts))
-        label = torch.full((n, len(label_tags)), float("nan"))
-        if label_tags:
-            per_req = torch.tensor(
-                [
-                    [_as_float((tags[i] if tags else {}).get(t)) for t in label_tags]
-                    for i in range(len(request_ids))
-                ],
-                dtype=torch.float32,
-            ).reshape(len(request_ids), len(label_tags))
-            label = per_req.repeat_interleave(torch.from_numpy(counts), dim=0)
         return Rows(
             activation,
-            torch.as_tensor(np.asarray(positions, dtype=np.int64)),
+            # A copy: the decoded positions are read-only (shared between messages),
+            # which torch.as_tensor would warn about.
+            torch.tensor(np.asarray(positions), dtype=torch.int64),
             rid,
             split.to(torch.float64),
-            label,
+            labels.repeat_interleave(torch.from_numpy(counts), dim=0),
         )
 
 
-def _as_float(v: Any) -> float:
+def parse_labels(
+    tags: Sequence[Mapping[str, Any] | None], label_tags: tuple[str, ...]
+) -> tuple[torch.Tensor, list[int]]:
+    """Labels ``[len(tags), len(label_tags)]`` (float32, NaN where a tag is absent) and
+    the indices whose label tags are not all numbers (e.g. ``'<img ...>'`` from an HTTP
+    request): their labels are NaN too, for the caller to count and skip."""
+    out = torch.full((len(tags), len(label_tags)), float("nan"))
+    bad: list[int] = []
+    for i, t in enumerate(tags if label_tags else ()):
+        if not t:
+            continue
+        for j, name in enumerate(label_tags):
+            v = _as_float(t.get(name))
+            if v is None:
+                bad.append(i)
+                out[i] = float("nan")
+                break
+            out[i, j] = v
+    return out, bad
+
+
+def _as_float(v: Any) -> float | None:
+    """The number a tag value holds (NaN when absent), or None when it is not one."""
     if v is None:
         return float("nan")
-    if isinstance(v, bool):
+    if isinstance(v, (int, float)):  # bool included
         return float(v)
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"label tag value {v!r} is not a number; tag requests with numeric labels "
-            "(e.g. {'label': 1})"
-        ) from None
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return None
+    return None
 
 
 class ShuffleBuffer:
