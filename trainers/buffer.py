@@ -9,6 +9,7 @@ random, each row handed out once.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,12 +83,15 @@ def parse_labels(
     tags: Sequence[Mapping[str, Any] | None], label_tags: tuple[str, ...]
 ) -> tuple[torch.Tensor, list[int]]:
     """Labels ``[len(tags), len(label_tags)]`` (float32, NaN where a tag is absent) and
-    the indices whose label tags are not all numbers (e.g. ``'<img ...>'`` from an HTTP
-    request): their labels are NaN too, for the caller to count and skip."""
+    the indices whose label tags are not all finite numbers (e.g. ``'<img ...>'`` from
+    an HTTP request): their labels are NaN too, for the caller to count and skip."""
     out = torch.full((len(tags), len(label_tags)), float("nan"))
     bad: list[int] = []
     for i, t in enumerate(tags if label_tags else ()):
         if not t:
+            continue
+        if not isinstance(t, Mapping):
+            bad.append(i)
             continue
         for j, name in enumerate(label_tags):
             v = _as_float(t.get(name))
@@ -100,16 +104,15 @@ def parse_labels(
 
 
 def _as_float(v: Any) -> float | None:
-    """The number a tag value holds (NaN when absent), or None when it is not one."""
+    """The number a tag value holds (NaN when absent), or None when it is not a finite one."""
     if v is None:
         return float("nan")
-    if isinstance(v, (int, float)):  # bool included
-        return float(v)
-    if isinstance(v, str):
+    if isinstance(v, (int, float, str)):  # bool is an int; "1" a number
         try:
-            return float(v)
-        except ValueError:
+            f = float(v)
+        except (ValueError, OverflowError):
             return None
+        return f if math.isfinite(f) else None
     return None
 
 
