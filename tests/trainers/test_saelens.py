@@ -4,10 +4,10 @@ module, are saved by the trainer's own callback, and ``sae_lens.SAE.load_from_di
 given the directory unedited, encodes and reconstructs the engine's rows as actbus's
 module does, to float32 precision.
 
-The tolerance: every latent and reconstruction within ``RTOL * |value| + ATOL * max|x|``
-of actbus's, with RTOL = ATOL = 1e-5 (the fold rounds each weight once, and the two
-compute ``pre`` in a different order: a few float32 ulps of the largest values), and the
-same latents active.
+The tolerance: the same latents active, and every latent and reconstruction within
+``RTOL * |value| + ATOL * max|x|`` of actbus's, RTOL = 1e-5 and ATOL = 4e-6 (about 32
+float32 ulps of the largest activation): the fold rounds each weight once, and the two
+compute ``pre`` in a different order. Measured on the tiny Llama: at most 6e-7 * max|x|.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ KINDS = {
     "jumprelu": ("mlp_out", "blocks.3.hook_mlp_out"),
 }
 ARCH = {"topk": "topk", "batchtopk": "jumprelu", "relu": "standard", "jumprelu": "jumprelu"}
-RTOL = ATOL = 1e-5
+RTOL, ATOL = 1e-5, 4e-6
 
 
 def _prompts(n: int) -> list[str]:
@@ -95,7 +95,7 @@ def _train_live(engine, out: Path) -> tuple[SAETrainer, ActivationDataModule]:
         while not (dm.stream and dm.stream.source and dm.stream.source.welcomed.is_set()):
             assert time.monotonic() < deadline and t.is_alive(), failed or "no subscription"
             time.sleep(0.1)
-        params = SamplingParams(max_tokens=16, temperature=0.8, seed=0)
+        params = SamplingParams(max_tokens=16, temperature=0)  # a per-request seed kills vLLM-CPU
         engine.llm.generate(_prompts(48), params, use_tqdm=False)
         t.join(timeout=180)
     assert not t.is_alive() and not failed, failed
