@@ -9,6 +9,8 @@ random, each row handed out once.
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,44 +69,58 @@ class TrainingRows:
 
     @staticmethod
     def from_message(
-        activation: torch.Tensor, index: RowIndex, label_tags: tuple[str, ...]
+        activation: torch.Tensor, index: RowIndex, labels: torch.Tensor
     ) -> TrainingRows:
         """The rows of one bus message: its tensor and its row index, whose request
-        fields (id, split, the ``label_tags`` values) are expanded per row."""
-        n_req = len(index.request_ids)
+        fields (id, split) are expanded per row, and ``labels`` ``[requests, n_labels]``
+        per request (``parse_labels``)."""
         split = index.per_row(np.array([split_value(r) for r in index.request_ids]))
-        if label_tags:
-            per_req = np.array(
-                [
-                    [_as_float(index.request_tags(i).get(t)) for t in label_tags]
-                    for i in range(n_req)
-                ],
-                dtype=np.float32,
-            ).reshape(n_req, len(label_tags))
-            label = torch.from_numpy(index.per_row(per_req))
-        else:
-            label = torch.full((index.num_rows, 0), float("nan"))
         return TrainingRows(
             activation,
-            torch.as_tensor(np.asarray(index.positions, dtype=np.int64)),
+            # A copy: the decoded positions are read-only (shared between messages),
+            # which torch.as_tensor would warn about.
+            torch.tensor(np.asarray(index.positions), dtype=torch.int64),
             index.per_row(index.request_ids),
             torch.from_numpy(split).to(torch.float64),
-            label,
+            torch.from_numpy(index.per_row(labels.numpy())),
         )
 
 
-def _as_float(v: Any) -> float:
+def parse_labels(
+    tags: Sequence[Mapping[str, Any] | None], label_tags: tuple[str, ...]
+) -> tuple[torch.Tensor, list[int]]:
+    """Labels ``[len(tags), len(label_tags)]`` (float32, NaN where a tag is absent) and
+    the indices whose label tags are not all finite numbers (e.g. ``'<img ...>'`` from
+    an HTTP request): their labels are NaN too, for the caller to count and skip."""
+    out = torch.full((len(tags), len(label_tags)), float("nan"))
+    bad: list[int] = []
+    for i, t in enumerate(tags if label_tags else ()):
+        if not t:
+            continue
+        if not isinstance(t, Mapping):
+            bad.append(i)
+            continue
+        for j, name in enumerate(label_tags):
+            v = _as_float(t.get(name))
+            if v is None:
+                bad.append(i)
+                out[i] = float("nan")
+                break
+            out[i, j] = v
+    return out, bad
+
+
+def _as_float(v: Any) -> float | None:
+    """The number a tag value holds (NaN when absent), or None when it is not a finite one."""
     if v is None:
         return float("nan")
-    if isinstance(v, bool):
-        return float(v)
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"label tag value {v!r} is not a number; tag requests with numeric labels "
-            "(e.g. {'label': 1})"
-        ) from None
+    if isinstance(v, (int, float, str)):  # bool is an int; "1" a number
+        try:
+            f = float(v)
+        except (ValueError, OverflowError):
+            return None
+        return f if math.isfinite(f) else None
+    return None
 
 
 class ShuffleBuffer:

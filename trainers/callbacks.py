@@ -31,11 +31,14 @@ class SaveSAEs(pl.Callback):
     def _save(self, trainer: pl.Trainer, module) -> None:
         if not trainer.is_global_zero:
             return
+        dm = getattr(trainer, "datamodule", None)  # the model name, context, run dir
+        source = dm.stream_info() if hasattr(dm, "stream_info") else {}
         for c in module.configs:
             sae = module.sae(c.name)
             if bool(sae.initialized):
                 extra = {"step": trainer.global_step}
-                self.saved.append(save_sae(sae, self.out / c.name, model=self.model, extra=extra))
+                path = self.out / c.name
+                self.saved.append(save_sae(sae, path, model=self.model, source=source, extra=extra))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.every and trainer.global_step and trainer.global_step % self.every == 0:

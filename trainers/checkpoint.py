@@ -1,70 +1,168 @@
-"""SAE checkpoints in the layout SAELens loads: ``cfg.json`` + ``sae_weights.safetensors``.
+"""SAE checkpoints that SAELens loads as they are, and probe checkpoints.
 
-``sae_weights.safetensors`` holds ``W_enc [d_in, d_sae]``, ``b_enc``, ``W_dec
-[d_sae, d_in]``, ``b_dec`` (and ``threshold [d_sae]`` for jumprelu and batchtopk),
-exactly as trained: they act on inputs multiplied by ``norm_scale`` (in cfg.json),
-outputs divided by it. ``actbus_state.safetensors`` keeps what SAELens has no name
-for (the scale as a tensor, the JumpReLU log-threshold, dead-latent counters), so
-``load_sae`` rebuilds the module bit for bit. ``cfg.json`` carries SAELens' fields
-and the whole actbus ``SAEConfig`` under ``actbus``.
+An SAE directory holds ``cfg.json`` and ``sae_weights.safetensors`` in SAELens' own
+(6.x) inference format, so ``sae_lens.SAE.load_from_disk(dir)`` gives the latents and
+reconstructions of actbus's module on the stream's own (raw) activations:
+
+- The input scale is folded into the weights. The module computes
+  ``pre = (s*x - b_dec) @ W_enc + b_enc`` and ``x_hat = (z @ W_dec + b_dec) / s``; with
+  ``W_enc' = s*W_enc``, ``W_dec' = W_dec/s`` and ``b_dec' = b_dec/s`` that is
+  ``pre = (x - b_dec') @ W_enc' + b_enc`` and ``x_hat = z @ W_dec' + b_dec'``: SAELens'
+  forward with ``normalize_activations: "none"``. The pre-activations are unchanged,
+  so ``b_enc`` and every threshold (JumpReLU's, BatchTopK's) stay as trained.
+- BatchTopK is stored as SAELens stores a trained BatchTopK for inference: a JumpReLU
+  whose threshold (every latent alike) is the running threshold actbus encodes with.
+- ``metadata`` names the model, the TransformerLens hook (``blocks.L.hook_resid_pre``,
+  ``hook_resid_mid``, ``hook_mlp_out``, ``hook_resid_post``) and what is known of the
+  data; ``metadata.actbus`` keeps actbus's whole ``SAEConfig`` and the scale.
+
+``actbus_state.safetensors`` keeps what SAELens has no name for (the scale, the
+JumpReLU log-threshold, the dead-latent counters), so ``load_sae`` rebuilds the
+module: its weights are unfolded from the saved ones, so it computes what the trained
+module did to float32 precision (rounding of one multiplication per weight).
+
+A probe directory holds ``probe.safetensors`` (the linear head and the input
+standardisation) and ``probe.json`` (its config, which head predicts which request
+tag, and how to read the outputs); ``load_probe`` rebuilds it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainers.config import SAEConfig
+from trainers.config import ProbeConfig, SAEConfig
 from trainers.sae import SparseAutoencoder
+
+if TYPE_CHECKING:  # the probe module needs Lightning; SAE checkpoints do not
+    from trainers.probe import LinearProbe
 
 CFG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
 STATE = "actbus_state.safetensors"
-_ARCH = {"topk": "topk", "batchtopk": "batchtopk", "relu": "standard", "jumprelu": "jumprelu"}
+PROBE_CFG = "probe.json"
+PROBE_WEIGHTS = "probe.safetensors"
+
+SAE_LENS_FORMAT = "6.54.12"
+"""The SAELens version whose config format ``cfg.json`` follows (loaded and checked
+against it); written as ``metadata.sae_lens_version`` so SAELens reads the file as a
+6.x config and keeps the metadata."""
+
+# The inference architecture SAELens loads each kind as.
+_ARCH = {"topk": "topk", "batchtopk": "jumprelu", "relu": "standard", "jumprelu": "jumprelu"}
+# actbus hook -> TransformerLens hook point of decoder layer L.
+TL_HOOKS = {
+    "pre_attn": "hook_resid_pre",
+    "post_attn": "hook_resid_mid",
+    "mlp_out": "hook_mlp_out",
+    "post_block": "hook_resid_post",
+}
 
 
-def _cfg_json(sae: SparseAutoencoder, model: str, extra: dict[str, Any]) -> dict[str, Any]:
+def tl_hook_name(layer: int, hook: str) -> str:
+    """The TransformerLens name of an actbus (layer, hook) stream."""
+    if hook not in TL_HOOKS:
+        raise ValueError(f"hook: {hook!r} has no TransformerLens name; expected {list(TL_HOOKS)}")
+    return f"blocks.{layer}.{TL_HOOKS[hook]}"
+
+
+def _metadata(sae: SparseAutoencoder, source: dict[str, Any], extra: dict) -> dict[str, Any]:
+    """SAELens' metadata fields, those the stream tells us (model, longest sequence,
+    the stored run); the rest are left out (SAELens reads them as None)."""
     c = sae.cfg
-    hook_name = f"blocks.{c.layer}.hook_resid_post" if c.hook == "post_block" else None
+    meta: dict[str, Any] = {
+        "sae_lens_version": SAE_LENS_FORMAT,
+        "sae_lens_training_version": None,  # trained by actbus, not SAELens
+        "model_name": source.get("model") or "",
+        "hook_name": tl_hook_name(c.layer, c.hook),
+        "hook_head_index": None,
+        "model_from_pretrained_kwargs": {},
+    }
+    if source.get("context_size"):
+        meta["context_size"] = int(source["context_size"])
+    if source.get("dataset_path"):
+        meta["dataset_path"] = str(source["dataset_path"])
+    if c.kind == "batchtopk":
+        meta["training_architecture"] = "batchtopk"
+        meta["training_architecture_details"] = {"k": c.k}
+    meta["actbus"] = {
+        **c.to_dict(),
+        "norm_scale": float(sae.norm_scale),
+        "scale_folded": True,
+        "source": source,
+        **extra,
+    }
+    return meta
+
+
+def _cfg_json(sae: SparseAutoencoder, source: dict[str, Any], extra: dict) -> dict[str, Any]:
+    c = sae.cfg
     out: dict[str, Any] = {
         "architecture": _ARCH[c.kind],
         "d_in": c.d_in,
-        "d_sae": c.d_sae,
+        "d_sae": int(c.d_sae),
         "dtype": str(sae.W_enc.dtype).removeprefix("torch."),
         "device": "cpu",
         "apply_b_dec_to_input": True,
         "normalize_activations": "none",
-        "model_name": model,
-        "hook_name": hook_name or f"actbus.L{c.layer}.{c.hook}",
-        "hook_layer": c.layer,
-        "metadata": {"model_name": model, "hook_name": hook_name or f"L{c.layer}.{c.hook}"},
-        "norm_scale": float(sae.norm_scale),
-        "actbus": {**c.to_dict(), "norm_scale": float(sae.norm_scale), **extra},
+        "reshape_activations": "none",
     }
-    if c.kind in ("topk", "batchtopk"):
+    if c.kind == "topk":
         out["k"] = c.k
-        out["activation_fn_str"] = "topk"
-        out["activation_fn_kwargs"] = {"k": c.k}
+        out["rescale_acts_by_decoder_norm"] = False
+    out["metadata"] = _metadata(sae, source, extra)
+    return out
+
+
+@torch.no_grad()
+def folded_weights(sae: SparseAutoencoder) -> dict[str, torch.Tensor]:
+    """The weights acting on raw activations (SAELens' names), computed in float64 and
+    rounded once to the weights' dtype."""
+    s = float(sae.norm_scale)
+    dtype = sae.W_enc.dtype
+
+    def f(t: torch.Tensor, factor: float) -> torch.Tensor:
+        return (t.detach().double() * factor).to(dtype)
+
+    out = {
+        "W_enc": f(sae.W_enc, s),
+        "b_enc": sae.b_enc.detach().clone(),
+        "W_dec": f(sae.W_dec, 1.0 / s),
+        "b_dec": f(sae.b_dec, 1.0 / s),
+    }
+    if sae.cfg.kind == "jumprelu":
+        out["threshold"] = sae.log_threshold.detach().exp()  # exactly the module's theta
+    elif sae.cfg.kind == "batchtopk":
+        # Never trained (no threshold yet): 0, i.e. a plain ReLU.
+        t = sae.threshold.detach().clamp_min(0.0).to(dtype)
+        out["threshold"] = t.expand(int(sae.cfg.d_sae))
     return out
 
 
 def save_sae(
-    sae: SparseAutoencoder, path: str | Path, *, model: str = "", extra: dict | None = None
+    sae: SparseAutoencoder,
+    path: str | Path,
+    *,
+    model: str = "",
+    source: dict[str, Any] | None = None,
+    extra: dict | None = None,
 ) -> Path:
-    """Write one SAE into directory ``path`` (made if missing); files replaced atomically."""
+    """Write one SAE into directory ``path`` (made if missing); files replaced atomically.
+
+    ``source``: what the stream told about the data (``model``, ``context_size``,
+    ``dataset_path``, ...; ``ActivationDataModule.stream_info()``); ``model`` overrides
+    its model name."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    weights = {
-        "W_enc": sae.W_enc.detach(),
-        "b_enc": sae.b_enc.detach(),
-        "W_dec": sae.W_dec.detach(),
-        "b_dec": sae.b_dec.detach(),
-    }
+    source = dict(source or {})
+    if model:
+        source["model"] = model
     state = {
         "norm_scale": sae.norm_scale,
         "initialized": sae.initialized.to(torch.uint8),
@@ -72,15 +170,10 @@ def save_sae(
         "since_fired": sae.since_fired,
     }
     if sae.cfg.kind == "jumprelu":
-        weights["threshold"] = sae.log_threshold.detach().exp()
         state["log_threshold"] = sae.log_threshold.detach()
-    elif sae.cfg.kind == "batchtopk":
-        weights["threshold"] = sae.threshold.expand(int(sae.cfg.d_sae))
-    _save(weights, path / WEIGHTS)
+    _save(folded_weights(sae), path / WEIGHTS)
     _save(state, path / STATE)
-    tmp = path / (CFG + ".tmp")
-    tmp.write_text(json.dumps(_cfg_json(sae, model, extra or {}), indent=2))
-    os.replace(tmp, path / CFG)
+    _write_json(path / CFG, _cfg_json(sae, source, extra or {}))
     return path
 
 
@@ -90,38 +183,88 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path.parent}: no {path.name}; is this {what} directory?")
+    return json.loads(path.read_text())
+
+
 def load_sae(path: str | Path, device: str = "cpu") -> SparseAutoencoder:
-    """A fresh module from a directory ``save_sae`` wrote."""
+    """A fresh module from a directory ``save_sae`` wrote (the scale unfolded again)."""
     path = Path(path)
-    if not (path / CFG).exists():
-        raise FileNotFoundError(f"{path}: no {CFG}; is this an SAE checkpoint directory?")
-    cfg = SAEConfig.from_dict(json.loads((path / CFG).read_text())["actbus"])
+    raw = _read_json(path / CFG, "an SAE checkpoint")
+    # Checkpoints written before the scale was folded kept actbus's fields at the top.
+    meta = raw.get("metadata", {}).get("actbus") or raw.get("actbus")
+    if meta is None:
+        raise ValueError(f"{path / CFG}: no actbus metadata; not written by actbus's save_sae")
+    cfg = SAEConfig.from_dict(meta)
     sae = SparseAutoencoder(cfg)
-    w = load_file(str(path / WEIGHTS), device=device)
-    s = load_file(str(path / STATE), device=device) if (path / STATE).exists() else {}
+    w = load_file(str(path / WEIGHTS))
+    s = load_file(str(path / STATE)) if (path / STATE).exists() else {}
+    scale = float(s["norm_scale"]) if "norm_scale" in s else float(meta["norm_scale"])
+    unfold = bool(meta.get("scale_folded"))
     with torch.no_grad():
-        for k in ("W_enc", "b_enc", "W_dec", "b_dec"):
-            getattr(sae, k).copy_(w[k])
-        if "norm_scale" in s:
-            sae.norm_scale.copy_(s["norm_scale"])
-            sae.initialized.copy_(s["initialized"].bool())
+        for k, factor in (("W_enc", 1.0 / scale), ("W_dec", scale), ("b_dec", scale)):
+            t = w[k].double() * factor if unfold else w[k]
+            getattr(sae, k).copy_(t.to(sae.W_enc.dtype))
+        sae.b_enc.copy_(w["b_enc"])
+        sae.norm_scale.fill_(scale)
+        sae.initialized.fill_(True)
+        if "since_fired" in s:
             sae.threshold.copy_(s["batch_threshold"])
             sae.since_fired.copy_(s["since_fired"])
-        else:  # weights from elsewhere: the scale from cfg.json
-            sae.norm_scale.fill_(float(json.loads((path / CFG).read_text())["norm_scale"]))
-            sae.initialized.fill_(True)
+        elif cfg.kind == "batchtopk":
+            sae.threshold.copy_(w["threshold"][0])
         if cfg.kind == "jumprelu":
             lt = s.get("log_threshold")
             sae.log_threshold.copy_(lt if lt is not None else w["threshold"].log())
     return sae.to(device)
 
 
-def save_probe(probe, path: str | Path, *, metrics: dict[str, float] | None = None) -> Path:
-    """A probe: ``probe.safetensors`` (weight, bias, standardisation) + ``probe.json``."""
+def save_probe(
+    probe: LinearProbe,
+    path: str | Path,
+    *,
+    metrics: dict[str, float] | None = None,
+    source: dict[str, Any] | None = None,
+) -> Path:
+    """A probe: ``probe.safetensors`` (head, standardisation) + ``probe.json`` (its config,
+    the head of each label tag, held-out metrics, and what the stream told: ``source``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _save({k: v.detach() for k, v in probe.state_dict().items()}, path / "probe.safetensors")
-    tmp = path / "probe.json.tmp"
-    tmp.write_text(json.dumps({"actbus": probe.cfg.to_dict(), "metrics": metrics or {}}, indent=2))
-    os.replace(tmp, path / "probe.json")
+    c = probe.cfg
+    reads = (
+        "logit of P(tag value == 1); labels are 0/1 (or false/true)"
+        if c.kind == "logistic"
+        else "the predicted tag value"
+    )
+    _save({k: v.detach() for k, v in probe.state_dict().items()}, path / PROBE_WEIGHTS)
+    meta = {
+        "actbus": c.to_dict(),
+        "heads": {tag: i for i, tag in enumerate(c.labels)},
+        "output": reads,
+        "hook_name": tl_hook_name(c.layer, c.hook),
+        "source": dict(source or {}),
+        "metrics": metrics or {},
+    }
+    _write_json(path / PROBE_CFG, meta)
     return path
+
+
+def load_probe(path: str | Path, device: str = "cpu") -> LinearProbe:
+    """A fresh ``LinearProbe`` from a directory ``save_probe`` wrote; ``probe.cfg.labels[i]``
+    is the tag head ``i`` predicts."""
+    path = Path(path)
+    meta = _read_json(path / PROBE_CFG, "a probe checkpoint")
+    from trainers.probe import LinearProbe
+
+    known = {f.name for f in dataclasses.fields(ProbeConfig)}
+    probe = LinearProbe(ProbeConfig(**{k: v for k, v in meta["actbus"].items() if k in known}))
+    probe.load_state_dict(load_file(str(path / PROBE_WEIGHTS)))
+    return probe.to(device).eval()

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from trainers.buffer import ShuffleBuffer, TrainingRows, split_value
+from trainers.buffer import ShuffleBuffer, TrainingRows, parse_labels, split_value
 from trainers.config import DataConfig, stream_key
 
 log = logging.getLogger("actbus.trainers")
@@ -61,6 +61,8 @@ class TokenHub:
         """Rows with a NaN or an infinity: counted, left out (not in ``rows_in``)."""
         self.handed_out: dict[str, int] = dict.fromkeys(self.keys, 0)
         self.first_data_at: float | None = None
+        self.max_position = -1
+        """The highest token position that arrived (the longest sequence, for checkpoints)."""
 
     # -------------------------------------------------------------- source side
     def put(self, key: str, rows: TrainingRows, stop: threading.Event) -> None:
@@ -98,6 +100,8 @@ class TokenHub:
                 self.first_data_at = time.monotonic()
             self.counters["messages"] += 1
             self.counters["rows_in"] += len(rows)
+            if len(rows):
+                self.max_position = max(self.max_position, int(rows.position.max()))
             done = 0
             while done < len(rows):
                 done += buf.put(rows.slice(done, len(rows)))
@@ -209,8 +213,10 @@ class BusSource(threading.Thread):
         self.hub = hub
         self.group = group
         self.stop_event = threading.Event()
-        self.stats: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {"bad_label_rows": 0} if cfg.label_tags else {}
         self.welcomed = threading.Event()
+        self.info: dict[str, Any] = {}
+        """The publisher's WELCOME (model, hidden_size, layers, ...)."""
 
     def subscription(self):
         from actbus.bus import Subscription
@@ -254,6 +260,7 @@ class BusSource(threading.Thread):
                     last = now
                     self._put(out)
                 elif out.kind == "welcome":
+                    self.info = dict(out.body)
                     self.welcomed.set()
                 elif out.kind == "end":
                     log.info("the publisher ended the stream")
@@ -265,11 +272,24 @@ class BusSource(threading.Thread):
             if sub is not None:
                 self._note(sub)
                 sub.close()
+            _report_bad_labels(self.stats)
             self.hub.finish(error)
 
     def _put(self, batch) -> None:
         h = batch.header
-        rows = TrainingRows.from_message(batch.tensor, h.rows, self.cfg.label_tags)
+        ri = h.rows
+        tags = ri.tags or [{}] * len(ri.request_ids)
+        labels, bad = parse_labels(tags, self.cfg.label_tags)
+        rows = TrainingRows.from_message(batch.tensor, ri, labels)
+        if bad:
+            counts = np.diff(np.asarray(ri.offsets, dtype=np.int64))
+            keep = torch.ones(len(ri.request_ids), dtype=torch.bool)
+            keep[bad] = False
+            idx = keep.repeat_interleave(torch.from_numpy(counts)).nonzero().squeeze(1)
+            _count_bad_labels(
+                self.stats, int(counts[bad].sum()), ri.request_ids[bad[0]], tags[bad[0]]
+            )
+            rows = rows.take(idx)
         if self.cfg.labelled_only and self.cfg.label_tags:
             keep = ~torch.isnan(rows.label).any(1)
             if not bool(keep.all()):
@@ -306,10 +326,19 @@ class RunSource(threading.Thread):
         self.rank = rank
         self.world_size = world_size
         self.stop_event = threading.Event()
-        self.stats: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {"bad_label_rows": 0} if cfg.label_tags else {}
         self.welcomed = threading.Event()
         self.welcomed.set()
         self._labels = _load_labels(cfg.labels_file)
+        self.info: dict[str, Any] = {"dataset_path": str(cfg.run_dir)}
+        """What the run's manifest says of its stream (model, hidden_size, dtype)."""
+        try:
+            from consumers.fs import ActivationRun
+
+            m = ActivationRun(cfg.run_dir).manifest
+            self.info.update({k: m[k] for k in ("model", "hidden_size", "dtype") if m.get(k)})
+        except (OSError, ValueError, KeyError):  # reading the run itself reports it
+            pass
 
     def run(self) -> None:
         from consumers.fs.torch_dataset import TokenDataset
@@ -343,6 +372,7 @@ class RunSource(threading.Thread):
         except BaseException as e:
             error = e
         finally:
+            _report_bad_labels(self.stats)
             self.hub.finish(error)
 
     def _rows(self, chunk: dict[str, Any]) -> TrainingRows:
@@ -355,15 +385,34 @@ class RunSource(threading.Thread):
                 per = [self._labels.get(r, {}) for r in rid]
             else:
                 per = [json.loads(t) if t else {} for t in chunk["tags"]]
-            label = torch.tensor(
-                [[float(p[t]) if t in p else float("nan") for t in tags_cols] for p in per],
-                dtype=torch.float32,
-            ).reshape(n, len(tags_cols))
+            label, bad = parse_labels(per, tags_cols)
+            if bad:
+                _count_bad_labels(self.stats, len(bad), rid[bad[0]], per[bad[0]])
         split = torch.tensor([split_value(r) for r in rid], dtype=torch.float64)
         rows = TrainingRows(chunk["activation"], chunk["position"], rid, split, label)
         if self.cfg.labelled_only and tags_cols:
             rows = rows.take((~torch.isnan(label).any(1)).nonzero().squeeze(1))
         return rows
+
+
+def _count_bad_labels(stats: dict[str, Any], rows: int, request_id: str, tags: Any) -> None:
+    """Rows whose label tag is not a number are skipped and counted (the first logged)."""
+    if not stats.get("bad_label_rows"):
+        log.warning(
+            "request %r: a label tag is not a number (tags %.200r); its rows are skipped "
+            "and counted as data/bad_label_rows",
+            request_id,
+            tags,
+        )
+    stats["bad_label_rows"] = stats.get("bad_label_rows", 0) + rows
+
+
+def _report_bad_labels(stats: dict[str, Any]) -> None:
+    if stats.get("bad_label_rows"):
+        log.warning(
+            "skipped %d rows whose label tag is not a number (data/bad_label_rows)",
+            stats["bad_label_rows"],
+        )
 
 
 def _load_labels(path: str | None) -> dict[str, dict[str, Any]] | None:
@@ -526,6 +575,21 @@ class ActivationDataModule(LightningDataModule):
         self._stopped = True
         if self.stream is not None:
             self.stream.stop()
+
+    def stream_info(self) -> dict[str, Any]:
+        """What is known of the data so far, for checkpoints: the publisher's (or the
+        stored run's) ``model`` and more, ``context_size`` (the highest token position
+        seen + 1) and, for a stored run, ``dataset_path``."""
+        s = self.stream
+        if s is None or s.source is None:
+            return {}
+        keep = ("model", "hidden_size", "dtype", "dataset_path")
+        out = {k: s.source.info[k] for k in keep if s.source.info.get(k) is not None}
+        if self.cfg.address is not None:
+            out["address"] = self.cfg.address
+        if s.hub.max_position >= 0:
+            out["context_size"] = s.hub.max_position + 1
+        return out
 
     def teardown(self, stage: str) -> None:
         if self.stream is not None:

@@ -95,7 +95,7 @@ class SAETrainer(pl.LightningModule):
             for k, v in out.items():
                 logs[f"{c.name}/{k}"] = v.detach()  # tensors: no device sync per step
             if self.device.type == "cpu" or batch_idx % 100 == 0:
-                self.fvu_history[c.name].append(float(out["fvu"]))
+                self.fvu_history[c.name].append(float(out["fvu"].detach()))
         self._sync_stop(exhausted)
         if logs:
             self.last_metrics = logs  # type: ignore[assignment]

@@ -106,6 +106,9 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
     assert s["data"]["tokens/L2/post_block"] == 40 * 256  # every stored row, once
     (ckpt,) = [p for p in (tmp_path / "sae").iterdir() if (p / "cfg.json").exists()]
     assert load_sae(ckpt).cfg.layer == 2
+    meta = json.loads((ckpt / "cfg.json").read_text())["metadata"]  # from the run's manifest
+    assert meta["model_name"] == "synthetic" and meta["dataset_path"] == str(run_dir)
+    assert meta["context_size"] == 32
 
     r = _run("probe", *common, "--label", "label", "--lr", "0.05", "--out",
              str(tmp_path / "probe"), "--summary", str(tmp_path / "probe.json"))  # fmt: skip

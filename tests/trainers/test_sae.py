@@ -1,4 +1,4 @@
-"""SAE kinds and checkpoints: every kind learns, keeps unit decoder rows, and reloads exactly."""
+"""SAE kinds and checkpoints: every kind learns, keeps unit decoder rows, and reloads."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _train(cfg: SAEConfig, steps: int) -> tuple[SparseAutoencoder, list[float]]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_kind_learns_and_reloads_bit_for_bit(kind, tmp_path):
+def test_every_kind_learns_and_reloads(kind, tmp_path):
     cfg = SAEConfig(d_in=64, d_sae=256, kind=kind, k=8, lr=3e-3, dead_tokens=2048)
     sae, fvus = _train(cfg, 100)
     print(kind, fvus[:3], fvus[-3:])
@@ -60,11 +60,18 @@ def test_every_kind_learns_and_reloads_bit_for_bit(kind, tmp_path):
     assert weights["W_enc"].shape == (64, 256) and weights["W_dec"].shape == (256, 64)
     assert weights["b_enc"].shape == (256,) and weights["b_dec"].shape == (64,)
     assert cfg_json["d_in"] == 64 and cfg_json["d_sae"] == 256
-    assert cfg_json["actbus"]["kind"] == kind and cfg_json["actbus"]["layer"] == 0
-    assert cfg_json["norm_scale"] == float(sae.norm_scale)
-    if kind in ("topk", "batchtopk"):
-        assert cfg_json["k"] == 8
-    if kind == "jumprelu":
+    meta = cfg_json["metadata"]
+    assert meta["actbus"]["kind"] == kind and meta["actbus"]["layer"] == 0
+    assert meta["actbus"]["norm_scale"] == float(sae.norm_scale)
+    assert meta["model_name"] == "synthetic" and meta["hook_name"] == "blocks.0.hook_resid_post"
+    assert cfg_json["normalize_activations"] == "none"  # the scale is in the weights
+    s = float(sae.norm_scale)
+    torch.testing.assert_close(weights["W_enc"], sae.W_enc.detach() * s)
+    torch.testing.assert_close(weights["b_dec"], sae.b_dec.detach() / s)
+    if kind == "topk":
+        assert cfg_json["architecture"] == "topk" and cfg_json["k"] == 8
+    if kind in ("jumprelu", "batchtopk"):  # batchtopk: as SAELens stores it for inference
+        assert cfg_json["architecture"] == "jumprelu"
         assert weights["threshold"].shape == (256,)
 
     fresh = load_sae(path)
@@ -74,7 +81,10 @@ def test_every_kind_learns_and_reloads_bit_for_bit(kind, tmp_path):
     with torch.no_grad():
         a, b = sae(x), fresh(x)
         za, zb = sae.encode(x), fresh.encode(x)
-    assert torch.equal(a, b) and torch.equal(za, zb)
+    # The weights are unfolded from the saved ones: one rounding each, no more.
+    assert torch.equal(za > 0, zb > 0)
+    torch.testing.assert_close(zb, za, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert (za > 0).any()
     # And it reconstructs in the stream's own units.
     fvu = float((a - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
