@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 
 from actbus import consumer as consumers
 from actbus.bus import POLICIES, SubscriptionRejected, statsview
-from actbus.bus.protocol import parse_policy, parse_tags
+from actbus.bus.protocol import parse_match, parse_policy
 from actbus.bus.security import ClientAuth
 from actbus.config import ConfigError
 
@@ -195,7 +195,7 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
     except ValueError as e:
         p.error(f"--policy: {e}")
     try:
-        tags = parse_tags(opts.tags) if opts.tags else None
+        tags = parse_match(opts.tags) if opts.tags else None
     except ValueError as e:
         p.error(f"--tags: {e}")
     if opts.window < 1:
@@ -232,7 +232,7 @@ def _run(args: argparse.Namespace, rest: list[str], run_p: argparse.ArgumentPars
                 policy=opts.policy,
                 window=opts.window,
                 window_bytes=int(opts.window_mb * (1 << 20)),
-                tags=tags,
+                match=tags,
                 group=opts.group,
             ),
             restart=restart,

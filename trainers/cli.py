@@ -133,7 +133,7 @@ def _d_in(opts: argparse.Namespace) -> int:
 
 
 def _data_cfg(opts: argparse.Namespace, name: str, **kw: Any) -> DataConfig:
-    from actbus.bus.protocol import parse_policy, parse_tags
+    from actbus.bus.protocol import parse_match, parse_policy
 
     parse_policy(opts.policy)  # a bad policy fails here, naming it
     return DataConfig(
@@ -149,7 +149,7 @@ def _data_cfg(opts: argparse.Namespace, name: str, **kw: Any) -> DataConfig:
         window=opts.window,
         window_mb=opts.window_mb,
         group=opts.group,
-        tags=parse_tags(opts.tags) if opts.tags else None,
+        match=parse_match(opts.tags) if opts.tags else None,
         seed=opts.seed,
         name=name,
         server_key=opts.server_key,
