@@ -145,8 +145,8 @@ class Route:
 
     def resubscribe(self, sub: Subscription, policy: Policy, now: float) -> None:
         """The same subscriber said HELLO again (it thought the publisher went quiet):
-        keep its queue and numbering, so nothing is lost or renumbered; what was in
-        flight is sent again. A policy that did not change keeps its state."""
+        keep its queue and numbering, so nothing is lost or renumbered; its credit
+        starts afresh. A policy that did not change keeps its state."""
         self._subscribe(sub, self.policy if dict(policy) == dict(self.policy) else policy)
         self.last_seen = now
         self.inflight.clear()
@@ -244,13 +244,12 @@ class Route:
         c.routed += 1
         seq = self.next_seq
         self.next_seq = seq + 1
-        pending = self.pending
-        if self.spill or (len(pending) >= PENDING_LIMIT and not self.may_send(m.nbytes)):
+        if self.full(m.nbytes):
             # Nothing overtakes what is spilled: the spill's owner decides while it holds any.
             policy = self.spiller if self.spill else self.policy
             if not policy.on_full(self, seq, m):  # type: ignore[union-attr]
                 return False
-        pending.append((seq, m))
+        self.pending.append((seq, m))
         self.flush()
         return False
 
