@@ -493,11 +493,18 @@ def test_admission_drops_at_the_source_for_lossy_subscribers_only(bus):
 
 
 def test_admission_counts_what_is_already_queued_ahead(bus):
-    d = bus.join("d", "drop_newest", window=1)
-    for step in range(3):  # queued, not yet routed: they use up its room
-        d.queued_in += 1
-    verdicts = bus.router.admit(0, [TapOffer(0, HOOK, NBYTES, False)] * 8, 1 << 30, True)
-    assert verdicts.count(Admission.SEND) == 1 + PENDING_LIMIT - 3
+    b = bus.join("b", "block", window=1, layers=(1,))
+    d = bus.join("d", "drop_newest", window=1, layers=(0,))
+    for step in range(1 + PENDING_LIMIT + 1):  # b is full: its last one holds the queue
+        bus.publish(*message(step, layer=1))
+    for step in range(3):  # so these wait behind it, not yet routed to d
+        bus.publish(*message(step, layer=0))
+    assert len(bus.queue) == 4 and d.ahead == 3 and not d.pending
+    verdicts = bus.router.admit(3, [TapOffer(0, HOOK, NBYTES, False)] * 8, 1 << 30, False)
+    room = 1 + PENDING_LIMIT - 3  # its credit and memory queue, less what is ahead
+    assert verdicts == [Admission.SEND] * room + [Admission.DROP] * (8 - room)
+    bus.drain(b, d)
+    assert d.ahead == 0 and bus.steps(d) == [0, 1, 2]
 
 
 # ------------------------------------------------------------- policy objects
