@@ -548,3 +548,12 @@ def test_a_new_policy_is_one_registered_class(bus):
         assert bus.steps(e) == [0, 2, 4] and e.c.sampled_out == 3
     finally:
         del POLICIES["even_steps"]
+
+
+def test_the_publisher_and_a_forwarding_stage_are_both_outlets():
+    from actbus.bus.outlet import Outlet
+    from actbus.bus.publisher import Publisher
+    from actbus.capture.stages import StageForwarder
+
+    assert issubclass(Publisher, Outlet) and issubclass(StageForwarder, Outlet)
+    assert not issubclass(Router, Outlet)

@@ -119,7 +119,7 @@ class Route:
         self.inflight: deque[tuple[int, int, int]] = deque()  # seq, nbytes, step
         self.inflight_bytes = 0
         self.spill: SpillLog | None = None
-        self.spiller: Policy | None = None  # the policy whose overflow is in ``spill``
+        self.spiller: Policy | None = None  # whose overflow ``spill`` holds (it decides)
         self.c = SubCounters()
         # Messages published for it and not yet routed (each side written by one thread).
         self.queued_in = 0  # by publishers, under the queue lock
