@@ -149,7 +149,7 @@ def _data_cfg(opts: argparse.Namespace, name: str, **kw: Any) -> DataConfig:
         window=opts.window,
         window_mb=opts.window_mb,
         group=opts.group,
-        match=parse_match(opts.tags) if opts.tags else None,
+        tags=parse_match(opts.tags) if opts.tags else None,
         seed=opts.seed,
         name=name,
         server_key=opts.server_key,
