@@ -46,20 +46,20 @@ class Consumer(ABC):
         policy: str | None = None,
         window: int = 64,
         window_bytes: int = 128 << 20,
-        tags: dict[str, Any] | None = None,
+        match: dict[str, Any] | None = None,
         group: str = "",
     ) -> Subscription:
         """What to ask the publisher for; override to filter layers or hooks.
 
         ``policy`` is a policy string (``sample:N``, ``spill:MB:FALLBACK``...);
-        ``tags`` keeps only matching requests; ``group`` shares the stream with the
+        ``match`` keeps only matching requests; ``group`` shares the stream with the
         group's other members (load-balanced) instead of receiving all of it.
         """
         return Subscription(
             **parse_policy(policy or self.default_policy),
             window=window,
             window_bytes=window_bytes,
-            tags=tags,
+            match=match,
             group=group,
             name=self.name,
         )

@@ -229,7 +229,7 @@ class BusSource(threading.Thread):
             window_bytes=int(cfg.window_mb * (1 << 20)),
             layers=tuple(sorted({layer for layer, _ in cfg.streams})),
             hooks=tuple(sorted({hook for _, hook in cfg.streams})),
-            tags=cfg.match,
+            match=cfg.match,
             group=self.group,
             name=cfg.name,
         )

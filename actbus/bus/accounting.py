@@ -2,7 +2,7 @@
 
 Per subscriber, every message routed to it ends up in exactly one place:
 ``routed == sent + dropped (all reasons) + pending + spill_depth``. Steps a
-``sample`` subscriber did not ask for (``sampled_out``) and messages its tag filter
+``sample`` subscriber did not ask for (``sampled_out``) and messages its ``match`` filter
 left empty (``filtered_out``) are not routed to it, so they are neither drops nor
 gaps. Drop reasons: ``queue_full`` (drop_newest, sample), ``evicted``
 (drop_oldest), ``spill_full`` (spill cap reached, per its fallback), and the ways a

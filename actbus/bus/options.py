@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from actbus.bus.addresses import check_address
-from actbus.bus.protocol import MAX_NAME, MAX_WINDOW, Subscription, parse_policy, parse_tags
+from actbus.bus.protocol import MAX_NAME, MAX_WINDOW, Subscription, parse_match, parse_policy
 from actbus.bus.security import ClientAuth
 from actbus.errors import ConfigError
 from actbus.flags import add_fields, flag
@@ -97,7 +97,7 @@ class SubscriberOptions:
             )
         if self.match is not None:
             try:
-                parse_tags(json.dumps(self.match))
+                parse_match(json.dumps(self.match))
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"--match: {e}") from None
         for name in ("group", "name"):
@@ -169,7 +169,7 @@ class SubscriberOptions:
             "window_bytes": self.window_bytes,
             "layers": self.layers,
             "hooks": self.hooks,
-            "tags": self.match,
+            "match": self.match,
             "group": self.group,
             "name": self.name,
         }
@@ -182,7 +182,7 @@ class SubscriberOptions:
             policy=self.policy,
             window=self.window,
             window_bytes=self.window_bytes,
-            tags=self.match,
+            match=self.match,
             group=self.group,
         )
         return dataclasses.replace(sub, name=self.name) if self.name else sub
@@ -204,7 +204,7 @@ def _match(pairs: list[tuple[str, Any]] | None, tags_json: str | None) -> dict[s
             raise ConfigError("--tags: give --match only (--tags is its old spelling, in JSON)")
         log.warning("--tags is deprecated and will be removed; use --match KEY=VALUE (repeatable)")
         try:
-            return parse_tags(tags_json)
+            return parse_match(tags_json)
         except ValueError as e:
             raise ConfigError(f"--tags: {e}") from None
     if not pairs:

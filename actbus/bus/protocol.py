@@ -1,93 +1,44 @@
 """Subscription handshake: what a subscriber asks for and how it is checked.
 
-The publisher enforces each subscriber's policy; the names follow Vector's
-``when_full`` (``block``, ``drop_newest``): ``block`` is lossless and makes the
-publisher, and so the engine, wait for that subscriber. ``drop_oldest`` evicts the
-oldest waiting message instead (fresh data for trainers); ``sample`` takes every
-N-th step, or at most R steps a second, and drops the newest when full
-(dashboards: ``sample:R/s`` bounds what watching costs the engine however fast it
-steps, where every N-th step costs more the faster it runs); ``spill`` writes what does
-not fit to local disk and replays it in order, up to a byte cap, after which its
-fallback policy applies.
+A subscriber names the layers and hooks it wants, a request filter (``match``), a
+backpressure policy (``policies.py``: its HELLO fields are ``policy``,
+``sample_every``, ``sample_per_s``, ``spill_mb`` and ``spill_fallback``), its
+credit window and, optionally, a load-balancing group. The publisher checks every
+field of a HELLO and refuses a bad one by name.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from actbus.bus.policies import (
+    DEFAULT_SPILL_MB,
+    MAX_SAMPLE_PER_S,
+    MAX_SPILL_MB,
+    POLICIES,
+    SPILL_FALLBACKS,
+    parse_policy,
+)
 from actbus.wire import SCHEMA_VERSION, WireError
 
-POLICIES = ("block", "drop_newest", "drop_oldest", "sample", "spill")
-SPILL_FALLBACKS = ("drop_newest", "drop_oldest", "block")
-DEFAULT_SPILL_MB = 1024.0
-MAX_SPILL_MB = float(1 << 20)  # 1 TiB
+__all__ = [
+    "DASHBOARD_POLICY",
+    "POLICIES",
+    "Subscription",
+    "parse_match",
+    "parse_policy",
+]
+
 MAX_WINDOW = 1 << 20
 MAX_NAME = 200
-MAX_TAGS = 64
-MAX_SAMPLE_PER_S = 1e6
+MAX_MATCH_KEYS = 64
 _SCALARS = (str, int, float, bool)
 DASHBOARD_POLICY = "sample:5/s"
 """Dashboards' default: at most 5 steps a second, a fixed small cost to the engine
 however fast it steps (every N-th step costs more the faster it runs), and plenty
 for statistics refreshed every second or two."""
-_USAGE = "choose block, drop_newest, drop_oldest, sample:N, sample:R/s or spill[:MB[:FALLBACK]]"
-
-
-def parse_policy(text: str) -> dict[str, Any]:
-    """A policy string -> the ``Subscription`` fields it sets.
-
-    ``"sample:10"`` / ``"sample:0.1"`` -> every 10th step; ``"sample:5/s"`` -> at most
-    5 steps a second; ``"spill:512:drop_oldest"``
-    -> spill up to 512 MiB, then evict the oldest spilled (``spill`` alone: 1024 MiB,
-    then ``drop_newest``).
-    """
-    name, _, arg = text.partition(":")
-    if name not in POLICIES or (arg and name not in ("sample", "spill")):
-        raise ValueError(f"unknown policy {text!r}; {_USAGE}")
-    if name == "sample" and arg.endswith("/s"):
-        try:
-            rate = float(arg[:-2])
-        except ValueError:
-            raise ValueError(
-                f"sample:R/s needs a number of steps per second, got {text!r}"
-            ) from None
-        if not 0 < rate <= MAX_SAMPLE_PER_S:
-            raise ValueError(
-                f"sample:R/s needs R in (0, {MAX_SAMPLE_PER_S:.0f}] steps per second, got {text!r}"
-            )
-        return {"policy": "sample", "sample_per_s": rate}
-    if name == "sample":
-        try:
-            value = float(arg)
-        except ValueError:
-            raise ValueError(
-                f"sample needs N (every N-th step), a fraction or R/s (steps a second), "
-                f"got {text!r}"
-            ) from None
-        if not value > 0 or math.isinf(value):
-            raise ValueError(f"sample needs a positive N or fraction, got {text!r}")
-        every = round(1 / value) if value < 1 else round(value)
-        return {"policy": "sample", "sample_every": max(1, every)}
-    if name == "spill":
-        mb_text, _, fallback = arg.partition(":")
-        try:
-            mb = float(mb_text) if mb_text else DEFAULT_SPILL_MB
-        except ValueError:
-            raise ValueError(
-                f"spill needs a cap in MiB, as spill:MB[:FALLBACK], got {text!r}"
-            ) from None
-        if not 0 < mb <= MAX_SPILL_MB:
-            raise ValueError(f"spill cap must be in (0, {MAX_SPILL_MB:.0f}] MiB, got {text!r}")
-        fallback = fallback or "drop_newest"
-        if fallback not in SPILL_FALLBACKS:
-            raise ValueError(
-                f"spill fallback {fallback!r} is unknown; choose {', '.join(SPILL_FALLBACKS)}"
-            )
-        return {"policy": "spill", "spill_mb": mb, "spill_fallback": fallback}
-    return {"policy": name}
 
 
 @dataclass(frozen=True)
@@ -95,6 +46,8 @@ class Subscription:
     """A subscriber's request, sent in HELLO."""
 
     policy: str = "block"
+    """The backpressure policy's name (``policies.py``); with the four fields below,
+    what ``parse_policy`` sets."""
     sample_every: int = 1
     """With ``policy="sample"``: take steps whose number is a multiple of this."""
     sample_per_s: float = 0.0
@@ -108,10 +61,11 @@ class Subscription:
     layers: tuple[int, ...] | None = None
     """Layers wanted (None: all; ``()``: none, e.g. a stats client)."""
     hooks: tuple[str, ...] | None = None
-    tags: dict[str, Any] | None = None
+    match: dict[str, Any] | None = None
     """Keep only requests whose tags match every key: ``{"split": "train"}``; a list
     value accepts any of its values: ``{"lang": ["en", "fr"]}``. Other rows are cut
-    out at the publisher (a filtered message is a copy; unfiltered ones are not)."""
+    out at the publisher (a filtered message is a copy; unfiltered ones are not).
+    Sent in HELLO under the key ``"tags"``."""
     returned_only: bool = False
     """Keep only the rows of requests whose caller asked for them back
     (``extra_args["actbus"]["return"]``): the front end's own subscriber."""
@@ -134,7 +88,7 @@ class Subscription:
             "window_bytes": self.window_bytes,
             "layers": list(self.layers) if self.layers is not None else None,
             "hooks": list(self.hooks) if self.hooks is not None else None,
-            "tags": dict(self.tags) if self.tags else None,
+            "tags": dict(self.match) if self.match else None,
             "returned_only": self.returned_only,
             "group": self.group,
             "spill_mb": self.spill_mb,
@@ -152,7 +106,7 @@ class Subscription:
                 "install the same actbus version on both sides"
             )
         policy = d.get("policy", "block")
-        if policy not in POLICIES:
+        if not isinstance(policy, str) or policy not in POLICIES:
             raise WireError(f"policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         every = _int(d, "sample_every", 1, 1, 1 << 30)
         per_s = d.get("sample_per_s", 0.0)
@@ -178,9 +132,9 @@ class Subscription:
             not isinstance(hooks, list) or not all(isinstance(x, str) for x in hooks)
         ):
             raise WireError(f"hooks must be a list of strings or null, got {hooks!r:.200}")
-        tags = d.get("tags")
-        if tags is not None:
-            _check_tags(tags)
+        match = d.get("tags")
+        if match is not None:
+            _check_match(match)
         returned_only = d.get("returned_only", False)
         if not isinstance(returned_only, bool):
             raise WireError(f"returned_only must be true or false, got {returned_only!r:.50}")
@@ -210,7 +164,7 @@ class Subscription:
             window_bytes=window_bytes,
             layers=tuple(layers) if layers is not None else None,
             hooks=tuple(hooks) if hooks is not None else None,
-            tags=dict(tags) if tags else None,
+            match=dict(match) if match else None,
             returned_only=returned_only,
             group=group,
             spill_mb=float(spill_mb),
@@ -226,16 +180,16 @@ class Subscription:
     @property
     def filters_requests(self) -> bool:
         """Whether some requests' rows are cut out of messages for it."""
-        return bool(self.tags) or self.returned_only
+        return bool(self.match) or self.returned_only
 
     def wants_request(self, tags: dict[str, Any], returned: bool = False) -> bool:
-        """True when a request passes the filters: its tags match every key of the
-        tag filter, and it asked for its rows back if ``returned_only``."""
+        """True when a request passes the filters: its tags match every key of
+        ``match``, and it asked for its rows back if ``returned_only``."""
         if self.returned_only and not returned:
             return False
-        if not self.tags:
+        if not self.match:
             return True
-        for key, want in self.tags.items():
+        for key, want in self.match.items():
             have = tags.get(key, _MISSING)
             if isinstance(want, list):
                 if not any(_same(have, w) for w in want):
@@ -260,10 +214,14 @@ def _int(d: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
     return v
 
 
-def _check_tags(tags: Any) -> None:
-    if not isinstance(tags, dict) or len(tags) > MAX_TAGS:
-        raise WireError(f"tags must be a map of at most {MAX_TAGS} keys, e.g. {{'split': 'train'}}")
-    for k, v in tags.items():
+def _check_match(match: Any) -> None:
+    """A request filter, as the wire and ``parse_match`` take it (errors name its wire
+    key, ``tags``)."""
+    if not isinstance(match, dict) or len(match) > MAX_MATCH_KEYS:
+        raise WireError(
+            f"tags must be a map of at most {MAX_MATCH_KEYS} keys, e.g. {{'split': 'train'}}"
+        )
+    for k, v in match.items():
         ok = isinstance(v, _SCALARS) or (
             isinstance(v, list) and 0 < len(v) <= 1024 and all(isinstance(x, _SCALARS) for x in v)
         )
@@ -274,14 +232,14 @@ def _check_tags(tags: Any) -> None:
             )
 
 
-def parse_tags(text: str) -> dict[str, Any]:
-    """A tag filter from JSON text, e.g. ``'{"split": "train", "lang": ["en", "fr"]}'``."""
+def parse_match(text: str) -> dict[str, Any]:
+    """A request filter from JSON text, e.g. ``'{"split": "train", "lang": ["en", "fr"]}'``."""
     try:
-        tags = json.loads(text)
+        match = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f'tags must be a JSON object such as {{"split": "train"}}: {e}') from None
     try:
-        _check_tags(tags)
+        _check_match(match)
     except WireError as e:
         raise ValueError(str(e)) from None
-    return tags
+    return match

@@ -19,13 +19,15 @@ import logging
 import queue
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
-from actbus.bus.publisher import Admission, Publisher
+from actbus.bus.outlet import Admission, TapOffer
+from actbus.bus.publisher import Publisher
 from actbus.wire import Header, WireError, frame_to_tensor, tensor_to_frame
 
 log = logging.getLogger("actbus.capture")
@@ -76,7 +78,7 @@ class StageCollector:
 
 
 class StageForwarder:
-    """Another stage: the publisher interface the capture worker uses, forwarding
+    """Another stage's ``Outlet``: what the capture worker publishes into, forwarding
     every message to the first stage. It cannot see subscribers, so it admits every
     tap; the first stage's publisher applies each subscriber's policy."""
 
@@ -92,7 +94,7 @@ class StageForwarder:
         self._thread = threading.Thread(target=self._run, name="actbus-forward", daemon=True)
         self._thread.start()
 
-    def admit(self, step: int, taps: list[tuple[int, str, int]]) -> list[Admission]:
+    def admit(self, step: int, taps: Sequence[TapOffer]) -> list[Admission]:
         return [Admission.SEND] * len(taps)
 
     def count_step(self, tokens: int, capture_s: float = 0.0) -> None:

@@ -9,7 +9,7 @@ Per request it keeps the selection and a watermark, the next position not yet
 published: a request preempted and recomputed from scratch re-runs positions
 it already published, and those rows are skipped, so every position goes out
 exactly once. Selected rows are gathered on the device, so only they are copied,
-and only for taps the bus admits (``Publisher.admit``): a tap no subscriber wants,
+and only for taps the bus admits (``Outlet.admit``): a tap no subscriber wants,
 or one whose every subscriber is lossy and would drop it now, costs no copy at all.
 Taps that publish the same rows share one row index and one host transfer.
 """
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from actbus.bus.publisher import Admission, Publisher
+from actbus.bus.outlet import Admission, Outlet, TapOffer
+from actbus.bus.publisher import Publisher
 from actbus.capture.requests import caller_request_id
 from actbus.capture.scheduler import StepRequests
 from actbus.capture.selection import Selection
@@ -121,6 +122,7 @@ class CaptureWorker:
         layers = tuple(sorted(layers if layers is not None else {k[0] for k in taps.keys}))
         self._full_sig = (layers, tuple(cfg.hooks), "all")
         self._stages = None
+        self.publisher: Outlet
         if stage[0] > 0:
             self.publisher = StageForwarder(stage_address(cfg.publish))
             atexit.register(self.close)  # flushes what is still queued for the first stage
@@ -284,7 +286,10 @@ class CaptureWorker:
         row_bytes = hidden * self.taps.dtype.itemsize
         none = _Part()
         taps = [(k, parts.get(k, none)) for k in self.taps.keys if k in parts or ended]
-        offers = [(k[0], k[1], p.num_rows * row_bytes, bool(ended) or p.returning) for k, p in taps]
+        offers = [
+            TapOffer(k[0], k[1], p.num_rows * row_bytes, bool(ended) or p.returning)
+            for k, p in taps
+        ]
         groups: dict[int, tuple[_Part, list[tuple[int, str]]]] = {}  # taps sharing rows
         for (key, p), verdict in zip(taps, pub.admit(self.step, offers), strict=True):
             if verdict is Admission.SEND:

@@ -43,10 +43,10 @@ def _tagged(step: int, ended: list[RequestEnd] | None = None) -> tuple[Header, t
 def test_tag_filters_cut_rows_and_keep_them_whole(publisher, address):
     subs = {
         "all": Subscriber(address, Subscription(name="all")),
-        "train": Subscriber(address, Subscription(tags={"split": "train"}, name="train")),
-        "langs": Subscriber(address, Subscription(tags={"lang": ["en", "fr"]}, name="langs")),
+        "train": Subscriber(address, Subscription(match={"split": "train"}, name="train")),
+        "langs": Subscriber(address, Subscription(match={"lang": ["en", "fr"]}, name="langs")),
         "both": Subscriber(
-            address, Subscription(tags={"split": "train", "lang": "de"}, name="both")
+            address, Subscription(match={"split": "train", "lang": "de"}, name="both")
         ),
     }
     try:
@@ -104,7 +104,7 @@ def test_returned_only_keeps_the_requests_that_asked(publisher, address):
 
 def test_a_filtered_message_with_only_request_ends_still_goes(publisher, address):
     ends = [RequestEnd("b", 0, "stop")]
-    with Subscriber(address, Subscription(tags={"split": "nope"}, name="f")) as sub:
+    with Subscriber(address, Subscription(match={"split": "nope"}, name="f")) as sub:
         sub.wait_welcome(10)
         publisher.publish(*_tagged(0))  # no rows for it, no ends: not sent
         publisher.publish(*_tagged(1, ended=ends))  # no rows for it, but an end: sent

@@ -142,10 +142,10 @@ def test_consumer_subscription_carries_the_new_fields():
     from consumers.null import NullConsumer
 
     s = NullConsumer().subscription(
-        policy="spill:64:drop_oldest", tags={"split": ["train", "dev"]}, group="ranks"
+        policy="spill:64:drop_oldest", match={"split": ["train", "dev"]}, group="ranks"
     )
     assert (s.policy, s.spill_mb, s.spill_fallback) == ("spill", 64.0, "drop_oldest")
-    assert s.tags == {"split": ["train", "dev"]} and s.group == "ranks" and s.name == "null"
+    assert s.match == {"split": ["train", "dev"]} and s.group == "ranks" and s.name == "null"
     assert Subscription.from_wire(s.to_wire()) == s
 
 
