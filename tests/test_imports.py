@@ -58,7 +58,18 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str
     """(module imported, line) for every import in the file, at any depth (a function's
     lazy import is an arrow too), resolved to the modules of the three packages."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    # ``if TYPE_CHECKING:`` imports are annotations only, never run: not arrows.
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -139,6 +150,9 @@ def test_the_walk_sees_lazy_and_from_imports():
     assert "actbus.bus.protocol" in edges["actbus.bus"]  # the package re-exports it
     assert "actbus.capture.ops" in edges["actbus.capture.taps"]  # from actbus.capture import ops
     assert "actbus.capture.session" in edges["actbus.plugin"]  # inside a function
+    # policies name routing's types for annotations only (``if TYPE_CHECKING:``)
+    assert "actbus.bus.routing" not in edges["actbus.bus.policies"]
+    assert "actbus.bus.policies" in edges["actbus.bus.routing"]
     assert len(edges) > 60
 
 

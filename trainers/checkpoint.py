@@ -32,16 +32,14 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from trainers.config import ProbeConfig, SAEConfig
+from trainers.linear_probe import LinearProbe
 from trainers.sae import SparseAutoencoder
-
-if TYPE_CHECKING:  # the probe module needs Lightning; SAE checkpoints do not
-    from trainers.probe import LinearProbe
 
 CFG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
@@ -262,8 +260,6 @@ def load_probe(path: str | Path, device: str = "cpu") -> LinearProbe:
     is the tag head ``i`` predicts."""
     path = Path(path)
     meta = _read_json(path / PROBE_CFG, "a probe checkpoint")
-    from trainers.probe import LinearProbe
-
     known = {f.name for f in dataclasses.fields(ProbeConfig)}
     probe = LinearProbe(ProbeConfig(**{k: v for k, v in meta["actbus"].items() if k in known}))
     probe.load_state_dict(load_file(str(path / PROBE_WEIGHTS)))
