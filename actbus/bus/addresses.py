@@ -39,8 +39,7 @@ def check_address(
         raise ConfigError(f"{field_name}: expected a string address, got {addr!r}")
     if _CONTROL.search(addr):
         raise ConfigError(
-            f"{field_name}={addr!r}: control characters (a newline?) in the address; "
-            "remove them"
+            f"{field_name}={addr!r}: control characters (a newline?) in the address; remove them"
         )
     if addr.startswith("ipc://"):
         path = addr[len("ipc://") :]
