@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -51,7 +52,7 @@ from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import Clock, Policy, policy_of
 from actbus.bus.protocol import Subscription
 from actbus.bus.spill import SpillLog
-from actbus.wire import DATA, Header, pack_seq, tensor_to_frame
+from actbus.wire import DATA, Header, WireError, pack_seq, tensor_to_frame
 
 log = logging.getLogger("actbus.publisher")
 
@@ -110,8 +111,11 @@ class Route:
         spill_dir: Callable[[], Path],
         last_seen: float = 0.0,
         acked_step: int = -1,
+        serial: int = 0,
     ) -> None:
         self.ident = ident
+        self.serial = serial  # unique per publisher: stats key it, never the identity
+        self.stats_answered = -math.inf  # when its last STATS request was answered
         self.last_seen = last_seen
         self.acked_step = acked_step  # the newest acknowledged message's step (lag is from it)
         self.pending: deque[tuple[int, Item]] = deque()
@@ -207,7 +211,17 @@ class Route:
         return max(0, PENDING_LIMIT - len(self.pending)) + credit
 
     def ack(self, acked: int) -> None:
-        """Everything below seq ``acked`` was received."""
+        """Everything below seq ``acked`` was received.
+
+        An acknowledgement beyond the numbers given out so far is refused
+        (``WireError``) and changes nothing: it would free credit for messages never
+        sent, and a peer that never reads would make the publisher send without end.
+        """
+        if acked > self.next_seq:
+            raise WireError(
+                f"CREDIT acked={acked} is beyond the messages sent (the next is seq "
+                f"{self.next_seq}); acknowledge only what arrived"
+            )
         while self.inflight and self.inflight[0][0] < acked:
             _, nbytes, step = self.inflight.popleft()
             self.inflight_bytes -= nbytes
@@ -384,6 +398,7 @@ class Router:
         self.counters: Counter[str] = Counter()  # publisher thread
         self.engine_counts: Counter[str] = Counter()  # engine thread only
         self.routed_step = -1  # by the publisher thread
+        self.joined = 0  # subscribers ever added: the next one's serial
         self.skipped_step = -1  # by the engine thread: a step every sampler skipped
 
     @property
@@ -408,7 +423,9 @@ class Router:
             spill_dir=self._spill_dir,
             last_seen=now,
             acked_step=self.last_step,
+            serial=self.joined,
         )
+        self.joined += 1
         self.snapshot = tuple(self.routes.values())
         return route, True
 

@@ -361,7 +361,9 @@ class Subscriber:
             next_seq = int(body.get("next_seq", 0))
             self.welcome = body
             self.stats.welcomes += 1
-            if body.get("publisher_id") != self._publisher_id:  # a new stream
+            # A new stream, or the publisher forgot us (dropped, then let in again) and
+            # numbers afresh: it refuses acknowledgements beyond what it sent.
+            if body.get("publisher_id") != self._publisher_id or next_seq < self._next_seq:
                 self._publisher_id = body.get("publisher_id")
                 self._next_seq = next_seq
             else:

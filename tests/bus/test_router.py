@@ -21,7 +21,15 @@ from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import POLICIES, DropNewest, parse_policy, policy_of, register
 from actbus.bus.protocol import Subscription
 from actbus.bus.routing import PENDING_LIMIT, Item, Route, Router
-from actbus.wire import DATA, Header, RequestEnd, RowIndex, frame_to_tensor, unpack_seq
+from actbus.wire import (
+    DATA,
+    Header,
+    RequestEnd,
+    RowIndex,
+    WireError,
+    frame_to_tensor,
+    unpack_seq,
+)
 
 HIDDEN = 16
 HOOK = "post_block"
@@ -333,6 +341,22 @@ def test_credit_counts_messages_and_bytes_and_acks_are_cumulative(bus):
     assert bus.seqs(big) == [0, 1]
 
 
+def test_an_ack_beyond_what_was_sent_is_refused_and_frees_nothing(bus):
+    """A peer that acknowledged numbers never given out would free credit for
+    messages never sent, and the publisher would send to it without end."""
+    d = bus.join("d", "drop_newest", window=2)
+    for step in range(4):
+        bus.publish(*message(step))
+    assert [seq for seq, _, _ in d.inflight] == [0, 1] and len(d.pending) == 2
+    with pytest.raises(WireError, match=r"CREDIT acked=5 is beyond the messages sent"):
+        d.ack(5)
+    d.flush()
+    assert [seq for seq, _, _ in d.inflight] == [0, 1] and bus.seqs(d) == [0, 1]
+    d.ack(4)  # up to the numbers given out: what is in flight is freed
+    d.flush()
+    assert bus.seqs(d) == [0, 1, 2, 3] and balanced(d)
+
+
 def test_a_failed_send_stops_and_closing_counts_what_waited(bus):
     d = bus.join("d", "drop_newest", window=2)
     bus.wire.gone.add(d.ident)  # the send callable reports it gone
@@ -400,6 +424,36 @@ def test_match_filters_cut_rows_once_per_distinct_filter(bus):
     last = bus.wire.got[nope.ident][-1]
     assert last.header.ended == ends and last.tensor.shape[0] == 0
     assert all(balanced(r) for r in (everything, t1, t2, langs, nope))
+
+
+def test_a_match_filter_costs_one_lookup_per_key_however_many_values():
+    """Compiled once per subscriber: a request is checked with a set lookup per key,
+    not a scan of every accepted value (a huge filter once made routing crawl)."""
+    values = [f"v{i}" for i in range(500)]
+    sub = Subscription(match={"k": values, "on": True, "n": [1, "one"]})
+
+    class Counting:
+        """A tag value that counts the comparisons made against it."""
+
+        calls = 0
+
+        def __hash__(self) -> int:
+            return hash("v499")
+
+        def __eq__(self, other: object) -> bool:
+            Counting.calls += 1
+            return other == "v499"
+
+    assert sub.wants_request({"k": Counting(), "on": True, "n": 1})
+    assert Counting.calls <= 2
+    # The same meaning as before: True is not 1, 1 is 1.0, a list or map tag never
+    # equals a scalar, a missing key never matches.
+    assert sub.wants_request({"k": "v0", "on": True, "n": 1.0})
+    assert not sub.wants_request({"k": "v0", "on": 1, "n": 1})
+    assert not sub.wants_request({"k": "v0", "on": True, "n": True})
+    assert not sub.wants_request({"k": ["v0"], "on": True, "n": 1})
+    assert not sub.wants_request({"k": {"v0": 1}, "on": True, "n": 1})
+    assert not sub.wants_request({"on": True, "n": 1})
 
 
 def test_returned_only_keeps_returned_requests_and_ends(bus):
