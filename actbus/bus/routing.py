@@ -394,6 +394,12 @@ class Router:
         self._spill_root: Path | None = None
         self.routes: dict[bytes, Route] = {}
         self.snapshot: tuple[Route, ...] = ()
+        # Per snapshot: the subscribers that want each (layer, hook), so what a message
+        # costs grows with those that want it, not with every subscriber connected.
+        self._wanting: tuple[tuple[Route, ...], dict[tuple[int, str], tuple[Route, ...]]] = (
+            (),
+            {},
+        )
         self.latency = LatencyWindow()
         self.counters: Counter[str] = Counter()  # publisher thread
         self.engine_counts: Counter[str] = Counter()  # engine thread only
@@ -413,6 +419,7 @@ class Router:
         route = self.routes.get(ident)
         if route is not None:
             route.resubscribe(sub, policy, now)
+            self.snapshot = tuple(self.routes.values())  # what it wants may have changed
             return route, False
         route = self.routes[ident] = Route(
             ident,
@@ -433,6 +440,17 @@ class Router:
         """Forget a subscriber (``Route.close`` first)."""
         self.routes.pop(route.ident, None)
         self.snapshot = tuple(self.routes.values())
+
+    def wanting(self, layer: int, hook: str) -> tuple[Route, ...]:
+        """The subscribers whose layers and hooks take this tap (any thread: made
+        once per snapshot and tap, then looked up)."""
+        subs, by_tap = self._wanting
+        if subs is not self.snapshot:
+            subs, by_tap = self._wanting = (self.snapshot, {})
+        got = by_tap.get((layer, hook))
+        if got is None:
+            got = by_tap[layer, hook] = tuple(s for s in subs if s.sub.wants(layer, hook))
+        return got
 
     def close(self) -> None:
         """Delete every spill."""
@@ -455,11 +473,10 @@ class Router:
         """``Outlet.admit`` for the engine thread: ``budget`` is what is left of the
         shared queue's bytes; ``first``: the queue is empty (one message always fits).
         Room is spent tap by tap, so a step of many taps copies only as many as fit."""
-        subs = self.snapshot
         room: dict[str, int] = {}  # per lossy subscriber or group: messages that still fit
         out = []
         for layer, hook, nbytes, for_return in taps:
-            wanted = [s for s in subs if s.wants(layer, hook, for_return)]
+            wanted = [s for s in self.wanting(layer, hook) if for_return or not s.sub.returned_only]
             if not wanted:
                 self.engine_counts["not_wanted"] += 1
                 out.append(Admission.NONE)
@@ -500,8 +517,7 @@ class Router:
 
     def counting(self, header: Header) -> tuple[Route, ...]:
         """The subscribers a newly queued message is counted for (``Route.ahead``)."""
-        layer, hook = header.layer, header.hook
-        return tuple(s for s in self.snapshot if s.sub.wants(layer, hook))
+        return self.wanting(header.layer, header.hook)
 
     # ---------------------------------------------------------------- routing
     def can_take(self, item: Item) -> bool:
@@ -511,8 +527,8 @@ class Router:
         h = item.header
         groups: dict[str, list[Route]] = {}
         for_return = bool(h.ended) or any(h.rows.returned)
-        for s in self.routes.values():
-            if not s.wants(h.layer, h.hook, for_return):
+        for s in self.wanting(h.layer, h.hook):
+            if s.sub.returned_only and not for_return:
                 continue
             if s.sub.group:
                 groups.setdefault(s.sub.group, []).append(s)
@@ -527,9 +543,7 @@ class Router:
         groups: dict[str, list[Route]] = {}
         dropped = item.tensor is None
         lost = False  # some subscriber counted a drop at the source
-        for s in list(self.routes.values()):  # a failed send removes its subscriber
-            if not s.sub.wants(h.layer, h.hook):
-                continue
+        for s in self.wanting(h.layer, h.hook):  # a copy: a failed send removes one
             if dropped and s.policy.lossless:
                 continue  # joined after admit() decided: it starts at a later message
             routed = True

@@ -357,6 +357,29 @@ def test_an_ack_beyond_what_was_sent_is_refused_and_frees_nothing(bus):
     assert bus.seqs(d) == [0, 1, 2, 3] and balanced(d)
 
 
+def test_subscribers_that_want_no_tap_cost_nothing_per_message(bus):
+    """Which subscribers want a tap is worked out once per set of subscribers, so
+    idle ones (a stats client wants no layer) add nothing to admitting, counting and
+    routing each message (thousands of them once saturated the publisher)."""
+    asked = [0]
+
+    class Counted(Subscription):
+        def wants(self, layer: int, hook: str) -> bool:
+            asked[0] += 1
+            return super().wants(layer, hook)
+
+    for i in range(100):
+        bus.router.subscribe(b"idle%d" % i, Counted(layers=(), name=f"idle{i}"), now=0.0)
+    b = bus.join("b")
+    offer = TapOffer(0, HOOK, NBYTES, False)
+    for step in range(50):
+        assert bus.router.admit(step, [offer], 1 << 30, True) == [Admission.SEND]
+        bus.publish(*message(step))
+        bus.ack(b)
+    assert bus.steps(b) == list(range(50))
+    assert asked[0] <= 100  # once each, not once each per message
+
+
 def test_a_failed_send_stops_and_closing_counts_what_waited(bus):
     d = bus.join("d", "drop_newest", window=2)
     bus.wire.gone.add(d.ident)  # the send callable reports it gone
