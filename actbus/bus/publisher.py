@@ -93,6 +93,8 @@ DEPARTED_KEPT = 32
 # stats. A live subscriber's queue drains as it arrives (its socket reads into
 # its own process); a full one means the peer stopped reading: it is dropped.
 PEER_QUEUE = MAX_WINDOW + 1024
+PEER_INBOX = 64
+"""Control messages one peer may have waiting unread in the publisher's socket."""
 DEFAULT_MAX_WINDOW_MB = 256.0
 DEFAULT_MAX_SUBSCRIBERS = 256
 # A subscriber's STATS requests answered at most this often; the counters are
@@ -144,6 +146,9 @@ class Publisher:
         self._sock.setsockopt(zmq.SNDHWM, PEER_QUEUE)  # full: that peer is dropped
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        # What one peer may have waiting unread here: past it libzmq stops reading
+        # that peer (its sends block), so a flood costs at most this x 64 KiB.
+        self._sock.setsockopt(zmq.RCVHWM, PEER_INBOX)
         try:
             self._auth.apply(self._ctx, self._sock)  # CURVE + authenticator, before bind
             self._sock.bind(address)
@@ -439,7 +444,11 @@ class Publisher:
             if sub is None:
                 self._send_control(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
                 return
-            sub.ack(acked)  # refuses an ack beyond what was sent (WireError: rejected)
+            proof = msg.get("proof")
+            if proof is not None and not isinstance(proof, bytes):
+                raise WireError(f"CREDIT proof must be bytes, got {type(proof).__name__}")
+            # refuses an ack beyond what was sent, or without the receipt (WireError)
+            sub.ack(acked, proof)
             sub.last_seen = now
             sub.flush()
         elif tag == KEEPALIVE:

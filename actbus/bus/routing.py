@@ -34,8 +34,10 @@ is in flight from that, so a lost acknowledgement or message never leaks credit.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -52,7 +54,7 @@ from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import Clock, Policy, policy_of
 from actbus.bus.protocol import Subscription
 from actbus.bus.spill import SpillLog
-from actbus.wire import DATA, Header, WireError, pack_seq, tensor_to_frame
+from actbus.wire import DATA, PROOF_BYTES, Header, WireError, pack_seq, tensor_to_frame
 
 log = logging.getLogger("actbus.publisher")
 
@@ -120,6 +122,7 @@ class Route:
         self.acked_step = acked_step  # the newest acknowledged message's step (lag is from it)
         self.pending: deque[tuple[int, Item]] = deque()
         self.next_seq = 0  # the seq the next routed message gets
+        self._proof_key = os.urandom(16)  # receipts are keyed per route: not guessable
         self.inflight: deque[tuple[int, int, int]] = deque()  # seq, nbytes, step
         self.inflight_bytes = 0
         self.spill: SpillLog | None = None
@@ -210,17 +213,31 @@ class Route:
             credit = min(credit, max(0, self.sub.window_bytes - self.inflight_bytes) // nbytes)
         return max(0, PENDING_LIMIT - len(self.pending)) + credit
 
-    def ack(self, acked: int) -> None:
-        """Everything below seq ``acked`` was received.
+    def proof(self, seq: int) -> bytes:
+        """The receipt of message ``seq``: only a peer that read it knows it."""
+        h = hashlib.blake2b(seq.to_bytes(8, "little"), key=self._proof_key, digest_size=PROOF_BYTES)
+        return h.digest()
 
-        An acknowledgement beyond the numbers given out so far is refused
-        (``WireError``) and changes nothing: it would free credit for messages never
-        sent, and a peer that never reads would make the publisher send without end.
+    def ack(self, acked: int, proof: bytes | None = None) -> None:
+        """Everything below seq ``acked`` was received; ``proof`` is message
+        ``acked - 1``'s receipt, as its sequence frame carried it.
+
+        An acknowledgement beyond the numbers given out so far, or one that would
+        free messages without the receipt of the last, is refused (``WireError``)
+        and changes nothing: it would free credit for messages never read, and a
+        peer that never reads would make the publisher queue without end.
         """
         if acked > self.next_seq:
             raise WireError(
                 f"CREDIT acked={acked} is beyond the messages sent (the next is seq "
                 f"{self.next_seq}); acknowledge only what arrived"
+            )
+        if not self.inflight or self.inflight[0][0] >= acked:
+            return  # frees nothing: no receipt needed
+        if proof != self.proof(acked - 1):
+            raise WireError(
+                f"CREDIT proof for acked={acked} is not message {acked - 1}'s receipt; "
+                "acknowledge only messages read, with the proof their sequence frame carried"
             )
         while self.inflight and self.inflight[0][0] < acked:
             _, nbytes, step = self.inflight.popleft()
@@ -277,7 +294,13 @@ class Route:
                 nbytes, step = m.nbytes, m.header.step
                 if not self.may_send(nbytes):
                     return
-                frames = [self.ident, DATA, pack_seq(seq), m.header_bytes, m.payload]
+                frames = [
+                    self.ident,
+                    DATA,
+                    pack_seq(seq, self.proof(seq)),
+                    m.header_bytes,
+                    m.payload,
+                ]
             elif self.spill:
                 rec = self.spill.head()
                 nbytes, step, seq = rec.payload_len, rec.step, rec.seq
@@ -290,7 +313,7 @@ class Route:
                     self.spill.discard()
                     self.c.dropped["spill_error"] += 1
                     continue
-                frames = [self.ident, DATA, pack_seq(seq), header_bytes, payload]
+                frames = [self.ident, DATA, pack_seq(seq, self.proof(seq)), header_bytes, payload]
             else:
                 return
             if not self._send(frames):

@@ -148,7 +148,7 @@ def test_fuzz_the_publisher(tmp_path):
 
 def _good_data(seq: int) -> list[bytes]:
     hdr, t = message(seq, rows=2, hidden=16)
-    return [DATA, pack_seq(seq), hdr.encode(), t.numpy().tobytes()]
+    return [DATA, pack_seq(seq, bytes(8)), hdr.encode(), t.numpy().tobytes()]
 
 
 def _bad_from_publisher(rng: np.random.Generator, good: list[bytes]) -> list[bytes]:
@@ -305,6 +305,7 @@ class _Memory:
 
 
 def _reply(sock: zmq.Socket, timeout: float = 10.0) -> tuple[bytes, dict]:
+    """The reply to a HELLO: the first message after it."""
     assert sock.poll(int(timeout * 1000)), "no reply from the publisher"
     tag, body = sock.recv_multipart()
     return tag, msgpack.unpackb(body)
@@ -319,9 +320,10 @@ def test_hostile_peers_beside_a_block_subscriber(tmp_path):
     address = f"ipc://{tmp_path}/bus.sock"
     log_path = tmp_path / "publisher.log"
     with open(log_path, "wb") as log_file:
-        args = [address, "20", str(MAX_WINDOW_MB), str(MAX_SUBSCRIBERS)]
+        args = [address, "90", str(MAX_WINDOW_MB), str(MAX_SUBSCRIBERS)]
         popen = subprocess.Popen(
             [sys.executable, "-m", "tests.support.bounded_publisher", *args],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,
@@ -337,6 +339,7 @@ def test_hostile_peers_beside_a_block_subscriber(tmp_path):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RCVHWM, rcvhwm)  # a peer that does not read holds little itself
+        s.setsockopt(zmq.SNDTIMEO, 5000)  # a publisher gone (killed at the bound) ends it
         s.setsockopt(zmq.ROUTING_ID, ident)
         s.connect(address)
         socks.append(s)
@@ -375,7 +378,7 @@ def test_hostile_peers_beside_a_block_subscriber(tmp_path):
             nonlocal n_bad
             rng = np.random.default_rng(16)
             guess = 0
-            while not stop.wait(0.02):
+            while not stop.wait(0.02) and popen.poll() is None:
                 for _ in range(200):
                     fuzz.send_multipart(_bad_control(rng))
                 for frames in _bombs():
@@ -437,6 +440,8 @@ def test_hostile_peers_beside_a_block_subscriber(tmp_path):
         stop.set()
         presser.join()
         assert memory.grown < RSS_BOUND, f"the publisher's RSS grew {memory.grown >> 20} MiB"
+        popen.stdin.write("stop\n")  # publishing ends; the publisher reports and closes
+        popen.stdin.flush()
 
         result = json.loads(out.line(60))
         good_result = good.results(1, timeout=60)["good"]
@@ -451,7 +456,8 @@ def test_hostile_peers_beside_a_block_subscriber(tmp_path):
         ctx.term()
         good.kill()
         if popen.poll() is None:
-            popen.wait(timeout=30)
+            popen.kill()
+        popen.wait(timeout=30)
     assert memory.grown < RSS_BOUND, f"the publisher's RSS grew {memory.grown >> 20} MiB"
     assert result["alive"]
     st = result["stats"]

@@ -38,6 +38,7 @@ HOOK = "post_block"
 @dataclass
 class Got:
     seq: int
+    proof: bytes
     header: Header
     tensor: torch.Tensor
 
@@ -55,7 +56,7 @@ class Wire:
             return False
         assert tag == DATA
         h = Header.decode(header)
-        self.got[ident].append(Got(unpack_seq(seq), h, frame_to_tensor(payload, h).clone()))
+        self.got[ident].append(Got(*unpack_seq(seq), h, frame_to_tensor(payload, h).clone()))
         return True
 
 
@@ -110,7 +111,7 @@ class Bus:
     def ack(self, route: Route) -> None:
         """The subscriber acknowledges everything it received."""
         got = self.wire.got[route.ident]
-        route.ack(got[-1].seq + 1 if got else 0)
+        route.ack(got[-1].seq + 1, got[-1].proof) if got else route.ack(0)
         route.flush()
         self.pump()
 
@@ -318,12 +319,12 @@ def test_credit_counts_messages_and_bytes_and_acks_are_cumulative(bus):
     for step in range(5):
         bus.publish(*message(step))
     assert [seq for seq, _, _ in m.inflight] == [0, 1, 2] and len(m.pending) == 2
-    m.ack(2)
+    m.ack(2, m.proof(1))
     m.flush()
     assert [seq for seq, _, _ in m.inflight] == [2, 3, 4] and m.acked_step == 1
-    m.ack(1)  # a stale acknowledgement changes nothing
+    m.ack(1, m.proof(0))  # a stale acknowledgement changes nothing
     assert len(m.inflight) == 3
-    m.ack(5)  # acks 3 and 4 were lost: the next one covers them, no credit leaks
+    m.ack(5, m.proof(4))  # acks 3 and 4 were lost: the next one covers them, no credit leaks
     assert not m.inflight and m.inflight_bytes == 0 and m.acked_step == 4
     assert m.stats(4)["lag_steps"] == 0
 
@@ -352,9 +353,29 @@ def test_an_ack_beyond_what_was_sent_is_refused_and_frees_nothing(bus):
         d.ack(5)
     d.flush()
     assert [seq for seq, _, _ in d.inflight] == [0, 1] and bus.seqs(d) == [0, 1]
-    d.ack(4)  # up to the numbers given out: what is in flight is freed
+    d.ack(4, d.proof(3))  # up to the numbers given out: what is in flight is freed
     d.flush()
     assert bus.seqs(d) == [0, 1, 2, 3] and balanced(d)
+
+
+def test_an_ack_without_the_receipt_of_what_it_frees_is_refused(bus):
+    """A peer that never reads but guesses sequence numbers would free its credit
+    and make the publisher queue for it without end: acks carry the receipt of the
+    last message read, which only reading it gives."""
+    g = bus.join("g", "drop_newest", window=2)
+    for step in range(4):
+        bus.publish(*message(step))
+    for proof in (None, b"", bytes(8), g.proof(0)):
+        with pytest.raises(WireError, match=r"CREDIT proof for acked=2 is not message 1's"):
+            g.ack(2, proof)
+    g.flush()
+    assert [seq for seq, _, _ in g.inflight] == [0, 1] and bus.seqs(g) == [0, 1]
+    g.ack(0)  # frees nothing: needs no receipt
+    got = bus.wire.got[g.ident]
+    assert got[1].proof == g.proof(1) != got[0].proof
+    g.ack(2, got[1].proof)
+    g.flush()
+    assert bus.seqs(g) == [0, 1, 2, 3] and balanced(g)
 
 
 def test_subscribers_that_want_no_tap_cost_nothing_per_message(bus):

@@ -4,9 +4,11 @@ python -m tests.support.bounded_publisher ADDR SECONDS MAX_WINDOW_MB MAX_SUBSCRI
 
 Logs to stderr at INFO, as the engine would. Waits for a subscriber named
 ``good``, prints "ready", then publishes 64 KiB messages (steps 0, 1, ...) as
-fast as its queue allows for SECONDS, and prints one JSON line: how many it
-published, whether its thread was still alive, and its counters. Then closes
-(END), so the ``good`` subscriber knows the stream is over.
+fast as its queue allows until a line arrives on stdin (or SECONDS pass). Once
+the control messages still waiting are handled (``rejected`` stops growing), it
+prints one JSON line: how many it published, whether its thread was still alive,
+and its counters. Then closes (END), so the ``good`` subscriber knows the stream
+is over.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 
 from actbus.bus import Publisher
@@ -38,12 +41,18 @@ def main(address: str, seconds: float, max_window_mb: float, max_subscribers: in
         if time.monotonic() > deadline:
             sys.exit("no subscriber named good")
         time.sleep(0.05)
+    told = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), told.set()), daemon=True).start()
     print("ready", flush=True)
     step = 0
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while not told.is_set() and time.monotonic() < end:
         pub.publish(*message(step, rows=ROWS, hidden=HIDDEN))
         step += 1
+    rejected = -1
+    while rejected != pub.stats()["rejected"]:
+        rejected = pub.stats()["rejected"]
+        time.sleep(0.5)
     alive = pub._thread.is_alive()
     print(json.dumps({"published": step, "alive": alive, "stats": pub.stats()}), flush=True)
     pub.close(timeout=30)
