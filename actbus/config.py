@@ -7,6 +7,7 @@ key, so a cached graph without taps is never reused for a run with taps.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -59,6 +60,11 @@ class CaptureConfig:
     """CURVE: directory of the public certificates (``*.key``) of allowed subscribers."""
     insecure_allow_any_interface: bool = False
     """Bind a non-loopback interface without keys: anyone who reaches it reads the stream."""
+    max_window_mb: float = 256.0
+    """Credit one subscriber may ask for, in MiB: what it may hold in flight, unread.
+    A HELLO asking more (``--window-mb``) is refused, naming this key."""
+    max_subscribers: int = 256
+    """Subscribers at once; one more is refused, naming this key."""
     all_layers: bool = field(default=False, repr=False)
 
     @classmethod
@@ -104,10 +110,12 @@ class CaptureConfig:
             ("queue_mb", int, 1, "an integer number of MiB >= 1"),
             ("heartbeat_s", (int, float), 0.01, "seconds >= 0.01"),
             ("subscriber_timeout_s", (int, float), 1.0, "seconds >= 1"),
+            ("max_window_mb", (int, float), 1.0, "MiB >= 1 (credit per subscriber)"),
+            ("max_subscribers", int, 1, "an integer >= 1"),
         ):
             if name in raw:
                 v = raw[name]
-                if not isinstance(v, kind) or isinstance(v, bool) or v < lo:
+                if not isinstance(v, kind) or isinstance(v, bool) or not lo <= v < math.inf:
                     raise ConfigError(f"actbus.{name}: expected {what}, got {v!r}")
                 kw[name] = v
         hb = kw.get("heartbeat_s", cls.heartbeat_s)

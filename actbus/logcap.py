@@ -6,11 +6,18 @@ line and error message that quotes a peer's value goes through ``capped``: its
 ``repr`` (so a newline in it cannot forge a log line), cut to a bounded length,
 at a cost bounded by that length whatever the value's size. ``capped_text`` does
 the same for a message that may hold such a value (an exception's text), unquoted.
+
+Peers can also make many lines: thousands of subscribers joining once wrote one
+line each. Lines that peers cause go through a ``LogRate``, which lets a burst
+through and then a few a second, and counts what it held back.
 """
 
 from __future__ import annotations
 
+import logging
 import reprlib
+import time
+from collections.abc import Callable
 
 MAX_CHARS = 120
 """Characters of one quoted value, at most (plus a short note of what was cut)."""
@@ -39,3 +46,41 @@ def capped_text(text: str, limit: int = 4 * MAX_CHARS) -> str:
     n = len(text)
     cut = text[:limit].replace("\r", "\\r").replace("\n", "\\n")
     return cut if n <= limit else f"{cut}... ({n} characters)"
+
+
+class LogRate:
+    """Log lines that peers cause: at most ``burst`` at once, then ``per_s`` a second.
+
+    Lines held back are counted (``held``), and the next line let through says how
+    many there were. Not thread-safe: one instance per thread that logs through it.
+    """
+
+    def __init__(
+        self, per_s: float = 1.0, burst: int = 10, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.held = 0  # held back since the last line let through
+        self.held_total = 0
+        self._clock = clock
+        self._tokens = float(burst)
+        self._last = clock()
+
+    def log(self, logger: logging.Logger, level: int, msg: str, *args: object) -> bool:
+        """``logger.log(level, msg, *args)`` if the rate allows; True if it was logged.
+        A level the logger does not emit costs nothing and spends no allowance."""
+        if not logger.isEnabledFor(level):
+            return False
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.per_s)
+        self._last = now
+        if self._tokens < 1:
+            self.held += 1
+            self.held_total += 1
+            return False
+        self._tokens -= 1
+        if self.held:
+            msg = f"{msg} ({self.held} earlier lines held back: too many, too fast)"
+            self.held = 0
+        logger.log(level, msg, *args)
+        return True

@@ -529,15 +529,22 @@ def unpack_map(raw: bytes | memoryview) -> dict[str, Any]:
     return d
 
 
-def pack_seq(seq: int) -> bytes:
-    """Per-subscriber sequence number; a gap means messages were dropped."""
-    return seq.to_bytes(8, "little")
+PROOF_BYTES = 8
+"""A data message's receipt: a CREDIT that frees it echoes this, so a peer cannot
+acknowledge (and be sent more on the strength of) messages it never read."""
 
 
-def unpack_seq(raw: bytes | memoryview) -> int:
-    if len(raw) != 8:
-        raise WireError("sequence frame must be 8 bytes")
-    return int.from_bytes(raw, "little")
+def pack_seq(seq: int, proof: bytes) -> bytes:
+    """Per-subscriber sequence number (a gap means messages were dropped) and the
+    message's receipt."""
+    return seq.to_bytes(8, "little") + proof
+
+
+def unpack_seq(raw: bytes | memoryview) -> tuple[int, bytes]:
+    if len(raw) != 8 + PROOF_BYTES:
+        raise WireError(f"sequence frame must be {8 + PROOF_BYTES} bytes")
+    raw = bytes(raw)
+    return int.from_bytes(raw[:8], "little"), raw[8:]
 
 
 def pack_map(d: dict[str, Any]) -> bytes:

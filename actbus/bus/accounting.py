@@ -6,8 +6,8 @@ Per subscriber, every message routed to it ends up in exactly one place:
 left empty (``filtered_out``) are not routed to it, so they are neither drops nor
 gaps. Drop reasons: ``queue_full`` (drop_newest, sample), ``evicted``
 (drop_oldest), ``spill_full`` (spill cap reached, per its fallback), and the ways a
-subscriber dies (``disconnected``, ``timeout``, ``left``, ``send_error``), which
-drop whatever was still waiting for it.
+subscriber dies (``disconnected``, ``timeout``, ``left``, ``not_reading``: its
+ZeroMQ queue filled, ``send_error``), which drop whatever was still waiting for it.
 """
 
 from __future__ import annotations

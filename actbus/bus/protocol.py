@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
+
+import msgpack
 
 from actbus.bus.policies import (
     DEFAULT_SPILL_MB,
@@ -31,9 +34,16 @@ __all__ = [
     "parse_policy",
 ]
 
-MAX_WINDOW = 1 << 20
+MAX_WINDOW = 1024
+"""Credit in messages a subscriber may ask for: the publisher's per-peer ZeroMQ queue
+holds this many data messages plus room for control messages (``publisher.py``)."""
+MAX_WINDOW_BYTES = 1 << 40
+"""Credit in bytes the wire accepts; each publisher caps it lower (``max_window_mb``)."""
 MAX_NAME = 200
 MAX_MATCH_KEYS = 64
+MAX_MATCH_BYTES = 8192
+"""A request filter's size, msgpack-encoded: what a subscriber may make the publisher
+check every request of every message against."""
 _SCALARS = (str, int, float, bool)
 DASHBOARD_POLICY = "sample:5/s"
 """Dashboards' default: at most 5 steps a second, a fixed small cost to the engine
@@ -120,7 +130,7 @@ class Subscription:
                 f"{MAX_SAMPLE_PER_S:.0f}] (0: every sample_every-th step), got {per_s!r:.50}"
             )
         window = _int(d, "window", 64, 1, MAX_WINDOW)
-        window_bytes = _int(d, "window_bytes", 128 << 20, 1, 1 << 40)
+        window_bytes = _int(d, "window_bytes", 128 << 20, 1, MAX_WINDOW_BYTES)
         layers = d.get("layers")
         if layers is not None and (
             not isinstance(layers, list)
@@ -187,24 +197,38 @@ class Subscription:
         ``match``, and it asked for its rows back if ``returned_only``."""
         if self.returned_only and not returned:
             return False
+        return self._match_sets is None or _matches(self._match_sets, tags)
+
+    @cached_property
+    def _match_sets(self) -> tuple[tuple[str, frozenset[tuple[bool, Any]]], ...] | None:
+        """``match`` compiled once: each key with the set of values it accepts, so a
+        request costs one set lookup per key however many values a key lists."""
         if not self.match:
-            return True
-        for key, want in self.match.items():
-            have = tags.get(key, _MISSING)
-            if isinstance(want, list):
-                if not any(_same(have, w) for w in want):
-                    return False
-            elif not _same(have, want):
+            return None
+        return tuple(
+            (key, frozenset(_keyed(v) for v in (want if isinstance(want, list) else [want])))
+            for key, want in self.match.items()
+        )
+
+
+def _keyed(value: Any) -> tuple[bool, Any]:
+    """A tag value as a set member that keeps ``True`` apart from ``1`` (tags come from
+    JSON users), while ``1`` and ``1.0`` stay equal."""
+    return (type(value) is bool, value)
+
+
+def _matches(sets: tuple[tuple[str, frozenset[tuple[bool, Any]]], ...], tags: dict) -> bool:
+    for key, accepted in sets:
+        have = tags.get(key, _MISSING)
+        try:
+            if _keyed(have) not in accepted:
                 return False
-        return True
+        except TypeError:  # a list or map tag: never equal to the scalars a filter holds
+            return False
+    return True
 
 
 _MISSING = object()
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equality that keeps ``True`` and ``1`` apart (tags come from JSON users)."""
-    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
 
 
 def _int(d: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -220,6 +244,15 @@ def _check_match(match: Any) -> None:
     if not isinstance(match, dict) or len(match) > MAX_MATCH_KEYS:
         raise WireError(
             f"tags must be a map of at most {MAX_MATCH_KEYS} keys, e.g. {{'split': 'train'}}"
+        )
+    try:
+        size = len(msgpack.packb(match, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError):
+        size = 0  # not scalars: refused below, by key
+    if size > MAX_MATCH_BYTES:
+        raise WireError(
+            f"tags (the request filter) is {size} bytes encoded; at most {MAX_MATCH_BYTES} "
+            "are accepted: filter on fewer keys or values"
         )
     for k, v in match.items():
         ok = isinstance(v, _SCALARS) or (

@@ -19,6 +19,16 @@ subscriber it speaks for). Either way a dead one is no longer waited for.
 Every control message that breaks the schema is counted in ``rejected`` and
 dropped; frames above ``MAX_CONTROL_BYTES`` are refused by libzmq before they are
 allocated (the sender's connection is closed; counted in ``connections_closed``).
+
+Every peer is untrusted, and what one can cost is bounded: its credit (a HELLO
+asking more than ``max_window_mb`` or ``MAX_WINDOW`` messages is refused), its
+acknowledgements (never beyond what was sent), its ZeroMQ queue (``PEER_QUEUE``
+messages: a peer whose queue fills is not reading, and is dropped and counted as
+``not_reading``, never buffered), its request filter (size-bounded, compiled
+once), the number of subscribers (``max_subscribers``), its STATS requests (one
+answer per ``STATS_INTERVAL_S``), the control messages handled per loop turn, and
+the log lines it causes (``logcap.LogRate``). Stats name subscribers, never
+their identities.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -40,9 +51,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from actbus.bus.outlet import Admission, TapOffer
-from actbus.bus.protocol import Subscription
+from actbus.bus.protocol import MAX_WINDOW, Subscription
 from actbus.bus.routing import Item, Route, Router
 from actbus.bus.security import ServerAuth
+from actbus.logcap import LogRate, capped, capped_text
 from actbus.wire import (
     BYE,
     CREDIT,
@@ -66,12 +78,28 @@ log = logging.getLogger("actbus.publisher")
 
 # How long the socket may still deliver END (and what was sent) once closed.
 CLOSE_LINGER_MS = 1000
-_SNDMORE = int(zmq.SNDMORE)
-# Largest control frame accepted; control messages are small maps.
-MAX_CONTROL_BYTES = 256 << 10
-# Control messages handled per loop turn, so a flood cannot starve sending.
+_NOWAIT = int(zmq.NOBLOCK)
+_SNDMORE_NOWAIT = int(zmq.SNDMORE) | _NOWAIT
+# Largest control frame accepted; control messages are small maps (a HELLO's
+# request filter is at most protocol.MAX_MATCH_BYTES).
+MAX_CONTROL_BYTES = 64 << 10
+# Control messages handled per loop turn, and the time they may take, so a flood
+# cannot starve sending.
 CONTROL_BATCH = 256
+CONTROL_TURN_S = 0.02
 DEPARTED_KEPT = 32
+# Messages ZeroMQ may hold for one peer (its send high-water mark): credit bounds
+# the data in flight to MAX_WINDOW, the rest is room for heartbeats, marks and
+# stats. A live subscriber's queue drains as it arrives (its socket reads into
+# its own process); a full one means the peer stopped reading: it is dropped.
+PEER_QUEUE = MAX_WINDOW + 1024
+PEER_INBOX = 64
+"""Control messages one peer may have waiting unread in the publisher's socket."""
+DEFAULT_MAX_WINDOW_MB = 256.0
+DEFAULT_MAX_SUBSCRIBERS = 256
+# A subscriber's STATS requests answered at most this often; the counters are
+# rebuilt at most this often whoever asks.
+STATS_INTERVAL_S = 0.1
 _NO_ROWS = torch.empty(0, dtype=torch.uint8)
 
 
@@ -90,11 +118,19 @@ class Publisher:
         server_secret_key: str | None = None,
         authorized_keys: str | None = None,
         insecure_allow_any_interface: bool = False,
+        max_window_mb: float = DEFAULT_MAX_WINDOW_MB,
+        max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
     ) -> None:
+        """``max_window_mb``: the credit in MiB one subscriber may ask for (what it may
+        have in flight, unread); ``max_subscribers``: how many may subscribe at once.
+        A HELLO beyond either is refused with a REJECT naming the bound."""
         self.address = address
         self.id = uuid.uuid4().hex
         self._info = {**info, "publisher_id": self.id, "heartbeat_s": heartbeat_s}
         self._queue_budget = queue_bytes
+        self._max_window_mb = max_window_mb
+        self._max_window_bytes = int(max_window_mb * (1 << 20))
+        self._max_subscribers = max_subscribers
         self._heartbeat_s = heartbeat_s
         self._timeout_s = subscriber_timeout_s
         # Refuses a non-loopback bind without CURVE keys (ConfigError), before any socket.
@@ -107,9 +143,12 @@ class Publisher:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # credit bounds what is in flight
+        self._sock.setsockopt(zmq.SNDHWM, PEER_QUEUE)  # full: that peer is dropped
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        # What one peer may have waiting unread here: past it libzmq stops reading
+        # that peer (its sends block), so a flood costs at most this x 64 KiB.
+        self._sock.setsockopt(zmq.RCVHWM, PEER_INBOX)
         try:
             self._auth.apply(self._ctx, self._sock)  # CURVE + authenticator, before bind
             self._sock.bind(address)
@@ -132,6 +171,10 @@ class Publisher:
         self._counters: Counter[str] = Counter()  # this thread's (routing counts its own)
         self._engine_counts: Counter[str] = Counter()  # written by the engine thread only
         self._departed: deque[dict[str, Any]] = deque(maxlen=DEPARTED_KEPT)
+        self._peer_log = LogRate()  # lines peers cause (this thread's)
+        self._stats_wire: tuple[float, bytes] = (-math.inf, b"")  # STATS' body, when built
+        self._stats_owed: dict[bytes, float] = {}  # subscribers owed an answer: when due
+        self._stats_due = math.inf  # the earliest of those
         self._group_departed: dict[str, Counter[str]] = {}
         self._closing = False
         self._closed = False
@@ -234,9 +277,13 @@ class Publisher:
         with self._cond:
             subs: dict[str, dict[str, Any]] = {}
             for s in list(self._subs.values()):
-                key = s.sub.name or s.ident.hex()
-                if key in subs:  # names need not be unique
-                    key = f"{key}#{s.ident.hex()[:8]}"
+                # Keyed by name, made unique by the subscriber's serial (names need not
+                # be unique); never by its identity, which peers must not learn.
+                key = s.sub.name or f"#{s.serial}"
+                if key in subs:
+                    key = f"{s.sub.name}#{s.serial}"
+                    while key in subs:  # a name made to look like another's key
+                        key += "#"
                 subs[key] = s.stats(self.last_step)
             groups: dict[str, dict[str, Any]] = {}
             for name, gone in self._group_departed.items():
@@ -265,6 +312,7 @@ class Publisher:
                 "capture_s": round(self._capture_s, 4),
                 "publisher_cpu_s": round(self._thread_cpu_s, 4),
                 "auth_denied": self._auth.denied,  # CURVE keys refused (see security.py)
+                "log_lines_held": self._peer_log.held_total,
                 "latency": self._router.latency.summary(),
                 "subscribers": subs,
                 "groups": groups,
@@ -316,7 +364,8 @@ class Publisher:
                     self._broadcast(END, {"last_step": self.last_step})
                     break
                 # Work left that needs no event: do not sleep (no lost wake-ups).
-                wait_ms = 0 if more else max(0, int((next_beat - time.monotonic()) * 1000))
+                wake_at = min(next_beat, self._stats_due) if self._stats_owed else next_beat
+                wait_ms = 0 if more else max(0, int((wake_at - time.monotonic()) * 1000) + 1)
                 events = dict(poller.poll(wait_ms))
                 if self._wake_r in events:
                     with contextlib.suppress(BlockingIOError):
@@ -327,6 +376,8 @@ class Publisher:
                 if self._sock in events:
                     more = self._read_control()
                 more = self._take_items() or more
+                if self._stats_owed and time.monotonic() >= self._stats_due:
+                    self._answer_owed_stats()
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + self._heartbeat_s
@@ -357,8 +408,12 @@ class Publisher:
                 self._counters["connections_closed"] += 1
 
     def _read_control(self) -> bool:
-        """Handle up to ``CONTROL_BATCH`` messages; True if more may be waiting."""
+        """Handle up to ``CONTROL_BATCH`` messages, for up to ``CONTROL_TURN_S``;
+        True if more may be waiting."""
+        stop = time.monotonic() + CONTROL_TURN_S
         for _ in range(CONTROL_BATCH):
+            if time.monotonic() > stop:
+                return True
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -374,7 +429,7 @@ class Publisher:
 
     def _reject(self, why: str) -> None:
         self._counters["rejected"] += 1
-        log.debug("rejected a control message: %s", why)
+        self._peer_log.log(log, logging.DEBUG, "rejected a control message: %s", capped_text(why))
 
     def _control(self, ident: bytes, tag: bytes, body: bytes) -> None:
         msg = unpack_map(body)
@@ -389,7 +444,11 @@ class Publisher:
             if sub is None:
                 self._send_control(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
                 return
-            sub.ack(acked)
+            proof = msg.get("proof")
+            if proof is not None and not isinstance(proof, bytes):
+                raise WireError(f"CREDIT proof must be bytes, got {type(proof).__name__}")
+            # refuses an ack beyond what was sent, or without the receipt (WireError)
+            sub.ack(acked, proof)
             sub.last_seen = now
             sub.flush()
         elif tag == KEEPALIVE:
@@ -402,7 +461,7 @@ class Publisher:
         elif tag == STATS:
             if sub is not None:
                 sub.last_seen = now
-                self._send_control(ident, STATS, self.stats())
+                self._answer_stats(sub, now)
         elif tag == BYE:
             if sub is not None:
                 self._remove(sub, "left")
@@ -427,6 +486,52 @@ class Publisher:
         body = {"request_id": rid, "sample_index": index, "reason": reason, "by": sub.sub.name}
         self._broadcast(MARK, {**body, "step": self.last_step})
 
+    def _answer_stats(self, sub: Route, now: float) -> None:
+        """The counters, at most once per ``STATS_INTERVAL_S`` per subscriber: what
+        it asks sooner is answered once, when the interval is up (counted in
+        ``stats_deferred``). Rebuilt at most that often, so many subscribers asking
+        as fast as they can cost the thread one build a period, and a peer that
+        asks without reading queues one answer a period."""
+        due = sub.stats_answered + STATS_INTERVAL_S
+        if now < due:
+            self._counters["stats_deferred"] += 1
+            if sub.ident not in self._stats_owed:
+                self._stats_owed[sub.ident] = due
+                self._stats_due = min(self._stats_owed.values())
+            return
+        sub.stats_answered = now
+        built, body = self._stats_wire
+        if now - built >= STATS_INTERVAL_S:
+            body = pack_map(self.stats())
+            self._stats_wire = (now, body)
+        self._send_frames(sub.ident, STATS, body)
+
+    def _answer_owed_stats(self) -> None:
+        now = time.monotonic()
+        for ident, due in list(self._stats_owed.items()):
+            if due <= now:
+                del self._stats_owed[ident]
+                sub = self._subs.get(ident)
+                if sub is not None:
+                    self._answer_stats(sub, now)
+        self._stats_due = min(self._stats_owed.values(), default=math.inf)
+
+    def _refusal(self, sub: Subscription, new: bool) -> str | None:
+        """Why a checked HELLO is refused by this publisher's limits (None: it is not)."""
+        asked = sub.window_bytes
+        if asked > self._max_window_bytes:
+            return (
+                f"window_bytes={asked} ({asked / (1 << 20):g} MiB) is above this publisher's "
+                f"limit of {self._max_window_mb:g} MiB per subscriber (its "
+                f"actbus.max_window_mb); ask for at most that (--window-mb)"
+            )
+        if new and len(self._subs) >= self._max_subscribers:
+            return (
+                f"this publisher serves at most {self._max_subscribers} subscribers at once "
+                "(its actbus.max_subscribers), and has that many; try again when one leaves"
+            )
+        return None
+
     def _hello(self, ident: bytes, msg: dict[str, Any], now: float) -> None:
         try:
             sub = Subscription.from_wire(msg)
@@ -434,28 +539,34 @@ class Publisher:
             self._reject(f"HELLO refused: {e}")
             self._send_control(ident, REJECT, {"reason": str(e)})
             return
+        why = self._refusal(sub, new=ident not in self._subs)
+        if why is not None:
+            self._reject(f"HELLO refused: {why}")
+            self._counters["subscribers_refused"] += 1
+            self._peer_log.log(log, logging.WARNING, "subscriber refused: %s", why)
+            self._send_control(ident, REJECT, {"reason": why})
+            return
         with self._cond:
             s, new = self._router.subscribe(ident, sub, now)
         if new:
-            log.info(
+            self._peer_log.log(
+                log,
+                logging.INFO,
                 "subscriber %s joined (policy=%s%s)",
-                sub.name or ident.hex(),
+                _who(s),
                 s.policy,
-                f", group={sub.group}" if sub.group else "",
+                f", group={capped(sub.group)}" if sub.group else "",
             )
         else:  # the same subscriber again: its queue and numbering are kept
             self._counters["resubscribed"] += 1
-        self._send_control(
-            ident,
-            WELCOME,
-            {
-                **self._info,
-                "schema": SCHEMA_VERSION,
-                "step": self.last_step,
-                "next_seq": s.next_unsent,
-            },
-        )
-        s.flush()
+        welcome = {
+            **self._info,
+            "schema": SCHEMA_VERSION,
+            "step": self.last_step,
+            "next_seq": s.next_unsent,
+        }
+        if self._send_control(ident, WELCOME, welcome):  # else it was dropped
+            s.flush()
 
     # -------------------------------------------------------------------- routing
     def _take_items(self) -> bool:
@@ -491,18 +602,18 @@ class Publisher:
         payload zero-copy. False: the subscriber is gone, and was removed.
 
         Sent frame by frame with int flags: ``send_multipart`` rebuilds enum flags
-        per frame, which cost more CPU than the rest of routing a message.
+        per frame, which cost more CPU than the rest of routing a message. Never
+        waits: only the first frame can fail (the peer is gone, or its queue is
+        full), and then nothing of the message was queued.
         """
         send = self._sock.send
         try:
             for f in frames[:-1]:
-                send(f, _SNDMORE)
+                send(f, _SNDMORE_NOWAIT)
             payload = frames[-1]
-            send(payload, 0, copy=len(payload) < zmq.COPY_THRESHOLD)
+            send(payload, _NOWAIT, copy=len(payload) < zmq.COPY_THRESHOLD)
         except zmq.ZMQError as e:
-            s = self._subs.get(frames[0])
-            if s is not None:
-                self._lost(s, e)
+            self._failed(frames[0], e)
             return False
         return True
 
@@ -513,7 +624,9 @@ class Publisher:
         shared = {"published": self._router.counters["published"], "latency": latency}
         for s in list(self._subs.values()):
             if now - s.last_seen > self._timeout_s:
-                log.warning("subscriber %s timed out; no longer waited for", s.sub.name)
+                self._peer_log.log(
+                    log, logging.WARNING, "subscriber %s timed out; no longer waited for", _who(s)
+                )
                 self._remove(s, "timeout")
                 continue
             beat = {
@@ -526,27 +639,43 @@ class Publisher:
                 "you": s.stats(self.last_step),
                 **shared,
             }
-            if not self._send_control(s.ident, HEARTBEAT, beat):
-                self._remove(s, "disconnected")
+            self._send_control(s.ident, HEARTBEAT, beat)
 
     def _broadcast(self, tag: bytes, body: dict[str, Any]) -> None:
+        packed = pack_map(body)
         for s in list(self._subs.values()):
-            self._send_control(s.ident, tag, body)
+            self._send_frames(s.ident, tag, packed)
 
     def _send_control(self, ident: bytes, tag: bytes, body: dict[str, Any]) -> bool:
+        return self._send_frames(ident, tag, pack_map(body))
+
+    def _send_frames(self, ident: bytes, tag: bytes, body: bytes) -> bool:
+        """One control message; never waits. False: not sent (a subscriber it was
+        for is removed)."""
         try:
-            self._sock.send_multipart([ident, tag, pack_map(body)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, tag, body], zmq.NOBLOCK)
             return True
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:
+            self._failed(ident, e, control=True)
             return False
 
-    def _lost(self, s: Route, err: zmq.ZMQError) -> None:
+    def _failed(self, ident: bytes, err: zmq.ZMQError, control: bool = False) -> None:
+        """A send to ``ident`` failed: if it is a subscriber, it is dropped and counted
+        (a closed connection found by a control message, as a subscriber leaves, quietly)."""
+        s = self._subs.get(ident)
+        if s is None:
+            return  # a peer that never subscribed: nothing waits for it
         if err.errno == zmq.EHOSTUNREACH:
-            log.warning("subscriber %s disconnected; no longer waited for", s.sub.name)
-            self._remove(s, "disconnected")
+            what, reason = "disconnected", "disconnected"
+        elif err.errno == zmq.EAGAIN:
+            what, reason = f"stopped reading ({PEER_QUEUE} messages queued)", "not_reading"
         else:
-            log.error("actbus: send to %s failed (%s); dropping it", s.sub.name, err)
-            self._remove(s, "send_error")
+            what, reason = f"could not be sent to ({capped_text(str(err))})", "send_error"
+        if not (control and reason == "disconnected"):
+            self._peer_log.log(
+                log, logging.WARNING, "subscriber %s %s; no longer waited for", _who(s), what
+            )
+        self._remove(s, reason)
 
     def _remove(self, s: Route, reason: str) -> None:
         """Forget ``s``: what waited for it is dropped (counted), its spill deleted."""
@@ -562,3 +691,8 @@ class Publisher:
                 g["dropped"] += sum(s.c.dropped.values())
                 g["lost_inflight"] += unacked  # may or may not have been processed
         self._counters[f"subscribers_{reason}"] += 1
+
+
+def _who(s: Route) -> str:
+    """A subscriber in a log line: its name, quoted and capped, or its serial."""
+    return capped(s.sub.name) if s.sub.name else f"#{s.serial}"

@@ -34,7 +34,10 @@ is in flight from that, so a lost acknowledgement or message never leaks credit.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import math
+import os
 import shutil
 import tempfile
 import time
@@ -51,7 +54,7 @@ from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import Clock, Policy, policy_of
 from actbus.bus.protocol import Subscription
 from actbus.bus.spill import SpillLog
-from actbus.wire import DATA, Header, pack_seq, tensor_to_frame
+from actbus.wire import DATA, PROOF_BYTES, Header, WireError, pack_seq, tensor_to_frame
 
 log = logging.getLogger("actbus.publisher")
 
@@ -110,12 +113,16 @@ class Route:
         spill_dir: Callable[[], Path],
         last_seen: float = 0.0,
         acked_step: int = -1,
+        serial: int = 0,
     ) -> None:
         self.ident = ident
+        self.serial = serial  # unique per publisher: stats key it, never the identity
+        self.stats_answered = -math.inf  # when its last STATS request was answered
         self.last_seen = last_seen
         self.acked_step = acked_step  # the newest acknowledged message's step (lag is from it)
         self.pending: deque[tuple[int, Item]] = deque()
         self.next_seq = 0  # the seq the next routed message gets
+        self._proof_key = os.urandom(16)  # receipts are keyed per route: not guessable
         self.inflight: deque[tuple[int, int, int]] = deque()  # seq, nbytes, step
         self.inflight_bytes = 0
         self.spill: SpillLog | None = None
@@ -206,8 +213,32 @@ class Route:
             credit = min(credit, max(0, self.sub.window_bytes - self.inflight_bytes) // nbytes)
         return max(0, PENDING_LIMIT - len(self.pending)) + credit
 
-    def ack(self, acked: int) -> None:
-        """Everything below seq ``acked`` was received."""
+    def proof(self, seq: int) -> bytes:
+        """The receipt of message ``seq``: only a peer that read it knows it."""
+        h = hashlib.blake2b(seq.to_bytes(8, "little"), key=self._proof_key, digest_size=PROOF_BYTES)
+        return h.digest()
+
+    def ack(self, acked: int, proof: bytes | None = None) -> None:
+        """Everything below seq ``acked`` was received; ``proof`` is message
+        ``acked - 1``'s receipt, as its sequence frame carried it.
+
+        An acknowledgement beyond the numbers given out so far, or one that would
+        free messages without the receipt of the last, is refused (``WireError``)
+        and changes nothing: it would free credit for messages never read, and a
+        peer that never reads would make the publisher queue without end.
+        """
+        if acked > self.next_seq:
+            raise WireError(
+                f"CREDIT acked={acked} is beyond the messages sent (the next is seq "
+                f"{self.next_seq}); acknowledge only what arrived"
+            )
+        if not self.inflight or self.inflight[0][0] >= acked:
+            return  # frees nothing: no receipt needed
+        if proof != self.proof(acked - 1):
+            raise WireError(
+                f"CREDIT proof for acked={acked} is not message {acked - 1}'s receipt; "
+                "acknowledge only messages read, with the proof their sequence frame carried"
+            )
         while self.inflight and self.inflight[0][0] < acked:
             _, nbytes, step = self.inflight.popleft()
             self.inflight_bytes -= nbytes
@@ -263,7 +294,13 @@ class Route:
                 nbytes, step = m.nbytes, m.header.step
                 if not self.may_send(nbytes):
                     return
-                frames = [self.ident, DATA, pack_seq(seq), m.header_bytes, m.payload]
+                frames = [
+                    self.ident,
+                    DATA,
+                    pack_seq(seq, self.proof(seq)),
+                    m.header_bytes,
+                    m.payload,
+                ]
             elif self.spill:
                 rec = self.spill.head()
                 nbytes, step, seq = rec.payload_len, rec.step, rec.seq
@@ -276,7 +313,7 @@ class Route:
                     self.spill.discard()
                     self.c.dropped["spill_error"] += 1
                     continue
-                frames = [self.ident, DATA, pack_seq(seq), header_bytes, payload]
+                frames = [self.ident, DATA, pack_seq(seq, self.proof(seq)), header_bytes, payload]
             else:
                 return
             if not self._send(frames):
@@ -380,10 +417,17 @@ class Router:
         self._spill_root: Path | None = None
         self.routes: dict[bytes, Route] = {}
         self.snapshot: tuple[Route, ...] = ()
+        # Per snapshot: the subscribers that want each (layer, hook), so what a message
+        # costs grows with those that want it, not with every subscriber connected.
+        self._wanting: tuple[tuple[Route, ...], dict[tuple[int, str], tuple[Route, ...]]] = (
+            (),
+            {},
+        )
         self.latency = LatencyWindow()
         self.counters: Counter[str] = Counter()  # publisher thread
         self.engine_counts: Counter[str] = Counter()  # engine thread only
         self.routed_step = -1  # by the publisher thread
+        self.joined = 0  # subscribers ever added: the next one's serial
         self.skipped_step = -1  # by the engine thread: a step every sampler skipped
 
     @property
@@ -398,6 +442,7 @@ class Router:
         route = self.routes.get(ident)
         if route is not None:
             route.resubscribe(sub, policy, now)
+            self.snapshot = tuple(self.routes.values())  # what it wants may have changed
             return route, False
         route = self.routes[ident] = Route(
             ident,
@@ -408,7 +453,9 @@ class Router:
             spill_dir=self._spill_dir,
             last_seen=now,
             acked_step=self.last_step,
+            serial=self.joined,
         )
+        self.joined += 1
         self.snapshot = tuple(self.routes.values())
         return route, True
 
@@ -416,6 +463,17 @@ class Router:
         """Forget a subscriber (``Route.close`` first)."""
         self.routes.pop(route.ident, None)
         self.snapshot = tuple(self.routes.values())
+
+    def wanting(self, layer: int, hook: str) -> tuple[Route, ...]:
+        """The subscribers whose layers and hooks take this tap (any thread: made
+        once per snapshot and tap, then looked up)."""
+        subs, by_tap = self._wanting
+        if subs is not self.snapshot:
+            subs, by_tap = self._wanting = (self.snapshot, {})
+        got = by_tap.get((layer, hook))
+        if got is None:
+            got = by_tap[layer, hook] = tuple(s for s in subs if s.sub.wants(layer, hook))
+        return got
 
     def close(self) -> None:
         """Delete every spill."""
@@ -438,11 +496,10 @@ class Router:
         """``Outlet.admit`` for the engine thread: ``budget`` is what is left of the
         shared queue's bytes; ``first``: the queue is empty (one message always fits).
         Room is spent tap by tap, so a step of many taps copies only as many as fit."""
-        subs = self.snapshot
         room: dict[str, int] = {}  # per lossy subscriber or group: messages that still fit
         out = []
         for layer, hook, nbytes, for_return in taps:
-            wanted = [s for s in subs if s.wants(layer, hook, for_return)]
+            wanted = [s for s in self.wanting(layer, hook) if for_return or not s.sub.returned_only]
             if not wanted:
                 self.engine_counts["not_wanted"] += 1
                 out.append(Admission.NONE)
@@ -483,8 +540,7 @@ class Router:
 
     def counting(self, header: Header) -> tuple[Route, ...]:
         """The subscribers a newly queued message is counted for (``Route.ahead``)."""
-        layer, hook = header.layer, header.hook
-        return tuple(s for s in self.snapshot if s.sub.wants(layer, hook))
+        return self.wanting(header.layer, header.hook)
 
     # ---------------------------------------------------------------- routing
     def can_take(self, item: Item) -> bool:
@@ -494,8 +550,8 @@ class Router:
         h = item.header
         groups: dict[str, list[Route]] = {}
         for_return = bool(h.ended) or any(h.rows.returned)
-        for s in self.routes.values():
-            if not s.wants(h.layer, h.hook, for_return):
+        for s in self.wanting(h.layer, h.hook):
+            if s.sub.returned_only and not for_return:
                 continue
             if s.sub.group:
                 groups.setdefault(s.sub.group, []).append(s)
@@ -510,9 +566,7 @@ class Router:
         groups: dict[str, list[Route]] = {}
         dropped = item.tensor is None
         lost = False  # some subscriber counted a drop at the source
-        for s in list(self.routes.values()):  # a failed send removes its subscriber
-            if not s.sub.wants(h.layer, h.hook):
-                continue
+        for s in self.wanting(h.layer, h.hook):  # a copy: a failed send removes one
             if dropped and s.policy.lossless:
                 continue  # joined after admit() decided: it starts at a later message
             routed = True

@@ -134,6 +134,7 @@ class Subscriber:
         self._sock = self._make_socket(self._ident)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
         self._next_seq = 0  # lowest seq not yet received (or known lost)
+        self._receipt: tuple[int, bytes] | None = None  # the newest message read: seq, proof
         self._owed = 0  # messages received since the last acknowledgement
         self._owed_bytes = 0
         self._publisher_id: str | None = None
@@ -295,7 +296,10 @@ class Subscriber:
             self._grant()
 
     def _grant(self) -> None:
-        self._send([CREDIT, pack_map({"acked": self._next_seq})])
+        # Acknowledges what was read, with the last message's receipt (the publisher
+        # frees nothing without it); messages known lost need no acknowledgement.
+        seq, proof = self._receipt if self._receipt else (-1, b"")
+        self._send([CREDIT, pack_map({"acked": seq + 1, "proof": proof})])
         self._owed = 0
         self._owed_bytes = 0
         self._last_credit = time.monotonic()
@@ -361,9 +365,12 @@ class Subscriber:
             next_seq = int(body.get("next_seq", 0))
             self.welcome = body
             self.stats.welcomes += 1
-            if body.get("publisher_id") != self._publisher_id:  # a new stream
+            # A new stream, or the publisher forgot us (dropped, then let in again) and
+            # numbers afresh: it refuses acknowledgements beyond what it sent.
+            if body.get("publisher_id") != self._publisher_id or next_seq < self._next_seq:
                 self._publisher_id = body.get("publisher_id")
                 self._next_seq = next_seq
+                self._receipt = None
             else:
                 self._skip_to(next_seq)
             return Event("welcome", body)
@@ -394,12 +401,14 @@ class Subscriber:
         """Check the whole message first: a bad one changes no state but ``rejected``."""
         if len(frames) != 4:
             raise WireError(f"data message has {len(frames)} frames, expected 4")
-        seq = unpack_seq(frames[1].buffer)
+        seq, proof = unpack_seq(frames[1].buffer)
         header = Header.decode(frames[2].buffer)
         tensor = frame_to_tensor(frames[3].buffer, header)
         if seq > self._next_seq:
             self.stats.missed += seq - self._next_seq
         self._next_seq = max(self._next_seq, seq + 1)
+        if self._receipt is None or seq > self._receipt[0]:
+            self._receipt = (seq, proof)
         self.stats.received += 1
         self.stats.bytes_received += header.nbytes
         self.stats.last_step = max(self.stats.last_step, header.step)

@@ -146,6 +146,8 @@ class CaptureWorker:
             server_secret_key=cfg.server_secret_key,
             authorized_keys=cfg.authorized_keys,
             insecure_allow_any_interface=cfg.insecure_allow_any_interface,
+            max_window_mb=cfg.max_window_mb,
+            max_subscribers=cfg.max_subscribers,
         )
         if stage[1] > 1:
             self._stages = StageCollector(self.publisher, stage_address(cfg.publish))

@@ -214,7 +214,7 @@ def test_a_rate_sampler_takes_whole_steps_at_most_r_a_second(publisher, address,
     rate, steps = 10.0, 120
     taps = [(0, "post_block", NBYTES, False), (1, "post_block", NBYTES, False)]
     sampler = Subscriber(address, Subscription(policy="sample", sample_per_s=rate, name="r"))
-    block = Subscriber(address, Subscription(window=4096, name="b")) if beside_lossless else None
+    block = Subscriber(address, Subscription(window=1024, name="b")) if beside_lossless else None
     try:
         for s in (sampler, block):
             if s is not None:

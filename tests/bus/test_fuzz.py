@@ -7,6 +7,12 @@ around them must flow untouched.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,7 +22,7 @@ import pytest
 import zmq
 
 from actbus.bus import Batch, Publisher, Subscriber, Subscription
-from actbus.bus.publisher import MAX_CONTROL_BYTES
+from actbus.bus.publisher import MAX_CONTROL_BYTES, STATS_INTERVAL_S
 from actbus.wire import (
     BYE,
     CREDIT,
@@ -25,12 +31,13 @@ from actbus.wire import (
     HEARTBEAT,
     HELLO,
     KEEPALIVE,
+    REJECT,
     SCHEMA_VERSION,
     STATS,
     WELCOME,
     pack_seq,
 )
-from tests.support.bus_procs import message
+from tests.support.bus_procs import ROOT, Proc, message
 from tests.support.procs import wait_for
 
 N_BAD = 10_000
@@ -141,7 +148,7 @@ def test_fuzz_the_publisher(tmp_path):
 
 def _good_data(seq: int) -> list[bytes]:
     hdr, t = message(seq, rows=2, hidden=16)
-    return [DATA, pack_seq(seq), hdr.encode(), t.numpy().tobytes()]
+    return [DATA, pack_seq(seq, bytes(8)), hdr.encode(), t.numpy().tobytes()]
 
 
 def _bad_from_publisher(rng: np.random.Generator, good: list[bytes]) -> list[bytes]:
@@ -215,3 +222,249 @@ def test_fuzz_the_subscriber(tmp_path):
     assert sub.stats.rejected == N_BAD
     assert [b.seq for b in got] == list(range(n_good)) and sub.stats.missed == 0
     assert all(float(b.tensor[0, 0]) == b.step for b in got)
+
+
+# --------------------------------------------------------------- hostile peers
+# Each attack class of issue 16 against a live publisher in its own process (so its
+# memory and its log are its own), beside a `block` subscriber that must not notice.
+RSS_BOUND = 100 << 20
+LOG_BOUND = 16 << 10
+MAX_WINDOW_MB = 4
+MAX_SUBSCRIBERS = 64
+N_IDLE = 100
+IDLE_NAME = "idle-" + "x" * 195  # the longest name a HELLO keeps
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise RuntimeError("no VmRSS")
+
+
+def _hello(**fields) -> list[bytes]:
+    hello = {"schema": SCHEMA_VERSION, "policy": "drop_newest", "window_bytes": 1 << 20}
+    return [HELLO, msgpack.packb({**hello, **fields})]
+
+
+def _bombs() -> list[list[bytes]]:
+    """Control messages made to cost the decoder: each must be refused, cheaply."""
+    wide = {f"k{i}": i for i in range(4000)}  # a valid map of thousands of keys
+    return [
+        [HELLO, b"\x91" * 50_000 + b"\xc0"],  # nested 50,000 deep
+        [HELLO, b"\xdd\xff\xff\xff\xff"],  # an array claiming 4 billion items
+        [CREDIT, b"\xdb\xff\xff\xff\xff" + b"x" * 16],  # a string claiming 4 GiB
+        [HELLO, b"\xde\xff\xff" + b"\xc0" * 64],  # a map claiming 65,535 pairs
+        [STATS, b"\xc7\x05\x01abcde"],  # an extension type, not a map
+        [HELLO, msgpack.packb(wide)],  # no schema among 4,000 keys
+        [CREDIT, msgpack.packb({"acked": float("nan")})],
+        [CREDIT, msgpack.packb({"acked": -(1 << 63)})],
+    ]
+
+
+class _Lines:
+    """A process's stdout lines, read in the background."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.q: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.q.put(line.rstrip("\n"))
+
+    def line(self, timeout: float) -> str:
+        return self.q.get(timeout=timeout)
+
+
+class _Memory:
+    """Samples a process's RSS; kills it at once if it grows past the bound, so
+    a leak fails the test in a second instead of filling the machine."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.base = _rss(popen.pid)
+        self.peak = self.base
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05) and self.popen.poll() is None:
+            with contextlib.suppress(OSError, RuntimeError):
+                self.peak = max(self.peak, _rss(self.popen.pid))
+            if self.peak - self.base > RSS_BOUND:
+                self.popen.kill()
+                return
+
+    @property
+    def grown(self) -> int:
+        return self.peak - self.base
+
+
+def _reply(sock: zmq.Socket, timeout: float = 10.0) -> tuple[bytes, dict]:
+    """The reply to a HELLO: the first message after it."""
+    assert sock.poll(int(timeout * 1000)), "no reply from the publisher"
+    tag, body = sock.recv_multipart()
+    return tag, msgpack.unpackb(body)
+
+
+@pytest.mark.timeout(180)
+def test_hostile_peers_beside_a_block_subscriber(tmp_path):
+    """Acks beyond what was sent, huge windows, peers that never read, a huge filter,
+    many idle subscribers, STATS probing, random frames and msgpack bombs, all at
+    once: the block subscriber gets every message in order, the publisher's RSS
+    grows by less than 100 MB, its thread lives, and its log stays small."""
+    address = f"ipc://{tmp_path}/bus.sock"
+    log_path = tmp_path / "publisher.log"
+    with open(log_path, "wb") as log_file:
+        args = [address, "90", str(MAX_WINDOW_MB), str(MAX_SUBSCRIBERS)]
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.bounded_publisher", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    out = _Lines(popen)
+    good = Proc("subscribers", address, f"good:block:0:64/{MAX_WINDOW_MB}")
+    ctx = zmq.Context()
+    socks: list[zmq.Socket] = []
+
+    def dealer(ident: bytes, rcvhwm: int = 1) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, rcvhwm)  # a peer that does not read holds little itself
+        s.setsockopt(zmq.SNDTIMEO, 5000)  # a publisher gone (killed at the bound) ends it
+        s.setsockopt(zmq.ROUTING_ID, ident)
+        s.connect(address)
+        socks.append(s)
+        return s
+
+    memory = presser = None
+    try:
+        good.ready(1)
+        assert out.line(60) == "ready"
+        time.sleep(1.0)  # warmed up: the queue is full and flowing
+        memory = _Memory(popen)
+
+        # Huge windows: refused, naming the bound; then it acks beyond what was sent.
+        huge = dealer(b"\x00huge")
+        huge.send_multipart(_hello(window=1 << 20, window_bytes=1 << 40, name="huge"))
+        tag, body = _reply(huge)
+        assert tag == REJECT and "window must be an int in 1..1024" in body["reason"]
+        huge.send_multipart(_hello(window=1024, window_bytes=1 << 40, name="huge"))
+        tag, body = _reply(huge)
+        assert tag == REJECT and "actbus.max_window_mb" in body["reason"], body
+
+        # Peers that never read: one acks far beyond what was sent, one guesses. From
+        # here on a thread of their own keeps them (and the refused one) acknowledging,
+        # and sends random frames and bombs.
+        window = {"window": 1024, "window_bytes": MAX_WINDOW_MB << 20}
+        acker = dealer(b"\x00acker")
+        acker.send_multipart(_hello(**window, name="acker"))
+        guesser = dealer(b"\x00guesser")
+        guesser.send_multipart(_hello(**window, name="guesser"))
+        assert _reply(acker)[0] == WELCOME and _reply(guesser)[0] == WELCOME
+        fuzz = dealer(b"\x00fuzz")
+        stop = threading.Event()
+        n_bad = 0
+
+        def pressure() -> None:
+            nonlocal n_bad
+            rng = np.random.default_rng(16)
+            guess = 0
+            while not stop.wait(0.02) and popen.poll() is None:
+                for _ in range(200):
+                    fuzz.send_multipart(_bad_control(rng))
+                for frames in _bombs():
+                    fuzz.send_multipart(frames)
+                n_bad += 200 + len(_bombs())
+                acker.send_multipart([CREDIT, msgpack.packb({"acked": 1 << 40})])
+                huge.send_multipart([CREDIT, msgpack.packb({"acked": 1 << 40})])
+                guess += 64
+                guesser.send_multipart([CREDIT, msgpack.packb({"acked": guess})])
+
+        presser = threading.Thread(target=pressure)
+        presser.start()
+
+        # A filter far beyond the bound: refused, naming it.
+        filt = dealer(b"\x00filter")
+        wide = {f"k{k}": [f"value-{k}-{i}" for i in range(1000)] for k in range(3)}
+        filt.send_multipart(_hello(tags=wide, name="filter"))
+        tag, body = _reply(filt)
+        assert tag == REJECT and "at most 8192" in body["reason"], body
+
+        # STATS probing from a subscriber of its own (nameless: once keyed by identity).
+        probe = dealer(b"\x00probe", rcvhwm=0)
+        probe.send_multipart(_hello(layers=[], window=1))
+        assert _reply(probe)[0] == WELCOME
+
+        # Many idle subscribers: beyond the cap, refused naming it. Their identities
+        # share a prefix longer than the 8 hex digits stats once keyed them by.
+        idle = [dealer(b"\x00idle-peer" + i.to_bytes(4, "big")) for i in range(N_IDLE)]
+        for i, s in enumerate(idle):
+            s.send_multipart(_hello(window=1, layers=[] if i % 2 else None, name=IDLE_NAME))
+        replies = [_reply(s) for s in idle]
+        admitted = sum(tag == WELCOME for tag, _ in replies)
+        refused = [body["reason"] for tag, body in replies if tag == REJECT]
+        assert admitted + len(refused) == N_IDLE and admitted == MAX_SUBSCRIBERS - 4
+        assert all("at most 64 subscribers" in r and "max_subscribers" in r for r in refused)
+
+        # STATS: names only, each subscriber once, at most one answer per interval.
+        t0 = time.monotonic()
+        for _ in range(300):
+            probe.send_multipart([STATS, msgpack.packb({})])
+        stats_replies = []
+        while time.monotonic() - t0 < 2.0:
+            if probe.poll(100):
+                tag, raw = probe.recv_multipart()
+                if tag == STATS:
+                    stats_replies.append(raw)
+        assert 1 <= len(stats_replies) <= 2.0 / STATS_INTERVAL_S + 3
+        subs = msgpack.unpackb(stats_replies[0])["subscribers"]
+        names = [v["name"] for v in subs.values()]
+        assert names.count(IDLE_NAME) == admitted  # none merged into another
+        assert "good" in names and any(k.startswith("#") and not subs[k]["name"] for k in subs)
+        for s in socks:
+            ident = s.getsockopt(zmq.ROUTING_ID)
+            assert all(
+                ident not in raw and ident.hex().encode() not in raw for raw in stats_replies
+            )
+
+        time.sleep(8.0)  # the attacks go on
+        stop.set()
+        presser.join()
+        assert memory.grown < RSS_BOUND, f"the publisher's RSS grew {memory.grown >> 20} MiB"
+        popen.stdin.write("stop\n")  # publishing ends; the publisher reports and closes
+        popen.stdin.flush()
+
+        result = json.loads(out.line(60))
+        good_result = good.results(1, timeout=60)["good"]
+    finally:
+        if presser is not None:
+            stop.set()
+            presser.join()
+        if memory is not None:
+            memory.stop.set()
+        for s in socks:
+            s.close()
+        ctx.term()
+        good.kill()
+        if popen.poll() is None:
+            popen.kill()
+        popen.wait(timeout=30)
+    assert memory.grown < RSS_BOUND, f"the publisher's RSS grew {memory.grown >> 20} MiB"
+    assert result["alive"]
+    st = result["stats"]
+    assert st["rejected"] >= n_bad and st["subscribers_refused"] >= len(refused)
+    n = result["published"]
+    assert good_result["steps"] == list(range(n)) and good_result["seqs"] == list(range(n))
+    assert good_result["missed"] == 0 and good_result["bad_values"] == 0
+    assert good_result["ended"]
+    log_bytes = log_path.stat().st_size
+    assert log_bytes < LOG_BOUND, log_path.read_text()[-2000:]

@@ -21,7 +21,15 @@ from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import POLICIES, DropNewest, parse_policy, policy_of, register
 from actbus.bus.protocol import Subscription
 from actbus.bus.routing import PENDING_LIMIT, Item, Route, Router
-from actbus.wire import DATA, Header, RequestEnd, RowIndex, frame_to_tensor, unpack_seq
+from actbus.wire import (
+    DATA,
+    Header,
+    RequestEnd,
+    RowIndex,
+    WireError,
+    frame_to_tensor,
+    unpack_seq,
+)
 
 HIDDEN = 16
 HOOK = "post_block"
@@ -30,6 +38,7 @@ HOOK = "post_block"
 @dataclass
 class Got:
     seq: int
+    proof: bytes
     header: Header
     tensor: torch.Tensor
 
@@ -47,7 +56,7 @@ class Wire:
             return False
         assert tag == DATA
         h = Header.decode(header)
-        self.got[ident].append(Got(unpack_seq(seq), h, frame_to_tensor(payload, h).clone()))
+        self.got[ident].append(Got(*unpack_seq(seq), h, frame_to_tensor(payload, h).clone()))
         return True
 
 
@@ -102,7 +111,7 @@ class Bus:
     def ack(self, route: Route) -> None:
         """The subscriber acknowledges everything it received."""
         got = self.wire.got[route.ident]
-        route.ack(got[-1].seq + 1 if got else 0)
+        route.ack(got[-1].seq + 1, got[-1].proof) if got else route.ack(0)
         route.flush()
         self.pump()
 
@@ -310,12 +319,12 @@ def test_credit_counts_messages_and_bytes_and_acks_are_cumulative(bus):
     for step in range(5):
         bus.publish(*message(step))
     assert [seq for seq, _, _ in m.inflight] == [0, 1, 2] and len(m.pending) == 2
-    m.ack(2)
+    m.ack(2, m.proof(1))
     m.flush()
     assert [seq for seq, _, _ in m.inflight] == [2, 3, 4] and m.acked_step == 1
-    m.ack(1)  # a stale acknowledgement changes nothing
+    m.ack(1, m.proof(0))  # a stale acknowledgement changes nothing
     assert len(m.inflight) == 3
-    m.ack(5)  # acks 3 and 4 were lost: the next one covers them, no credit leaks
+    m.ack(5, m.proof(4))  # acks 3 and 4 were lost: the next one covers them, no credit leaks
     assert not m.inflight and m.inflight_bytes == 0 and m.acked_step == 4
     assert m.stats(4)["lag_steps"] == 0
 
@@ -331,6 +340,65 @@ def test_credit_counts_messages_and_bytes_and_acks_are_cumulative(bus):
     assert bus.seqs(big) == [0] and len(big.pending) == 1
     bus.ack(big)
     assert bus.seqs(big) == [0, 1]
+
+
+def test_an_ack_beyond_what_was_sent_is_refused_and_frees_nothing(bus):
+    """A peer that acknowledged numbers never given out would free credit for
+    messages never sent, and the publisher would send to it without end."""
+    d = bus.join("d", "drop_newest", window=2)
+    for step in range(4):
+        bus.publish(*message(step))
+    assert [seq for seq, _, _ in d.inflight] == [0, 1] and len(d.pending) == 2
+    with pytest.raises(WireError, match=r"CREDIT acked=5 is beyond the messages sent"):
+        d.ack(5)
+    d.flush()
+    assert [seq for seq, _, _ in d.inflight] == [0, 1] and bus.seqs(d) == [0, 1]
+    d.ack(4, d.proof(3))  # up to the numbers given out: what is in flight is freed
+    d.flush()
+    assert bus.seqs(d) == [0, 1, 2, 3] and balanced(d)
+
+
+def test_an_ack_without_the_receipt_of_what_it_frees_is_refused(bus):
+    """A peer that never reads but guesses sequence numbers would free its credit
+    and make the publisher queue for it without end: acks carry the receipt of the
+    last message read, which only reading it gives."""
+    g = bus.join("g", "drop_newest", window=2)
+    for step in range(4):
+        bus.publish(*message(step))
+    for proof in (None, b"", bytes(8), g.proof(0)):
+        with pytest.raises(WireError, match=r"CREDIT proof for acked=2 is not message 1's"):
+            g.ack(2, proof)
+    g.flush()
+    assert [seq for seq, _, _ in g.inflight] == [0, 1] and bus.seqs(g) == [0, 1]
+    g.ack(0)  # frees nothing: needs no receipt
+    got = bus.wire.got[g.ident]
+    assert got[1].proof == g.proof(1) != got[0].proof
+    g.ack(2, got[1].proof)
+    g.flush()
+    assert bus.seqs(g) == [0, 1, 2, 3] and balanced(g)
+
+
+def test_subscribers_that_want_no_tap_cost_nothing_per_message(bus):
+    """Which subscribers want a tap is worked out once per set of subscribers, so
+    idle ones (a stats client wants no layer) add nothing to admitting, counting and
+    routing each message (thousands of them once saturated the publisher)."""
+    asked = [0]
+
+    class Counted(Subscription):
+        def wants(self, layer: int, hook: str) -> bool:
+            asked[0] += 1
+            return super().wants(layer, hook)
+
+    for i in range(100):
+        bus.router.subscribe(b"idle%d" % i, Counted(layers=(), name=f"idle{i}"), now=0.0)
+    b = bus.join("b")
+    offer = TapOffer(0, HOOK, NBYTES, False)
+    for step in range(50):
+        assert bus.router.admit(step, [offer], 1 << 30, True) == [Admission.SEND]
+        bus.publish(*message(step))
+        bus.ack(b)
+    assert bus.steps(b) == list(range(50))
+    assert asked[0] <= 100  # once each, not once each per message
 
 
 def test_a_failed_send_stops_and_closing_counts_what_waited(bus):
@@ -400,6 +468,36 @@ def test_match_filters_cut_rows_once_per_distinct_filter(bus):
     last = bus.wire.got[nope.ident][-1]
     assert last.header.ended == ends and last.tensor.shape[0] == 0
     assert all(balanced(r) for r in (everything, t1, t2, langs, nope))
+
+
+def test_a_match_filter_costs_one_lookup_per_key_however_many_values():
+    """Compiled once per subscriber: a request is checked with a set lookup per key,
+    not a scan of every accepted value (a huge filter once made routing crawl)."""
+    values = [f"v{i}" for i in range(500)]
+    sub = Subscription(match={"k": values, "on": True, "n": [1, "one"]})
+
+    class Counting:
+        """A tag value that counts the comparisons made against it."""
+
+        calls = 0
+
+        def __hash__(self) -> int:
+            return hash("v499")
+
+        def __eq__(self, other: object) -> bool:
+            Counting.calls += 1
+            return other == "v499"
+
+    assert sub.wants_request({"k": Counting(), "on": True, "n": 1})
+    assert Counting.calls <= 2
+    # The same meaning as before: True is not 1, 1 is 1.0, a list or map tag never
+    # equals a scalar, a missing key never matches.
+    assert sub.wants_request({"k": "v0", "on": True, "n": 1.0})
+    assert not sub.wants_request({"k": "v0", "on": 1, "n": 1})
+    assert not sub.wants_request({"k": "v0", "on": True, "n": True})
+    assert not sub.wants_request({"k": ["v0"], "on": True, "n": 1})
+    assert not sub.wants_request({"k": {"v0": 1}, "on": True, "n": 1})
+    assert not sub.wants_request({"on": True, "n": 1})
 
 
 def test_returned_only_keeps_returned_requests_and_ends(bus):

@@ -18,6 +18,7 @@ import torch
 import zmq.auth
 
 from actbus.bus import Batch, Publisher, Subscriber, Subscription, SubscriptionRejected
+from actbus.bus.options import SubscriberOptions
 from actbus.bus.security import generate_keys
 from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
@@ -136,6 +137,37 @@ def test_non_loopback_bind_without_keys_is_refused(host):
         CaptureConfig.from_dict({"layers": [0], "publish": address})
     if host in ("0.0.0.0", "*"):  # nothing was left bound: the same port binds afterwards
         Publisher(address, info={}, insecure_allow_any_interface=True).close(timeout=1)
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5599\n", "ipc:///tmp/x.sock\n"])
+def test_an_address_with_a_trailing_newline_is_refused(address):
+    with pytest.raises(ConfigError, match=r"actbus.publish=.*control characters"):
+        CaptureConfig.from_dict({"layers": [0], "publish": address})
+    with pytest.raises(ConfigError, match="control characters"):
+        Publisher(address, info={})
+
+
+def test_an_abstract_ipc_name_needs_keys(keys):
+    """``ipc://@name`` has no file, so no permissions: every local user could connect."""
+    address = f"ipc://@actbus-test-{os.getpid()}"
+    with pytest.raises(ConfigError) as e:
+        CaptureConfig.from_dict({"layers": [0], "publish": address})
+    msg = str(e.value)
+    assert msg.startswith(f"actbus.publish={address!r}: an abstract ipc name has no file")
+    for fix in ("ipc:///run/user/UID/actbus.sock", "actbus.server_secret_key", "actbus keys DIR"):
+        assert fix in msg
+    with pytest.raises(ConfigError, match="abstract ipc name"):
+        Publisher(address, info={})
+    # With keys it binds, and only an authorized subscriber gets in; connecting is fine.
+    assert SubscriberOptions(connect=address).connect == address
+    pub = _curve_publisher(keys, address)
+    try:
+        with Subscriber(address, Subscription(name="abstract"), **_client(keys)) as sub:
+            sub.wait_welcome(10)
+            pub.publish(*_msg(0))
+            assert [b.step for b in recv_batches(sub, 1)] == [0]
+    finally:
+        pub.close(timeout=2)
 
 
 def test_insecure_flag_binds_any_interface_with_a_loud_warning(caplog):

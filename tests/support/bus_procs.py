@@ -2,7 +2,8 @@
 
 python -m tests.bus_procs subscribers ADDR NAME[@GROUP]:POLICY:DELAY_S:WINDOW ...
     One thread per subscriber, each sleeping DELAY_S per batch (a slow consumer);
-    ``@GROUP`` makes it a member of a load-balancing group.
+    ``@GROUP`` makes it a member of a load-balancing group; WINDOW may be
+    MESSAGES/MIB, credit in messages and MiB.
     Prints "ready NAME" once welcomed, and at the publisher's END one JSON line
     per subscriber: what it received (seqs, steps) and its own counters.
     (POLICY may itself contain colons: the spec is split from both ends.)
@@ -99,9 +100,13 @@ def _subscriber(address: str, spec: str) -> None:
     name, rest = spec.split(":", 1)
     name, _, group = name.partition("@")
     policy, delay, window = rest.rsplit(":", 2)
+    window, _, mib = window.partition("/")
+    credit = {"window": int(window)}
+    if mib:
+        credit["window_bytes"] = int(float(mib) * (1 << 20))
     sub = Subscriber(
         address,
-        Subscription(**parse_policy(policy), window=int(window), name=name, group=group),
+        Subscription(**parse_policy(policy), **credit, name=name, group=group),
         silence_s=30,
     )
     seqs: list[int] = []
