@@ -94,16 +94,23 @@ def _probe_parser() -> argparse.ArgumentParser:
 
 
 def _d_in(opts: argparse.Namespace, sub: SubscriberOptions) -> int:
+    """The input width: ``--d-in``, the run's, or the publisher's (whose WELCOME also
+    says what it taps: a layer or hook it does not tap is refused here, at once)."""
     if opts.d_in:
         return opts.d_in
     if opts.run_dir:
         from consumers.fs import ActivationRun
 
         return ActivationRun(opts.run_dir).hidden_size
-    from actbus.bus import Subscription
+    from actbus.bus import Subscription, SubscriptionRejected
+    from actbus.bus.subscriber import check_taps
 
     with sub.subscribe(Subscription(layers=(), name="trainer-probe-width")) as s:
         info = s.wait_welcome(timeout=60)
+    try:
+        check_taps(sub.connect or "", info, sub.layers, sub.hooks)
+    except SubscriptionRejected as e:
+        raise ValueError(f"layers: {e}") from None
     if "hidden_size" not in info:
         raise ValueError("the publisher does not announce hidden_size; pass --d-in")
     return int(info["hidden_size"])
@@ -234,14 +241,41 @@ def _probe_configs(
     return _models(ProbeConfig, opts, sub, d_in), data_cfg
 
 
+def _refused(e: BaseException) -> BaseException | None:
+    """The publisher's refusal behind a failed fit (raised on the source's thread, then
+    wrapped on the way up), or None."""
+    from actbus.bus import SubscriptionRejected
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, SubscriptionRejected):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _fit_or_refused(kind: str, module, data_cfg: DataConfig, opts, configs: list) -> int:
+    """Fit; a subscription the publisher refused (or cannot serve) ends the command
+    with its reason, not a traceback."""
+    try:
+        _fit(module, data_cfg, opts, configs)
+    except Exception as e:
+        why = _refused(e)
+        if why is None:
+            raise
+        print(f"actbus run {kind}: {why}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def sae_main(argv: list[str] | None = None) -> int:
     """train sparse autoencoders"""
     opts, configs, data_cfg = _parse(_sae_parser(), argv, _sae_configs)
     from trainers.sae_module import SAETrainer
 
     module = SAETrainer(configs, checkpoint_dir=opts.out, checkpoint_every=opts.checkpoint_every)
-    _fit(module, data_cfg, opts, configs)
-    return 0
+    return _fit_or_refused("sae", module, data_cfg, opts, configs)
 
 
 def probe_main(argv: list[str] | None = None) -> int:
@@ -249,10 +283,8 @@ def probe_main(argv: list[str] | None = None) -> int:
     opts, configs, data_cfg = _parse(_probe_parser(), argv, _probe_configs)
     from trainers.probe import ProbeTrainer
 
-    _fit(
-        ProbeTrainer(configs, tuple(opts.labels), checkpoint_dir=opts.out), data_cfg, opts, configs
-    )
-    return 0
+    module = ProbeTrainer(configs, tuple(opts.labels), checkpoint_dir=opts.out)
+    return _fit_or_refused("probe", module, data_cfg, opts, configs)
 
 
 if __name__ == "__main__":
