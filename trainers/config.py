@@ -179,7 +179,8 @@ class DataConfig:
     group: str = ""
     """Load-balancing group; set automatically per trainer when several ranks run (DDP)."""
     match: dict[str, Any] | None = None
-    """Keep only requests whose tags match this filter (cut out at the publisher)."""
+    """Keep only requests whose tags match this filter (cut out at the publisher; from a
+    stored run, by the same rule on the stored tags)."""
     label_tags: tuple[str, ...] = ()
     """Request tags read into a per-row ``label`` tensor (NaN where missing)."""
     labelled_only: bool = False

@@ -329,6 +329,7 @@ class RunSource(threading.Thread):
                     columns=("tags",) if cfg.label_tags and not self._labels else (),
                     rank=self.rank,
                     world_size=self.world_size,
+                    match=cfg.match,  # the rule --match follows live, on the stored tags
                 )
                 its[stream_key(layer, hook)] = iter(ds)
             while its and not self.stop_event.is_set():
