@@ -32,9 +32,19 @@ log = logging.getLogger("actbus.trainers")
 
 MODEL_FROM_SOURCE = ("d_in", "layer", "hook", "name", "seed")
 """Model fields set from the source and the stream, not by a flag of their own."""
-DATA_FLAGS = ("batch_tokens", "buffer_tokens", "warmup_tokens", "max_tokens", "idle_s", "seed")
-DATA_DEFAULTS = {"buffer_tokens": 65536, "warmup_tokens": 16384}
-"""The command's shuffle is smaller than DataConfig's, to start training sooner."""
+DATA_FLAGS = (
+    "batch_tokens",
+    "buffer_tokens",
+    "warmup_tokens",
+    "max_tokens",
+    "idle_s",
+    "epochs",
+    "seed",
+)
+DATA_DEFAULTS = {"buffer_tokens": 65536, "warmup_tokens": 4096}
+"""The command's shuffle is smaller than DataConfig's, and its warm-up one batch, so
+training starts as soon as a batch's worth arrived (the README's few requests make a
+few batches)."""
 
 
 def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser:
@@ -167,7 +177,31 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         {"data": {k: v for k, v in vars(data_cfg).items() if k != "extra"}}
         | {"models": [c.to_dict() for c in configs]},
     )
-    callbacks: list = [DataStats(dm, opts.log_every)]  # checkpoints: the module's own
+
+    trainer: Any = None
+
+    def _stop(*_: Any) -> None:  # Ctrl-C / SIGTERM: end the stream, save, exit cleanly
+        # Lightning puts its own SIGTERM handler in front of this one at the start of
+        # fit (ours is called after it); its flag would make the training loop raise
+        # after the next step, skipping the end of the fit and its checkpoint.
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            connector.received_sigterm = False
+        if dm.stop():
+            log.warning(
+                "stopping: no more data is read; training on what is buffered, then saving "
+                "(Ctrl-C again: stop now)"
+            )
+        else:
+            log.warning("stopping now; saving what was trained")
+
+    class StopOnSignal(pl.Callback):
+        """Once training runs, this command's handlers alone (Lightning's are no use)."""
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            _on_signals(_stop)
+
+    callbacks: list = [DataStats(dm, opts.log_every), StopOnSignal()]  # + the module's own
     if not opts.no_progress:
         callbacks.append(MetricsProgressBar())
     devices: Any = int(opts.devices) if str(opts.devices).isdigit() else opts.devices
@@ -186,12 +220,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         num_sanity_val_steps=0,
     )
 
-    def _stop(*_: Any) -> None:  # Ctrl-C / SIGTERM: end the stream, save, exit cleanly
-        dm.stop()
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _stop)
+    _on_signals(_stop)
     trainer.fit(module, datamodule=dm)
     summary = {
         "rank": trainer.global_rank,
@@ -202,7 +231,33 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
     }
     if opts.summary and trainer.is_global_zero:
         Path(opts.summary).write_text(json.dumps(summary))
+    if trainer.is_global_zero:
+        _report(trainer.global_step, dm, data_cfg, out, configs)
     return summary
+
+
+def _on_signals(handler: Any) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+
+def _report(steps: int, dm: Any, data_cfg: DataConfig, out: Path, configs: list) -> None:
+    """The line a user looks for at the end: what was trained and saved, or why not."""
+    stats = dm.stats()
+    tokens = int(stats.get("rows_in", 0))
+    if steps == 0:
+        log.warning(
+            "no training step was made: %s tokens arrived (the first step waits for %s per "
+            "stream, --warmup-tokens, or for the stream's end); nothing was saved",
+            f"{tokens:,}",
+            f"{data_cfg.warmup_tokens:,}",
+        )
+        return
+    saved = [str(out / c.name) for c in configs if (out / c.name).is_dir()]
+    log.info(
+        "%d steps on %s tokens; saved: %s", steps, f"{tokens:,}", ", ".join(saved) or "nothing"
+    )
 
 
 def _parse(
@@ -212,6 +267,7 @@ def _parse(
     bad value or an unreachable source ends the command with the parser's error, naming
     the flag."""
     opts = parser.parse_args(argv)
+    _show_own_logs()
     sub = SubscriberOptions.from_args(opts, parser)
     if (sub.connect is None) == (opts.run_dir is None):
         parser.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
@@ -239,6 +295,19 @@ def _probe_configs(
         labels_file=opts.labels_file,
     )
     return _models(ProbeConfig, opts, sub, d_in), data_cfg
+
+
+def _show_own_logs() -> None:
+    """actbus's own lines (waiting, warm-up, stop, what was saved) on stderr; only
+    actbus's: Lightning and W&B keep their own handlers."""
+    ours = logging.getLogger("actbus")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def _refused(e: BaseException) -> BaseException | None:

@@ -51,8 +51,8 @@ class TokenDataset(IterableDataset):
     ``position`` (LongTensor ``[b]``) and every column named in ``columns``
     (numeric ones as tensors, others, e.g. ``tags`` JSON strings, as lists).
     ``match`` (``{"split": "train"}``, a list value accepting any of its values)
-    keeps only the rows of requests whose tags match, as ``--match`` does live;
-    ``num_rows`` then counts the rows before it.
+    keeps only the rows of requests whose tags match, as ``--match`` does live
+    (``count_rows`` counts them; ``num_rows`` counts the rows before it).
 
     Use with ``DataLoader(ds, batch_size=None, num_workers=N)``: batching is done
     here. ``rank``/``world_size`` default to ``torch.distributed``'s when it is
@@ -121,8 +121,19 @@ class TokenDataset(IterableDataset):
 
     @property
     def num_rows(self) -> int:
-        """Rows per epoch over all ranks and workers."""
+        """Rows per epoch over all ranks and workers, before ``match``."""
         return sum(int(e["rows"]) for e in self.entries)
+
+    def count_rows(self) -> int:
+        """Rows per epoch over all ranks and workers, after ``match`` (which reads each
+        shard's ``tags`` column once)."""
+        if self.match is None:
+            return self.num_rows
+        n = 0
+        for e in self.entries:
+            tags = self.run.read(self.run.path / e["path"]).column("tags").to_pylist()
+            n += int(self.match.rows(tags).sum())
+        return n
 
     @property
     def epoch(self) -> int:
