@@ -431,6 +431,7 @@ class Subscriber:
             return Event("mark", body)
         if tag == END:
             self.welcome = None
+            self._waiting_since = self._waiting_logged = time.monotonic()
             return Event("end", body)
         if tag == REJECT:
             reason = capped_text(str(body.get("reason", "")))
