@@ -129,7 +129,7 @@ def supervise(cmd: list[str], cfg: CaptureConfig) -> int:
         insecure_allow_any_interface=cfg.insecure_allow_any_interface,
     )
     print(
-        f"actbus serve: the server exited ({rc}); told {told} subscriber(s) at {cfg.publish} "
+        f"\nactbus serve: the server exited ({rc}); told {told} subscriber(s) at {cfg.publish} "
         "the stream ended",
         file=sys.stderr,
         flush=True,

@@ -173,7 +173,7 @@ class DataConfig:
     """Stop after this many tokens per stream were handed out (None: until the stream ends)."""
     epochs: int | None = None
     """--from: passes over the stored run (None: as many as make about 200 training steps,
-    at most 100, said at the start)."""
+    at most 1000, said at the start)."""
     idle_s: float | None = None
     """Live: stop when nothing arrived for this long (None: wait for the publisher's end)."""
     policy: str = "drop_oldest"

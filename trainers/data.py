@@ -42,7 +42,7 @@ WARMUP_LOG_S = 5.0
 """While warming up, a line every this many seconds says how far each stream is."""
 AUTO_STEPS = 200
 """--from without --epochs: passes enough for about this many steps..."""
-MAX_AUTO_EPOCHS = 100
+MAX_AUTO_EPOCHS = 1000
 """...but at most this many passes."""
 
 
