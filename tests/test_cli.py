@@ -89,3 +89,14 @@ def test_help_shows_defaults_as_typed():
     assert "(default: 16)" in text and "(default: 32)" in text
     assert "first batch (so early batches are mixed). (default: 4096)" in text
     assert "--epochs EPOCHS --from: passes over the stored run" in text
+
+
+def test_a_bad_address_is_named_by_its_flag(tmp_path):
+    for args, flag in (
+        (("run", "null", "--connect", "foo"), "--connect='foo'"),
+        (("run", "sae", "--connect", "foo", "--layer", "1"), "--connect='foo'"),
+        (("replay", str(tmp_path), "--publish", "foo"), "--publish='foo'"),
+    ):
+        out = _actbus(*args)
+        assert out.returncode in (1, 2) and f"{flag}: not a ZeroMQ address" in out.stderr, args
+        assert "Traceback" not in out.stderr

@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actbus.bus import Publisher
+from actbus.bus.addresses import check_address
 from actbus.flags import HelpFormatter, int_list, str_list
 from actbus.wire import DTYPE_NAMES, Header, RowIndex
 from consumers.fs.reader import ActivationRun, BadShard
@@ -262,6 +263,7 @@ def main(argv: list[str]) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
+        check_address(args.publish, field_name="--publish")  # named by its flag
         cfg = ReplayConfig(
             Path(args.run),
             args.publish,
