@@ -145,6 +145,10 @@ class ActivationRun:
         ``--ipc file`` runs, memory-mapped tables for ``stream`` runs."""
         if layer is not None:
             hook = self.hook_of(layer, hook)
+        return self._dataset(layer, hook)
+
+    def _dataset(self, layer: int | None, hook: str | None) -> ds.Dataset:
+        """The shards of ``layer`` and ``hook`` (None: any) as a pyarrow dataset."""
         paths = self.shards(layer, hook)
         if not paths:  # else an empty dataset, and a filter fails with "No match for FieldRef"
             raise FileNotFoundError(
@@ -212,8 +216,8 @@ class ActivationRun:
         return self.request_rows(request_id, layer, hook)[1]
 
     def request_ids(self, layer: int | None = None, hook: str | None = None) -> list[str]:
-        """The request ids stored (at ``layer``, as ``dataset`` picks its shards)."""
-        table = self.dataset(layer, hook).to_table(columns=["request_id"])
+        """The request ids stored (at ``layer``, at any of its hooks unless ``hook``)."""
+        table = self._dataset(layer, hook).to_table(columns=["request_id"])
         return sorted(pc.unique(table.column("request_id")).to_pylist())
 
     def _activation_columns(self) -> list[str]:

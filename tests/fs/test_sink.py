@@ -279,3 +279,4 @@ def test_a_layer_read_without_its_hook_never_mixes_hooks(tmp_path):
             read()
     assert two.dataset(1, "post_block").count_rows() == 2 and two.dataset().count_rows() == 5
     assert two.request("a", 1, "mlp_out").shape == (3, 8)
+    assert two.request_ids(1) == ["a"]  # ids, not rows: any hook
