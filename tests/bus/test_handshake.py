@@ -95,5 +95,7 @@ def test_a_consumer_with_no_publisher_says_what_it_waits_for(tmp_path):
         proc.wait(timeout=30)
         reader.join(timeout=10)
     waiting = [line for line in lines if "no publisher has answered" in line]
-    assert f"at {address} for 5s; still waiting, to subscribe to layers [3], all hooks" in waiting[0]
+    assert (
+        f"at {address} for 5s; still waiting, to subscribe to layers [3], all hooks" in waiting[0]
+    )
     assert "policy block, as fs-sink" in waiting[0] and "for 10s" in waiting[1]
