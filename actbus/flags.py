@@ -59,6 +59,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if action.default is None or action.default == "" or action.nargs == 0 or "default" in text:
             return text
+        if isinstance(action.default, (list, tuple)):  # as typed: 16 or post_block,mlp_out
+            return f"{text} (default: {','.join(map(str, action.default))})"
         return super()._get_help_string(action)
 
 

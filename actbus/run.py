@@ -124,11 +124,12 @@ def main(argv: list[str]) -> int:
         out.restarts,
     )
     if out.failure is not None:
-        hint = (
-            f"gave up after {out.restarts} restarts (--max-restarts)"
-            if ns.on_error == "restart"
-            else "stopped (--on-error stop; --on-error restart restarts it)"
-        )
+        if ns.on_error == "restart":
+            hint = f"gave up after {out.restarts} restarts (--max-restarts)"
+        elif out.failure.callback == "construction":  # its flags or its files: a restart
+            hint = "it could not start; fix the cause and start it again"  # would fail alike
+        else:
+            hint = "stopped (--on-error stop; --on-error restart restarts it)"
         print(f"actbus run {args.name}: {out.failure}; {hint}", file=sys.stderr)
         return 1
     return 0

@@ -1,21 +1,33 @@
 """``actbus serve``: vLLM's OpenAI-compatible server with the publisher on.
 
-It only turns capture flags into vLLM's ``--additional-config`` and starts the
-server as vLLM itself would; every other argument goes to vLLM unchanged, and the
-config is validated the same way as in ``LLM(...)`` before the engine starts.
+It turns capture flags into vLLM's ``--additional-config`` and starts the server as
+vLLM itself would; every other argument goes to vLLM unchanged, and the config is
+validated the same way as in ``LLM(...)`` before the engine starts.
+
+The server runs as a child process, in a process group of its own, and this one
+stays as its supervisor: Ctrl-C, SIGTERM and SIGHUP are passed on to it, once each,
+and when it has exited the subscribers are told the stream ended
+(``actbus.bus.farewell``). vLLM kills its engine processes at shutdown, so the
+capture worker's publisher cannot say so itself; without END, trainers and
+``--exit-on-end`` consumers would wait forever.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
+import signal
+import subprocess
 import sys
+from typing import Any
 
 from actbus.config import REQUESTS, CaptureConfig
 from actbus.errors import ConfigError
 from actbus.flags import HelpFormatter
 from actbus.streams import HOOKS
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def serve_command(argv: list[str]) -> list[str]:
@@ -73,12 +85,72 @@ def _int(text: str, flag: str) -> int:
         raise ConfigError(f"{flag}: {text!r} is not a layer index") from None
 
 
+def capture_of(cmd: list[str]) -> CaptureConfig:
+    """The capture config a ``serve_command`` argv carries."""
+    raw = json.loads(cmd[cmd.index("--additional-config") + 1])["actbus"]
+    return CaptureConfig.from_dict(raw)
+
+
+def _own_group() -> None:
+    """In the child, before vLLM starts: a process group of its own (a terminal's
+    Ctrl-C reaches only the supervisor, which passes it on once) and, on Linux, a
+    SIGTERM if the supervisor dies (no server outlives it)."""
+    import os
+
+    os.setpgrp()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def supervise(cmd: list[str], cfg: CaptureConfig) -> int:
+    """Run the server ``cmd`` until it exits, passing signals on; then END to the
+    subscribers of its publisher. The server's exit status."""
+    from actbus.bus.farewell import announce_end
+
+    child = subprocess.Popen(cmd, preexec_fn=_own_group)  # no threads yet: preexec_fn is safe
+
+    def forward(signum: int, _frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        rc = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    told = announce_end(
+        cfg.publish,
+        reason="the server stopped",
+        server_secret_key=cfg.server_secret_key,
+        authorized_keys=cfg.authorized_keys,
+        insecure_allow_any_interface=cfg.insecure_allow_any_interface,
+    )
+    print(
+        f"\nactbus serve: the server exited ({rc}); told {told} subscriber(s) at {cfg.publish} "
+        "the stream ended",
+        file=sys.stderr,
+        flush=True,
+    )
+    return rc if rc >= 0 else 128 - rc
+
+
 def main(argv: list[str]) -> int:
     """start vLLM's OpenAI server with capture (see serve -h)"""
     try:
         cmd = serve_command(argv)
+        cfg = capture_of(cmd)
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"actbus serve: {e}", file=sys.stderr)
         return 2
-    os.execv(cmd[0], cmd)
-    return 0  # not reached
+    layers = "all layers" if cfg.all_layers else f"layers {list(cfg.layers)}"
+    print(
+        f"actbus serve: the engine will capture {layers}, hooks {list(cfg.hooks)} "
+        f"({cfg.requests} requests) and publish on {cfg.publish}; subscribe with "
+        f"actbus run NAME --connect {cfg.publish}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return supervise(cmd, cfg)

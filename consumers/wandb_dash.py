@@ -12,14 +12,16 @@ infinity (``acts/nonfinite_rows`` in all), plus per-tag breakdowns.
 Convention: capture and training share one W&B project and group, so one
 workspace shows both; set ``WANDB_PROJECT`` and ``WANDB_RUN_GROUP`` once (W&B reads
 them), or pass ``--project``/``--wandb-group`` here and the same to the trainers.
-This run's ``job_type`` is ``bus``. ``WANDB_MODE=offline`` works; ``wandb sync``
-uploads the run later. (``--group`` is taken by ``actbus run``: it is the bus's
+This run's ``job_type`` is ``bus``. ``WANDB_MODE=offline`` works, and without W&B
+credentials the run is offline too (said in the log, as the trainers do); ``wandb
+sync`` uploads it later. (``--group`` is taken by ``actbus run``: it is the bus's
 load-balancing group, hence ``--wandb-group``.)
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from typing import Any
@@ -27,6 +29,9 @@ from typing import Any
 import numpy as np
 
 from consumers.monitor import Monitor
+from consumers.wandb_offline import has_credentials, offline_mode
+
+log = logging.getLogger("actbus.wandb")
 
 DEFAULT_PROJECT = "actbus"
 
@@ -125,6 +130,13 @@ class WandbDashboard(Monitor):
         import wandb
 
         self._wandb = wandb
+        offline = offline_mode()
+        if offline and not has_credentials() and os.environ.get("WANDB_MODE") != "offline":
+            log.warning(
+                "no W&B credentials (WANDB_API_KEY, or `wandb login`): logging offline under "
+                "%s; upload later with `wandb sync`",
+                os.path.join(wandb_dir or os.environ.get("WANDB_DIR") or ".", "wandb"),
+            )
         self.run = wandb.init(
             project=project,
             group=group or None,
@@ -133,6 +145,8 @@ class WandbDashboard(Monitor):
             dir=wandb_dir or None,
             config={"actbus": {"connect": address, "interval_s": self.interval_s}},
             reinit="finish_previous",
+            # Said to wandb.init itself: WANDB_MODE is read once per process.
+            **({"mode": "offline"} if offline else {}),
         )
 
     @classmethod

@@ -10,6 +10,7 @@ check what the W&B consumer logged without a W&B server.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -23,6 +24,20 @@ _FILE_HEADER = struct.Struct("<4sHB")
 _CHUNK = struct.Struct("<IHB")  # crc32, length, type
 _BLOCK = 32768
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def has_credentials() -> bool:
+    """Whether W&B can log in: an API key in the environment or a .netrc entry."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="replace")
+
+
+def offline_mode() -> bool:
+    """Whether a run here logs offline: asked for (``WANDB_MODE=offline``), or no
+    credentials to log in with (then W&B would stop on a login error)."""
+    return os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not has_credentials()
 
 
 class CorruptLog(ValueError):

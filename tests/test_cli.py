@@ -51,3 +51,52 @@ def test_help_lists_every_registered_command():
 def test_unknown_command_is_named_with_the_commands():
     out = _actbus("nope")
     assert out.returncode == 2 and "unknown command 'nope'" in out.stderr and "replay" in out.stderr
+
+
+def test_a_consumer_that_cannot_start_is_not_told_to_restart(tmp_path):
+    """A second fs-sink on a run another one writes: the lock's error, and no hint to
+    use --on-error restart, which would only fail again."""
+    first = subprocess.Popen(
+        [sys.executable, "-m", "actbus.cli", "run", "fs-sink", "--connect",
+         f"ipc://{tmp_path}/nobody.sock", "--out", str(tmp_path / "run")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        import time
+
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "run" / ".lock").exists():
+            assert time.monotonic() < deadline and first.poll() is None, "no first sink"
+            time.sleep(0.2)
+        time.sleep(1.0)  # locked once the file is there
+        out = _actbus(
+            "run", "fs-sink", "--connect", f"ipc://{tmp_path}/nobody.sock",
+            "--out", str(tmp_path / "run"),
+        )  # fmt: skip
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
+    assert out.returncode == 1
+    assert "another fs-sink is writing this run" in out.stderr
+    assert "--on-error restart" not in out.stderr and "it could not start" in out.stderr
+
+
+def test_help_shows_defaults_as_typed():
+    out = _actbus("run", "sae", "-h")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "post_block); all when not given (comma-separated) (default: post_block)" in text
+    assert "(default: 16)" in text and "(default: 32)" in text
+    assert "first batch (so early batches are mixed). (default: 4096)" in text
+    assert "--epochs EPOCHS --from: passes over the stored run" in text
+
+
+def test_a_bad_address_is_named_by_its_flag(tmp_path):
+    for args, flag in (
+        (("run", "null", "--connect", "foo"), "--connect='foo'"),
+        (("run", "sae", "--connect", "foo", "--layer", "1"), "--connect='foo'"),
+        (("replay", str(tmp_path), "--publish", "foo"), "--publish='foo'"),
+    ):
+        out = _actbus(*args)
+        assert out.returncode in (1, 2) and f"{flag}: not a ZeroMQ address" in out.stderr, args
+        assert "Traceback" not in out.stderr

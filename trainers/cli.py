@@ -32,9 +32,19 @@ log = logging.getLogger("actbus.trainers")
 
 MODEL_FROM_SOURCE = ("d_in", "layer", "hook", "name", "seed")
 """Model fields set from the source and the stream, not by a flag of their own."""
-DATA_FLAGS = ("batch_tokens", "buffer_tokens", "warmup_tokens", "max_tokens", "idle_s", "seed")
-DATA_DEFAULTS = {"buffer_tokens": 65536, "warmup_tokens": 16384}
-"""The command's shuffle is smaller than DataConfig's, to start training sooner."""
+DATA_FLAGS = (
+    "batch_tokens",
+    "buffer_tokens",
+    "warmup_tokens",
+    "max_tokens",
+    "idle_s",
+    "epochs",
+    "seed",
+)
+DATA_DEFAULTS = {"buffer_tokens": 65536, "warmup_tokens": 4096}
+"""The command's shuffle is smaller than DataConfig's, and its warm-up one batch, so
+training starts as soon as a batch's worth arrived (the README's few requests make a
+few batches)."""
 
 
 def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser:
@@ -94,16 +104,23 @@ def _probe_parser() -> argparse.ArgumentParser:
 
 
 def _d_in(opts: argparse.Namespace, sub: SubscriberOptions) -> int:
+    """The input width: ``--d-in``, the run's, or the publisher's (whose WELCOME also
+    says what it taps: a layer or hook it does not tap is refused here, at once)."""
     if opts.d_in:
         return opts.d_in
     if opts.run_dir:
         from consumers.fs import ActivationRun
 
         return ActivationRun(opts.run_dir).hidden_size
-    from actbus.bus import Subscription
+    from actbus.bus import Subscription, SubscriptionRejected
+    from actbus.bus.subscriber import check_taps
 
     with sub.subscribe(Subscription(layers=(), name="trainer-probe-width")) as s:
         info = s.wait_welcome(timeout=60)
+    try:
+        check_taps(sub.connect or "", info, sub.layers, sub.hooks)
+    except SubscriptionRejected as e:
+        raise ValueError(f"layers: {e}") from None
     if "hidden_size" not in info:
         raise ValueError("the publisher does not announce hidden_size; pass --d-in")
     return int(info["hidden_size"])
@@ -160,7 +177,31 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         {"data": {k: v for k, v in vars(data_cfg).items() if k != "extra"}}
         | {"models": [c.to_dict() for c in configs]},
     )
-    callbacks: list = [DataStats(dm, opts.log_every)]  # checkpoints: the module's own
+
+    trainer: Any = None
+
+    def _stop(*_: Any) -> None:  # Ctrl-C / SIGTERM: end the stream, save, exit cleanly
+        # Lightning puts its own SIGTERM handler in front of this one at the start of
+        # fit (ours is called after it); its flag would make the training loop raise
+        # after the next step, skipping the end of the fit and its checkpoint.
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            connector.received_sigterm = False
+        if dm.stop():
+            log.warning(
+                "stopping: no more data is read; training on what is buffered, then saving "
+                "(Ctrl-C again: stop now)"
+            )
+        else:
+            log.warning("stopping now; saving what was trained")
+
+    class StopOnSignal(pl.Callback):
+        """Once training runs, this command's handlers alone (Lightning's are no use)."""
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            _on_signals(_stop)
+
+    callbacks: list = [DataStats(dm, opts.log_every), StopOnSignal()]  # + the module's own
     if not opts.no_progress:
         callbacks.append(MetricsProgressBar())
     devices: Any = int(opts.devices) if str(opts.devices).isdigit() else opts.devices
@@ -179,12 +220,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         num_sanity_val_steps=0,
     )
 
-    def _stop(*_: Any) -> None:  # Ctrl-C / SIGTERM: end the stream, save, exit cleanly
-        dm.stop()
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _stop)
+    _on_signals(_stop)
     trainer.fit(module, datamodule=dm)
     summary = {
         "rank": trainer.global_rank,
@@ -195,7 +231,33 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
     }
     if opts.summary and trainer.is_global_zero:
         Path(opts.summary).write_text(json.dumps(summary))
+    if trainer.is_global_zero:
+        _report(trainer.global_step, dm, data_cfg, out, configs)
     return summary
+
+
+def _on_signals(handler: Any) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+
+def _report(steps: int, dm: Any, data_cfg: DataConfig, out: Path, configs: list) -> None:
+    """The line a user looks for at the end: what was trained and saved, or why not."""
+    stats = dm.stats()
+    tokens = int(stats.get("rows_in", 0))
+    if steps == 0:
+        log.warning(
+            "no training step was made: %s tokens arrived (the first step waits for %s per "
+            "stream, --warmup-tokens, or for the stream's end); nothing was saved",
+            f"{tokens:,}",
+            f"{data_cfg.warmup_tokens:,}",
+        )
+        return
+    saved = [str(out / c.name) for c in configs if (out / c.name).is_dir()]
+    log.info(
+        "%d steps on %s tokens; saved: %s", steps, f"{tokens:,}", ", ".join(saved) or "nothing"
+    )
 
 
 def _parse(
@@ -205,6 +267,7 @@ def _parse(
     bad value or an unreachable source ends the command with the parser's error, naming
     the flag."""
     opts = parser.parse_args(argv)
+    _show_own_logs()
     sub = SubscriberOptions.from_args(opts, parser)
     if (sub.connect is None) == (opts.run_dir is None):
         parser.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
@@ -234,14 +297,54 @@ def _probe_configs(
     return _models(ProbeConfig, opts, sub, d_in), data_cfg
 
 
+def _show_own_logs() -> None:
+    """actbus's own lines (waiting, warm-up, stop, what was saved) on stderr; only
+    actbus's: Lightning and W&B keep their own handlers."""
+    ours = logging.getLogger("actbus")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
+def _refused(e: BaseException) -> BaseException | None:
+    """The publisher's refusal behind a failed fit (raised on the source's thread, then
+    wrapped on the way up), or None."""
+    from actbus.bus import SubscriptionRejected
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, SubscriptionRejected):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _fit_or_refused(kind: str, module, data_cfg: DataConfig, opts, configs: list) -> int:
+    """Fit; a subscription the publisher refused (or cannot serve) ends the command
+    with its reason, not a traceback."""
+    try:
+        _fit(module, data_cfg, opts, configs)
+    except Exception as e:
+        why = _refused(e)
+        if why is None:
+            raise
+        print(f"actbus run {kind}: {why}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def sae_main(argv: list[str] | None = None) -> int:
     """train sparse autoencoders"""
     opts, configs, data_cfg = _parse(_sae_parser(), argv, _sae_configs)
     from trainers.sae_module import SAETrainer
 
     module = SAETrainer(configs, checkpoint_dir=opts.out, checkpoint_every=opts.checkpoint_every)
-    _fit(module, data_cfg, opts, configs)
-    return 0
+    return _fit_or_refused("sae", module, data_cfg, opts, configs)
 
 
 def probe_main(argv: list[str] | None = None) -> int:
@@ -249,10 +352,8 @@ def probe_main(argv: list[str] | None = None) -> int:
     opts, configs, data_cfg = _parse(_probe_parser(), argv, _probe_configs)
     from trainers.probe import ProbeTrainer
 
-    _fit(
-        ProbeTrainer(configs, tuple(opts.labels), checkpoint_dir=opts.out), data_cfg, opts, configs
-    )
-    return 0
+    module = ProbeTrainer(configs, tuple(opts.labels), checkpoint_dir=opts.out)
+    return _fit_or_refused("probe", module, data_cfg, opts, configs)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,9 @@ class DataConfig:
     """Tokens buffered per stream before the first batch (so early batches are mixed)."""
     max_tokens: int | None = None
     """Stop after this many tokens per stream were handed out (None: until the stream ends)."""
+    epochs: int | None = None
+    """--from: passes over the stored run (None: as many as make about 200 training steps,
+    at most 1000, said at the start)."""
     idle_s: float | None = None
     """Live: stop when nothing arrived for this long (None: wait for the publisher's end)."""
     policy: str = "drop_oldest"
@@ -179,7 +182,8 @@ class DataConfig:
     group: str = ""
     """Load-balancing group; set automatically per trainer when several ranks run (DDP)."""
     match: dict[str, Any] | None = None
-    """Keep only requests whose tags match this filter (cut out at the publisher)."""
+    """Keep only requests whose tags match this filter (cut out at the publisher; from a
+    stored run, by the same rule on the stored tags)."""
     label_tags: tuple[str, ...] = ()
     """Request tags read into a per-row ``label`` tensor (NaN where missing)."""
     labelled_only: bool = False
@@ -204,6 +208,15 @@ class DataConfig:
             "give exactly one source: --connect ADDR (live) or --from DIR (a stored run)",
         )
         _check(self.batch_tokens > 0, f"batch_tokens: expected > 0, got {self.batch_tokens}")
+        _check(
+            self.epochs is None or self.epochs >= 1,
+            f"epochs: expected at least 1 pass, got {self.epochs}",
+        )
+        _check(
+            self.epochs is None or self.run_dir is not None,
+            "epochs: passes over a stored run; give it with --from DIR (live, training ends "
+            "with the stream: --max-tokens, --idle-s or the publisher's end)",
+        )
         _check(self.prefetch >= 0, f"prefetch: expected >= 0 batches, got {self.prefetch}")
         _check(
             self.buffer_tokens >= 2 * self.batch_tokens,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -37,6 +38,20 @@ from trainers.buffer import ShuffleBuffer, TrainingRows, parse_labels, split_val
 from trainers.config import DataConfig, stream_key
 
 log = logging.getLogger("actbus.trainers")
+WARMUP_LOG_S = 5.0
+"""While warming up, a line every this many seconds says how far each stream is."""
+AUTO_STEPS = 200
+"""--from without --epochs: passes enough for about this many steps..."""
+MAX_AUTO_EPOCHS = 1000
+"""...but at most this many passes."""
+
+
+def auto_epochs(rows: int, batch_tokens: int, world_size: int = 1) -> int:
+    """Passes over ``rows`` stored rows that make about ``AUTO_STEPS`` steps of
+    ``batch_tokens`` on each of ``world_size`` ranks (1 to ``MAX_AUTO_EPOCHS``)."""
+    per_pass = max(rows // max(world_size, 1), 1) / batch_tokens
+    return max(1, min(MAX_AUTO_EPOCHS, math.ceil(AUTO_STEPS / per_pass)))
+
 
 try:  # Lightning is optional for the benchmark, which uses TokenHub/BusSource alone.
     from lightning.pytorch import LightningDataModule
@@ -63,6 +78,7 @@ class TokenHub:
         self.first_data_at: float | None = None
         self.max_position = -1
         """The highest token position that arrived (the longest sequence, for checkpoints)."""
+        self._progress_at = time.monotonic()
 
     # -------------------------------------------------------------- source side
     def put(self, key: str, rows: TrainingRows, stop: threading.Event) -> None:
@@ -151,6 +167,8 @@ class TokenHub:
                         return None
                     sizes = {k: min(cfg.batch_tokens, self._filled(k)) for k in self.keys}
                     break
+                if not self._warm:
+                    self._log_warmup()
                 self._cond.wait(timeout=0.25)
             out = {}
             for k, n in sizes.items():
@@ -162,6 +180,21 @@ class TokenHub:
             self._cond.notify_all()
         d = next((r.activation.shape[1] for r in out.values() if r is not None), 0)
         return {k: (r if r is not None else _empty(d)).as_batch() for k, r in out.items()}
+
+    def _log_warmup(self) -> None:
+        """Every ``WARMUP_LOG_S``: how many tokens each stream has of the warm-up."""
+        now = time.monotonic()
+        if now - self._progress_at < WARMUP_LOG_S:
+            return
+        self._progress_at = now
+        have = ", ".join(f"{k} {self._filled(k):,}" for k in self.keys)
+        log.info(
+            "warming up: %s of the %s tokens per stream the first step waits for "
+            "(--warmup-tokens)%s",
+            have,
+            f"{self.cfg.warmup_tokens:,}",
+            "" if self.first_data_at is not None else "; nothing has arrived yet",
+        )
 
     def _max_reached(self) -> bool:
         m = self.cfg.max_tokens
@@ -346,9 +379,9 @@ class RunSource(threading.Thread):
         cfg = self.cfg
         error = None
         try:
-            its = {}
+            datasets = {}
             for layer, hook in cfg.streams:
-                ds = TokenDataset(
+                datasets[stream_key(layer, hook)] = TokenDataset(
                     cfg.run_dir,
                     layer,
                     hook,
@@ -358,22 +391,48 @@ class RunSource(threading.Thread):
                     columns=("tags",) if cfg.label_tags and not self._labels else (),
                     rank=self.rank,
                     world_size=self.world_size,
+                    match=cfg.match,  # the rule --match follows live, on the stored tags
                 )
-                its[stream_key(layer, hook)] = iter(ds)
-            while its and not self.stop_event.is_set():
-                for key in list(its):
-                    chunk = next(its[key], None)
-                    if chunk is None:
-                        del its[key]
-                        continue
-                    rows = self._rows(chunk)
-                    if len(rows):
-                        self.hub.put(key, rows, self.stop_event)
+            rows = min(ds.count_rows() for ds in datasets.values())
+            epochs = cfg.epochs or auto_epochs(rows, cfg.batch_tokens, self.world_size)
+            steps = epochs * rows // max(self.world_size, 1) // cfg.batch_tokens
+            log.info(
+                "--from %s: %s rows per stream%s; %d pass%s over them (%s), about %s steps "
+                "of %s tokens",
+                cfg.run_dir,
+                f"{rows:,}",
+                " matching --match" if cfg.match else "",
+                epochs,
+                "" if epochs == 1 else "es",
+                "--epochs" if cfg.epochs else "chosen for about 200 steps; --epochs sets it",
+                f"{max(steps, 1):,}",
+                f"{cfg.batch_tokens:,}",
+            )
+            for epoch in range(epochs):
+                if self.stop_event.is_set():
+                    break
+                its = {}
+                for key, ds in datasets.items():
+                    ds.set_epoch(epoch)  # another order of shards and of rows
+                    its[key] = iter(ds)
+                self._pass(its)
         except BaseException as e:
             error = e
         finally:
             _report_bad_labels(self.stats)
             self.hub.finish(error)
+
+    def _pass(self, its: dict[str, Iterator[dict[str, Any]]]) -> None:
+        """One pass over the run: the streams' chunks interleaved into the hub."""
+        while its and not self.stop_event.is_set():
+            for key in list(its):
+                chunk = next(its[key], None)
+                if chunk is None:
+                    del its[key]
+                    continue
+                rows = self._rows(chunk)
+                if len(rows):
+                    self.hub.put(key, rows, self.stop_event)
 
     def _rows(self, chunk: dict[str, Any]) -> TrainingRows:
         rid = np.array(chunk["request_id"], dtype=object)
@@ -440,6 +499,7 @@ class TokenStream(IterableDataset):
         self.hub = TokenHub(cfg)
         self.source: BusSource | RunSource | None = None
         self.stop_event = threading.Event()
+        self._ended = False
         self.ledger: Any = None
         """A file to write every handed-out (request_id, position) to (tests, audits)."""
 
@@ -451,7 +511,7 @@ class TokenStream(IterableDataset):
             self.source = BusSource(self.cfg, self.hub, group=group)
         else:
             self.source = RunSource(self.cfg, self.hub, self.rank, self.world_size)
-        if self.stop_event.is_set():  # stopped before it started: the source ends at once
+        if self.stop_event.is_set() or self._ended:  # stopped before it started
             self.source.stop_event.set()
         self.source.start()
 
@@ -525,9 +585,18 @@ class TokenStream(IterableDataset):
             out.update({k: float(v) for k, v in self.source.stats.items()})
         return out
 
+    def end(self) -> None:
+        """End the stream as its publisher would: the source stops reading, and batches
+        go on from what the buffers hold (the warm-up's too), then end. Only sets
+        events, so a signal handler may call it."""
+        self._ended = True
+        if self.source is not None:
+            self.source.stop_event.set()
+
     def stop(self) -> None:
-        """End the stream: the source stops reading and the batches end soon after.
-        Only sets events, so a signal handler may call it (``close`` joins)."""
+        """Stop now: the source stops reading and the batches end soon after, whatever
+        the buffers hold. Only sets events, so a signal handler may call it (``close``
+        joins)."""
         self.stop_event.set()
         if self.source is not None:
             self.source.stop_event.set()
@@ -550,7 +619,7 @@ class ActivationDataModule(LightningDataModule):
         self.cfg = cfg
         self.ledger_path = ledger_path
         self.stream: TokenStream | None = None
-        self._stopped = False
+        self._stops = 0
 
     def train_dataloader(self) -> DataLoader:
         trainer = getattr(self, "trainer", None)
@@ -560,20 +629,30 @@ class ActivationDataModule(LightningDataModule):
             self.stream = TokenStream(self.cfg, rank=rank, world_size=world)
             if self.ledger_path:
                 self.stream.ledger = open(f"{self.ledger_path}.rank{rank}", "w")  # noqa: SIM115
-            if self._stopped:
-                self.stream.stop()
+            if self._stops:
+                self._stop_stream()
         # batch_size=None: the stream batches; workers=0: the source is a thread here.
         return DataLoader(self.stream, batch_size=None, num_workers=0)
 
     def stats(self) -> dict[str, float]:
         return self.stream.stats() if self.stream is not None else {}
 
-    def stop(self) -> None:
-        """End the subscription (or the stored run's reading) and so the epoch;
+    def stop(self) -> bool:
+        """End the subscription (or the stored run's reading): the first call lets the
+        trainer use what the buffers hold, then the epoch ends; a second ends it now.
         ``teardown`` then joins the source thread. Safe to call from a signal handler
-        (Ctrl-C, SIGTERM), and before the stream exists (it then starts stopped)."""
-        self._stopped = True
+        (Ctrl-C, SIGTERM), and before the stream exists (it then starts stopped).
+        True on the first call."""
+        self._stops += 1
         if self.stream is not None:
+            self._stop_stream()
+        return self._stops == 1
+
+    def _stop_stream(self) -> None:
+        assert self.stream is not None
+        if self._stops == 1:
+            self.stream.end()
+        else:
             self.stream.stop()
 
     def stream_info(self) -> dict[str, Any]:

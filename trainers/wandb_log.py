@@ -8,11 +8,11 @@ and can be uploaded later with ``wandb sync``. Reading a run's ``.wandb`` file b
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from consumers.wandb_offline import history as read_history
+from consumers.wandb_offline import offline_mode
 
 __all__ = ["make_logger", "read_history", "run_files"]
 
@@ -21,7 +21,7 @@ def make_logger(project: str, name: str, save_dir: str | Path, config: dict[str,
     """A ``WandbLogger``: online where the user has W&B set up, offline otherwise."""
     from lightning.pytorch.loggers import WandbLogger
 
-    offline = os.environ.get("WANDB_MODE") == "offline" or not _has_credentials()
+    offline = offline_mode()
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     # The group comes from WANDB_RUN_GROUP (wandb reads it), shared with `actbus run wandb`.
     return WandbLogger(
@@ -36,13 +36,6 @@ def make_logger(project: str, name: str, save_dir: str | Path, config: dict[str,
         # wandb.init itself.
         **({"mode": "offline"} if offline else {}),
     )
-
-
-def _has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="replace")
 
 
 def run_files(save_dir: str | Path) -> list[Path]:

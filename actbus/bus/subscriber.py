@@ -13,7 +13,11 @@ that never comes back to ``recv`` is covered.
 
 If the publisher goes quiet (restart, kill, not started yet) for ``silence_s``,
 HELLO is sent again, so a subscriber started before the publisher, or surviving a
-publisher restart, needs no help from its user. Every message the publisher
+publisher restart, needs no help from its user; while no publisher answers, it logs
+every ``WAITING_LOG_S`` what it waits for. HELLOs queued while no publisher was there
+are all answered at once: only the first WELCOME of a publisher is an event. A WELCOME
+that says the publisher taps none of some layer or hook asked for ends the subscription
+(``SubscriptionRejected``): what was asked for would never come. Every message the publisher
 dropped for us shows up in ``stats.missed``; every message that breaks the schema
 is dropped and counted in ``stats.rejected``.
 """
@@ -56,10 +60,36 @@ from actbus.wire import (
 )
 
 log = logging.getLogger("actbus.subscriber")
+WAITING_LOG_S = 5.0
+"""While no publisher answers, a line every this many seconds says what we wait for."""
 
 
 class SubscriptionRejected(RuntimeError):
     """The publisher refused the subscription; the message says why."""
+
+
+def check_taps(
+    address: str,
+    info: dict[str, Any],
+    layers: tuple[int, ...] | None,
+    hooks: tuple[str, ...] | None,
+) -> None:
+    """Refuse (``SubscriptionRejected``) a stream that cannot carry what is asked for:
+    a publisher's WELCOME says what it taps (an engine's ``layers`` and ``hooks``, or a
+    replayed run's). ``None`` asks for all; a publisher that does not say is trusted."""
+    for what, wanted, key in (("layer", layers, "layers"), ("hook", hooks, "hooks")):
+        tapped = info.get(key)
+        if wanted is None or not isinstance(tapped, list):
+            continue
+        missing = [w for w in wanted if w not in tapped]
+        if missing:
+            names = ", ".join(map(str, missing))
+            raise SubscriptionRejected(
+                f"the publisher at {address} taps layers {info.get('layers')} and hooks "
+                f"{info.get('hooks')}, not {what}{'s' if len(missing) > 1 else ''} {names} "
+                f"asked for here: subscribe to what it taps, or start the publisher tapping "
+                f"{names} (actbus serve --{key})"
+            )
 
 
 @dataclass
@@ -142,6 +172,7 @@ class Subscriber:
         self._last_hello = 0.0
         self._last_credit = time.monotonic()
         self._last_recv_call = time.monotonic()
+        self._waiting_since = self._waiting_logged = time.monotonic()
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         if keepalive:
@@ -291,9 +322,27 @@ class Subscriber:
             if self.welcome is not None:
                 log.warning("publisher at %s went quiet; subscribing again", self.address)
                 self.welcome = None
+                self._waiting_since = self._waiting_logged = now
             self._hello()
         elif self.welcome is not None and now - self._last_credit > 0.5:
             self._grant()
+        if self.welcome is None and now - self._waiting_logged >= WAITING_LOG_S:
+            self._waiting_logged = now
+            log.warning(
+                "no publisher has answered at %s for %.0fs; still waiting, to subscribe to %s",
+                self.address,
+                now - self._waiting_since,
+                self._wanted(),
+            )
+
+    def _wanted(self) -> str:
+        """What this subscription asks for, in a few words (the waiting log)."""
+        sub = self.subscription
+        if sub.layers == ():
+            return "the publisher's counters (no layers)"
+        layers = "all layers" if sub.layers is None else f"layers {list(sub.layers)}"
+        hooks = "all hooks" if sub.hooks is None else f"hooks {list(sub.hooks)}"
+        return f"{layers}, {hooks} (policy {sub.policy}{', as ' + sub.name if sub.name else ''})"
 
     def _grant(self) -> None:
         # Acknowledges what was read, with the last message's receipt (the publisher
@@ -363,16 +412,23 @@ class Subscriber:
             return Event("heartbeat", body)
         if tag == WELCOME:
             next_seq = int(body.get("next_seq", 0))
+            new_stream = body.get("publisher_id") != self._publisher_id
+            # Another answer to HELLOs queued while we waited: the same subscription.
+            repeat = self.welcome is not None and not new_stream
+            if not repeat:
+                check_taps(self.address, body, self.subscription.layers, self.subscription.hooks)
             self.welcome = body
-            self.stats.welcomes += 1
             # A new stream, or the publisher forgot us (dropped, then let in again) and
             # numbers afresh: it refuses acknowledgements beyond what it sent.
-            if body.get("publisher_id") != self._publisher_id or next_seq < self._next_seq:
+            if new_stream or next_seq < self._next_seq:
                 self._publisher_id = body.get("publisher_id")
                 self._next_seq = next_seq
                 self._receipt = None
             else:
                 self._skip_to(next_seq)
+            if repeat:
+                return None
+            self.stats.welcomes += 1
             return Event("welcome", body)
         if tag == STATS:
             return Event("stats", body)
@@ -382,6 +438,7 @@ class Subscriber:
             return Event("mark", body)
         if tag == END:
             self.welcome = None
+            self._waiting_since = self._waiting_logged = time.monotonic()
             return Event("end", body)
         if tag == REJECT:
             reason = capped_text(str(body.get("reason", "")))

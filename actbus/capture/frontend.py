@@ -9,6 +9,10 @@ cannot know by itself: the caller's request id and ``n``. Requests whose
 selection needs prompt positions skip *reading* the prefix cache, so those
 positions are computed, not silently missing; other requests keep the cache.
 
+A selection sent as JSON text (``vllm_xargs``, the only form HTTP carries) may not
+ask for ``"return": true``: a server's responses have no field for rows, so it is
+refused (HTTP 400) before any return subscriber is attached, pointing to the bus.
+
 Requests with ``"return": true`` are registered with the front end's
 ``ReturnCollector``; ``RequestState._new_completion_output`` (where every output
 of the V1 output processor is made, offline and streaming alike) is wrapped to
@@ -69,7 +73,8 @@ class _Frontend:
     def selection(self, params: Any) -> Selection | None:
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
-        if isinstance(raw, str):  # over HTTP: vllm_xargs={"actbus": "<json>"}
+        over_http = isinstance(raw, str)
+        if over_http:  # over HTTP: vllm_xargs={"actbus": "<json>"}
             try:
                 raw = json.loads(raw)
             except json.JSONDecodeError as e:
@@ -81,13 +86,20 @@ class _Frontend:
             return None
         if raw is None:
             return self.base if self.requests == "all" else None
-        return parse_selection(
+        sel = parse_selection(
             raw,
             engine_layers=self.base.layers,
             engine_hooks=self.base.hooks,
             num_layers=self.num_layers,
             base=self.base,
         )
+        if sel.returns and over_http:
+            raise ConfigError(
+                "extra_args.actbus.return: an HTTP response cannot carry activations; "
+                "subscribe to the bus instead (actbus run fs-sink --connect ADDR, a trainer, "
+                "or actbus.bus.Subscriber) and give the request tags to find its rows by"
+            )
+        return sel
 
 
 def _wrap_process_inputs(orig):

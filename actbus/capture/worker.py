@@ -37,6 +37,9 @@ from actbus.config import CaptureConfig
 from actbus.wire import DTYPE_NAMES, Header, RequestEnd, RowIndex
 
 log = logging.getLogger("actbus.capture")
+# Under vLLM's own logger, so the line saying what is published where reaches the
+# server's log (vLLM configures only its own loggers' output).
+_serving_log = logging.getLogger("vllm.actbus")
 _CHILD = re.compile(r"^(\d+)_")
 # Tests set this to check host-derived positions against the device's every step.
 _CHECK = os.environ.get("ACTBUS_CHECK_POSITIONS", "") not in ("", "0")
@@ -152,10 +155,12 @@ class CaptureWorker:
         if stage[1] > 1:
             self._stages = StageCollector(self.publisher, stage_address(cfg.publish))
         atexit.register(self.close)
-        log.info(
-            "actbus: capturing layers %s hooks %s, publishing on %s",
-            layers,
+        _serving_log.info(
+            "actbus: capturing layers %s hooks %s of %s (hidden size %d), publishing on %s",
+            list(layers),
             list(cfg.hooks),
+            model_name,
+            taps.hidden_size,
             cfg.publish,
         )
 

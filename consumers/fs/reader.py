@@ -126,9 +126,29 @@ class ActivationRun:
     def read(self, shard: Path) -> pa.Table:
         return layout.read_shard(shard, self.ipc)
 
+    def hook_of(self, layer: int, hook: str | None = None) -> str:
+        """``hook``, or the one hook stored for ``layer`` (several: a ValueError naming
+        them, so rows of two hooks are never mixed by leaving it out)."""
+        if hook is not None:
+            return hook
+        hooks = sorted({s["hook"] for s in self.shard_entries(layer)})
+        if len(hooks) > 1:
+            raise ValueError(
+                f"{self.path}: layer {layer} is stored with hooks {hooks}; name one, e.g. "
+                f"hook={hooks[-1]!r}"
+            )
+        return hooks[0] if hooks else "post_block"
+
     def dataset(self, layer: int | None = None, hook: str | None = None) -> ds.Dataset:
-        """The committed shards (optionally of one layer/hook) as a pyarrow dataset
-        (lazy for ``--ipc file`` runs; memory-mapped tables for ``stream`` runs)."""
+        """The committed shards as a pyarrow dataset: all of them, or one layer's (of
+        ``hook``, which may be left out when the layer has one hook stored), lazy for
+        ``--ipc file`` runs, memory-mapped tables for ``stream`` runs."""
+        if layer is not None:
+            hook = self.hook_of(layer, hook)
+        return self._dataset(layer, hook)
+
+    def _dataset(self, layer: int | None, hook: str | None) -> ds.Dataset:
+        """The shards of ``layer`` and ``hook`` (None: any) as a pyarrow dataset."""
         paths = self.shards(layer, hook)
         if not paths:  # else an empty dataset, and a filter fails with "No match for FieldRef"
             raise FileNotFoundError(
@@ -165,30 +185,39 @@ class ActivationRun:
         self,
         request_id: str,
         layer: int,
-        hook: str = "post_block",
+        hook: str | None = None,
         sample_index: int | None = None,
     ) -> tuple[np.ndarray, torch.Tensor]:
         """``(positions, activations)`` of one request (of one ``n > 1`` child when
-        ``sample_index`` is given), sorted by position.
+        ``sample_index`` is given) at ``layer`` and ``hook`` (as ``dataset``: may be
+        left out when the layer has one hook stored), sorted by position. A request
+        with no rows there raises ``KeyError``.
 
         Positions are returned as stored, so callers can check for gaps or repeats.
         """
+        hook = self.hook_of(layer, hook)
         cols = ["position", *self._activation_columns()]
         flt = pc.field("request_id") == request_id
         if sample_index is not None:
             flt &= pc.field("sample_index") == sample_index
         table = self.dataset(layer, hook).to_table(columns=cols, filter=flt)
         if table.num_rows == 0:
-            return np.zeros(0, dtype=np.int64), torch.zeros(0, self.width)
+            child = "" if sample_index is None else f", sample {sample_index}"
+            raise KeyError(
+                f"{self.path}: request {request_id!r}{child} has no rows at layer {layer} hook "
+                f"{hook!r}; request_ids({layer}) lists those stored there"
+            )
         table = table.sort_by("position")
         return table.column("position").to_numpy(), self.decode(table)
 
-    def request(self, request_id: str, layer: int, hook: str = "post_block") -> torch.Tensor:
-        """One request's activations at ``layer``: ``[n_tokens, width]`` by position."""
+    def request(self, request_id: str, layer: int, hook: str | None = None) -> torch.Tensor:
+        """One request's activations at ``layer``: ``[n_tokens, width]`` by position
+        (``hook`` and errors as ``request_rows``)."""
         return self.request_rows(request_id, layer, hook)[1]
 
     def request_ids(self, layer: int | None = None, hook: str | None = None) -> list[str]:
-        table = self.dataset(layer, hook).to_table(columns=["request_id"])
+        """The request ids stored (at ``layer``, at any of its hooks unless ``hook``)."""
+        table = self._dataset(layer, hook).to_table(columns=["request_id"])
         return sorted(pc.unique(table.column("request_id")).to_pylist())
 
     def _activation_columns(self) -> list[str]:

@@ -3,7 +3,10 @@
 Rows are grouped by (step, layer, hook) as they were captured, each group becomes
 one message with its original header (step, layer, hook, and a row index of
 request ids, sample indices, positions, token ids and tags), published in step
-order through an ordinary ``Publisher``. Any consumer (a trainer, a dashboard,
+order through an ordinary ``Publisher``. A run stored from several publishers (the
+server restarted under a running sink) holds several streams, each numbering its
+steps from 0: they are replayed one after the other, never merged, the later
+ones' steps offset to follow the earlier ones'. Any consumer (a trainer, a dashboard,
 another sink) then runs from stored data through the same path as from an engine.
 
 What cannot be replayed as captured: a lossy reduction is published decoded
@@ -30,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actbus.bus import Publisher
+from actbus.bus.addresses import check_address
 from actbus.flags import HelpFormatter, int_list, str_list
 from actbus.wire import DTYPE_NAMES, Header, RowIndex
 from consumers.fs.reader import ActivationRun, BadShard
@@ -59,22 +63,39 @@ class ReplayConfig:
             raise ValueError(f"--wait-subscribers must be >= 0, got {self.wait_subscribers}")
 
 
+def _step_offsets(entries: list[dict[str, Any]]) -> dict[int, int]:
+    """Per stream (a publisher's run), what is added to its steps so that each stream's
+    steps follow the previous one's: streams stay apart and steps keep increasing."""
+    last: dict[int, int] = {}
+    for e in entries:
+        stream = int(e.get("stream", 0))
+        last[stream] = max(last.get(stream, -1), int(e["steps"][1]))
+    offsets, base = {}, 0
+    for stream in sorted(last):
+        offsets[stream] = base
+        base += last[stream] + 1
+    return offsets
+
+
 def _index(
     run: ActivationRun, layers: tuple[int, ...] | None, hooks: tuple[str, ...] | None
 ) -> tuple[pa.Table, list[dict[str, Any]]]:
-    """``step, layer, hook, shard, row`` of every stored row, in replay order."""
+    """``step, layer, hook, shard, row`` of every stored row, in replay order; ``step``
+    is offset per stream (``_step_offsets``)."""
     parts = []
     entries = [
         e
         for e in run.shard_entries()
         if (layers is None or e["layer"] in layers) and (hooks is None or e["hook"] in hooks)
     ]
+    offsets = _step_offsets(entries)
     for i, e in enumerate(entries):
         t = run.read(run.path / e["path"])
+        step = pc.add(t.column("step"), pa.scalar(offsets[int(e.get("stream", 0))], pa.int64()))
         parts.append(
             pa.table(
                 {
-                    "step": t.column("step"),
+                    "step": step,
                     "layer": t.column("layer"),
                     "hook": t.column("hook"),
                     "shard": pa.array(np.full(t.num_rows, i, dtype=np.int32)),
@@ -101,8 +122,8 @@ def _index(
     return table.take(order), entries
 
 
-def _message(run: ActivationRun, rows: pa.Table) -> tuple[Header, Any]:
-    """One (step, layer, hook) group's header and decoded tensor."""
+def _message(run: ActivationRun, rows: pa.Table, step: int) -> tuple[Header, Any]:
+    """One (step, layer, hook) group's header (published as ``step``) and decoded tensor."""
     ri_req: list[str] = []
     ri_si: list[int] = []
     ri_tags: list[dict] = []
@@ -133,7 +154,7 @@ def _message(run: ActivationRun, rows: pa.Table) -> tuple[Header, Any]:
     )
     first = rows.slice(0, 1)
     header = Header(
-        step=int(first.column("step")[0].as_py()),
+        step=step,
         layer=int(first.column("layer")[0].as_py()),
         hook=str(first.column("hook")[0].as_py()),
         dtype=DTYPE_NAMES[t.dtype],
@@ -201,7 +222,7 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
                 sel = row_col[a:b][shard_col[a:b] == s]
                 pieces.append(tables[int(s)].take(pa.array(sel)))
             rows = pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
-            header, tensor = _message(run, rows)
+            header, tensor = _message(run, rows, step)
             pub.publish(header, tensor)
             out["messages"] += 1
             out["rows"] += rows.num_rows
@@ -242,6 +263,7 @@ def main(argv: list[str]) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
+        check_address(args.publish, field_name="--publish")  # named by its flag
         cfg = ReplayConfig(
             Path(args.run),
             args.publish,

@@ -2,7 +2,7 @@
 
 Rows are buffered per (layer, hook) and written as one shard when the buffer
 reaches ``--shard-rows`` or ``--shard-mb``, when ``--flush-s`` has passed since its
-first row, when the publisher shows we are caught up, and at the end (see
+first row, and at the end (see
 ``writer.py`` for crash safety). Before that, rows pass the store filter (layers,
 hooks, positions) and, with ``--keep marked``, the window of unmarked requests
 (``selection.py``); the reduction (``reductions.py``) is applied as rows are
@@ -241,7 +241,7 @@ class FsSink(Consumer):
         self.counts["messages_rejected"] = sum(rejected_by.values())
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
-        self.writer.tick(caught_up)
+        self.writer.tick()
 
     def on_end(self) -> None:
         self.writer.flush(final=True)

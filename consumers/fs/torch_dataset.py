@@ -9,6 +9,10 @@ list cut into ``world_size * num_workers`` contiguous, near-equal parts: consume
 compressed shard is decompressed about once). Every committed row is therefore
 yielded exactly once per epoch across all consumers.
 
+With ``match``, only rows of requests whose stored tags match are kept, by the rule
+a live subscription's ``--match`` follows at the publisher (``Subscription``), so a
+stored run filters as the stream it came from would have.
+
 Rows then pass a shuffle buffer of ``shuffle_buffer`` rows (0: file order),
 seeded by ``(seed, epoch, consumer)``: the same seed and epoch give the same
 batches. Call ``set_epoch`` before each epoch, as with ``DistributedSampler``.
@@ -17,11 +21,13 @@ batches. Call ``set_epoch`` before each epoch, as with ``DistributedSampler``.
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import torch
 import torch.distributed as dist
@@ -29,6 +35,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from consumers.fs.reader import ActivationRun
 
+MATCH_CACHE = 1 << 16
+"""Verdicts kept per distinct tags text (requests repeat theirs on every row)."""
 _NUMERIC = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
 
 
@@ -42,6 +50,9 @@ class TokenDataset(IterableDataset):
     ``[b, width]`` (decoded from any reduction), ``request_id`` (list of str),
     ``position`` (LongTensor ``[b]``) and every column named in ``columns``
     (numeric ones as tensors, others, e.g. ``tags`` JSON strings, as lists).
+    ``match`` (``{"split": "train"}``, a list value accepting any of its values)
+    keeps only the rows of requests whose tags match, as ``--match`` does live
+    (``count_rows`` counts them; ``num_rows`` counts the rows before it).
 
     Use with ``DataLoader(ds, batch_size=None, num_workers=N)``: batching is done
     here. ``rank``/``world_size`` default to ``torch.distributed``'s when it is
@@ -63,6 +74,7 @@ class TokenDataset(IterableDataset):
         unit_rows: int = 8192,
         drop_last: bool = False,
         skip_bad: bool = False,
+        match: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if batch_tokens < 1:
@@ -80,6 +92,7 @@ class TokenDataset(IterableDataset):
         self.columns = tuple(columns)
         self.unit_rows = unit_rows
         self.drop_last = drop_last
+        self.match = TagMatch(match) if match else None
         # Shared memory, so persistent DataLoader workers (which keep their own copy
         # of the dataset) still see set_epoch.
         self._epoch = multiprocessing.Value("q", 0, lock=False)
@@ -108,8 +121,19 @@ class TokenDataset(IterableDataset):
 
     @property
     def num_rows(self) -> int:
-        """Rows per epoch over all ranks and workers."""
+        """Rows per epoch over all ranks and workers, before ``match``."""
         return sum(int(e["rows"]) for e in self.entries)
+
+    def count_rows(self) -> int:
+        """Rows per epoch over all ranks and workers, after ``match`` (which reads each
+        shard's ``tags`` column once)."""
+        if self.match is None:
+            return self.num_rows
+        n = 0
+        for e in self.entries:
+            tags = self.run.read(self.run.path / e["path"]).column("tags").to_pylist()
+            n += int(self.match.rows(tags).sum())
+        return n
 
     @property
     def epoch(self) -> int:
@@ -144,6 +168,10 @@ class TokenDataset(IterableDataset):
             if cached is None or cached[0] != i:
                 cached = (i, self.run.read(self.run.path / self.entries[i]["path"]))
             t = cached[1].slice(start, stop - start)
+            if self.match is not None:
+                t = t.filter(pa.array(self.match.rows(t.column("tags").to_pylist())))
+                if not t.num_rows:
+                    continue
             chunk: dict[str, Any] = {
                 "activation": self.run.decode(t),
                 "request_id": t.column("request_id").to_pylist(),
@@ -176,6 +204,36 @@ class TokenDataset(IterableDataset):
             for batch in _batches(merged, self.batch_tokens):
                 if len(batch["request_id"]) == self.batch_tokens or not self.drop_last:
                     yield batch
+
+
+class TagMatch:
+    """Which stored rows a ``--match`` filter keeps: the rule of a live subscription
+    (``Subscription.wants_request``), applied to each row's stored ``tags`` JSON."""
+
+    def __init__(self, match: dict[str, Any]) -> None:
+        from actbus.bus.protocol import Subscription
+        from actbus.wire import SCHEMA_VERSION, WireError
+
+        try:  # the HELLO form: the filter is checked as the publisher checks it
+            self._sub = Subscription.from_wire({"schema": SCHEMA_VERSION, "tags": dict(match)})
+        except (WireError, TypeError, ValueError) as e:
+            raise ValueError(f"match: {e}") from None
+        self._verdicts: dict[str | None, bool] = {}
+
+    def wants(self, tags_json: str | None) -> bool:
+        """Whether a row whose request's tags are ``tags_json`` is kept."""
+        verdict = self._verdicts.get(tags_json)
+        if verdict is None:
+            tags = json.loads(tags_json) if tags_json else {}
+            verdict = self._sub.wants_request(tags if isinstance(tags, dict) else {})
+            if len(self._verdicts) >= MATCH_CACHE:
+                self._verdicts.clear()
+            self._verdicts[tags_json] = verdict
+        return verdict
+
+    def rows(self, tags_json: list[str | None]) -> np.ndarray:
+        """A bool mask over rows: those kept."""
+        return np.fromiter((self.wants(t) for t in tags_json), dtype=bool, count=len(tags_json))
 
 
 def _concat(chunks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -86,6 +86,7 @@ class _Shard:
     rows: int = 0
     nbytes: int = 0
     steps: tuple[int, int] = (1 << 62, -1)
+    stream: int = 0
 
     @property
     def tmp(self) -> Path:
@@ -134,6 +135,8 @@ class ShardWriter:
             raise
         self._open: dict[tuple[int, str], _Shard] = {}
         self._taps: dict[tuple[int, str], _Tap] = {}
+        self._stream = max(0, len(self.manifest.get("streams", [])) - 1)
+        """The manifest's index of the publisher whose rows arrive now (``streams``)."""
         self.failed: StorageError | None = None
         self._mlock = threading.RLock()  # the manifest and counters, shared with the committer
         self._options = pa.ipc.IpcWriteOptions(
@@ -170,6 +173,7 @@ class ShardWriter:
                 "rows": {},
                 "total_rows": 0,
                 "sessions": 0,
+                "streams": [],
                 "counters": {},
             }
         if m.get("format") != layout.FORMAT_VERSION:
@@ -213,6 +217,17 @@ class ShardWriter:
                 )
             m[key] = m[key] if m[key] is not None else info.get(key)
         m["sessions"] = m.get("sessions", 0) + 1
+        # Each publisher (an engine run, a replay) numbers its steps from 0: a new one
+        # starts a new stream, and no shard holds rows of two (replay keeps them apart).
+        pid = info.get("publisher_id")
+        pid = pid[:64] if isinstance(pid, str) else None
+        streams = m.setdefault("streams", [])
+        if not streams or streams[-1] != pid:
+            for key in list(self._open):
+                self._rotate(key)
+            self._commits.join()
+            streams.append(pid)
+        self._stream = len(streams) - 1
         self.write_manifest()  # the run directory shows the sink is subscribed
 
     def _adopt_orphans(self) -> None:
@@ -349,7 +364,9 @@ class ShardWriter:
         d = layout.shard_dir(self.out, *key)
         final = d / layout.shard_name(self._next_index)
         self._next_index += 1
-        return _Shard(key=key, final=final, schema=schema, since=time.monotonic())
+        return _Shard(
+            key=key, final=final, schema=schema, since=time.monotonic(), stream=self._stream
+        )
 
     def _write_pending(self, shard: _Shard) -> None:
         """Append the pending record batches to the shard's open file: the kernel
@@ -402,12 +419,14 @@ class ShardWriter:
         self._commits.put(shard)  # blocks while one shard is still being committed
         self._check()
 
-    def tick(self, caught_up: bool) -> None:
-        """Rotate shards older than ``flush_s`` (all of them when caught up)."""
+    def tick(self) -> None:
+        """Rotate shards whose first row is ``flush_s`` old. Only age and size rotate a
+        shard: a stream that often catches up (a trickle of small steps) still makes
+        few, large shards, its small messages batched into larger record batches."""
         self._check()
         now = time.monotonic()
         for key, shard in list(self._open.items()):
-            if caught_up or now - shard.since >= self.cfg.flush_s:
+            if now - shard.since >= self.cfg.flush_s:
                 self._rotate(key)
 
     def flush(self, final: bool = False) -> None:
@@ -492,6 +511,7 @@ class ShardWriter:
             "bytes": shard.final.stat().st_size,
             "checksum": layout.checksum(shard.final),
             "steps": list(shard.steps),
+            "stream": shard.stream,
             "compression": self.cfg.compression,
         }
         with self._mlock:
@@ -510,6 +530,7 @@ class ShardWriter:
             "bytes": path.stat().st_size,
             "checksum": layout.checksum(path),
             "steps": [int(pc.min(steps).as_py() or 0), int(pc.max(steps).as_py() or 0)],
+            "stream": self._stream,  # left by the last sink: its stream, as far as known
         }
 
     def _record(self, entry: dict[str, Any]) -> None:

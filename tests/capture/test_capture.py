@@ -310,5 +310,5 @@ def test_dead_subscribers_do_not_stall_generation(sched_engine, tmp_path):
         assert stop(sink) == 0
     run = ActivationRun(keep)
     for o in outs:  # the live, lossless sink got everything
-        positions, _ = run.request_rows(o.request_id, CAPTURE_LAYERS[0])
+        positions, _ = run.request_rows(o.request_id, CAPTURE_LAYERS[0], "post_block")
         assert positions.tolist() == list(range(len(o.prompt_token_ids) + 63))

@@ -2,7 +2,8 @@
 
 Started as users start it, in its own process; the engine taps two layers and
 captures only requests that ask (``--requests selected``), over HTTP through
-``vllm_xargs={"actbus": "<json>"}``.
+``vllm_xargs={"actbus": "<json>"}``. The last test stops it with Ctrl-C (SIGINT), as
+a user would, and checks the stream ended for its subscribers.
 """
 
 from __future__ import annotations
@@ -10,18 +11,24 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from actbus.bus import Event, Subscriber, Subscription
+from actbus.bus.statsview import request as stats_of
+from actbus.cli import consumer_command
 from tests.support.collector import Collector
 from tests.support.oracle import hf_activations, max_rel_error
+from tests.support.procs import ROOT
 
 pytestmark = pytest.mark.engine
 LAYERS, HOOKS = [0, 3], ["post_block", "mlp_out"]
@@ -31,6 +38,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base: str
+    address: str
+    model: Path
+    proc: subprocess.Popen
+    log: Path
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +62,8 @@ def server(tiny_models, tmp_path_factory):
         "--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "64",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}  # the worker's actbus line is INFO
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     try:
@@ -62,7 +79,7 @@ def server(tiny_models, tmp_path_factory):
             if time.monotonic() > deadline:
                 raise TimeoutError("server not healthy within 300 s")
             time.sleep(1)
-        yield base, address, Path(tiny_models["llama"])
+        yield Server(base, address, Path(tiny_models["llama"]), proc, tmp / "server.log")
     finally:
         proc.terminate()
         try:
@@ -79,7 +96,7 @@ def _selection(**kw) -> dict:
 def test_two_concurrent_clients_get_their_rows(server):
     import openai
 
-    base, address, model_path = server
+    base, address, model_path = server.base, server.address, server.model
     col = Collector(address)
     results: dict[int, list] = {}
     errors: list[BaseException] = []
@@ -133,7 +150,7 @@ def test_two_concurrent_clients_get_their_rows(server):
 def test_bad_selection_is_http_400_and_others_are_served(server):
     import openai
 
-    base, address, model_path = server
+    base, address, model_path = server.base, server.address, server.model
     c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=120, max_retries=0)
     col = Collector(address)
     done: list = []
@@ -167,3 +184,63 @@ def test_bad_selection_is_http_400_and_others_are_served(server):
     ((rid, sample),) = [k for k, v in col.tags.items() if v == {"good": 1}]
     pos, _, _ = col.get(rid, 3, "post_block", sample)
     assert pos.tolist() == list(range(4 + 31))
+
+
+def test_return_over_http_is_a_400_that_says_to_subscribe(server):
+    """A server's response has no field for rows: ``"return": true`` over HTTP is refused
+    before a return subscriber is attached (it was a 200 with nothing, and a permanent
+    block subscriber on the bus)."""
+    import openai
+
+    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", timeout=120, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(
+            model=str(server.model), prompt=[5, 6, 7], max_tokens=4,
+            extra_body=_selection(layers=[3], **{"return": True}),
+        )  # fmt: skip
+    assert e.value.status_code == 400
+    assert "extra_args.actbus.return: an HTTP response cannot carry activations" in str(e.value)
+    assert "subscribe to the bus instead" in str(e.value)
+    with Subscriber(server.address, Subscription(layers=(), name="check")) as sub:
+        sub.wait_welcome(30)
+        subscribers = stats_of(sub, 10)["subscribers"]
+    assert "actbus-return" not in subscribers, subscribers
+
+
+def test_ctrl_c_of_the_server_ends_the_stream(server):
+    """Ctrl-C (SIGINT to ``actbus serve``): vLLM kills its engine without the publisher's
+    END, so actbus serve sends it once the server exited. An ``--exit-on-end`` consumer
+    exits 0 and a subscriber sees END (both waited forever). Runs last: it stops the
+    module's server. The server's log says what it captures and publishes where."""
+    consumer = subprocess.Popen(
+        consumer_command("null", server.address, "--exit-on-end"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    sub = Subscriber(server.address, Subscription(layers=(), name="watcher"))
+    try:
+        sub.wait_welcome(30)
+        deadline = time.monotonic() + 60
+        with Subscriber(server.address, Subscription(layers=(), name="check")) as check:
+            check.wait_welcome(30)
+            while "null" not in stats_of(check, 10)["subscribers"]:
+                assert time.monotonic() < deadline and consumer.poll() is None, "no consumer"
+                time.sleep(0.5)
+        server.proc.send_signal(signal.SIGINT)
+        ended = None
+        deadline = time.monotonic() + 90
+        while ended is None and time.monotonic() < deadline:
+            out = sub.recv(timeout=0.5)
+            if isinstance(out, Event) and out.kind == "end":
+                ended = out
+        assert ended is not None, "no END within 90 s of Ctrl-C"
+        assert consumer.wait(timeout=60) == 0, consumer.stdout.read()[-3000:]
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        sub.close()
+        if consumer.poll() is None:
+            consumer.kill()
+    log = server.log.read_text()
+    assert "actbus serve: the engine will capture layers [0, 3], hooks ['post_block', " in log
+    assert f"and publish on {server.address}" in log
+    assert "actbus: capturing layers [0, 3] hooks ['post_block', 'mlp_out']" in log
+    assert "actbus serve: the server exited (0); told" in log

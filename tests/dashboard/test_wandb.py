@@ -151,3 +151,40 @@ def test_wandb_flags_are_checked_by_name(tmp_path):
     )
     assert out.returncode == 1
     assert "--interval: must be > 0 seconds" in out.stderr
+
+
+def test_wandb_without_credentials_logs_offline_and_says_so(tmp_path):
+    """No API key, no .netrc, no WANDB_MODE: the consumer logs offline and says so, as
+    the trainers do (was: wandb's UsageError, a traceback, exit 1)."""
+    address = f"ipc://{tmp_path}/bus.sock"
+    unset = ("WANDB_MODE", "WANDB_API_KEY", "NETRC")
+    env = {k: v for k, v in wandb_env(tmp_path).items() if k not in unset}
+    env["HOME"] = str(tmp_path)  # no ~/.netrc here
+    pub = Publisher(address, info={"model": "synthetic"}, heartbeat_s=0.1)
+    log = tmp_path / "wandb-consumer.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            consumer_command(
+                "wandb", address, "--wandb-dir", str(tmp_path), "--interval", "0.3",
+                "--exit-on-end",
+            ),
+            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+        )  # fmt: skip
+        try:
+            wait_for(
+                lambda: "wandb" in pub.stats()["subscribers"] or proc.poll() is not None,
+                90,
+                "the W&B consumer to subscribe",
+            )
+            gen = torch.Generator().manual_seed(0)
+            for step in range(20):
+                pub.publish(*synthetic(step, 0, gen))
+            time.sleep(1.0)
+        finally:
+            pub.close()
+            rc = proc.wait(timeout=60) if proc.poll() is None else proc.returncode
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert "no W&B credentials" in text and "logging offline" in text, text[-3000:]
+    [path] = find_runs(tmp_path)
+    assert "offline-run-" in str(path) and history(path)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -152,3 +154,21 @@ def test_hf_datasets_load_shards(tmp_path):
     a = ActivationRun(tmp_path / "file").request_rows("r1", 1)
     b = stream_run.request_rows("r1", 1)
     assert np.array_equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_bf16_rows_read_through_hf_datasets_decode_with_the_documented_line(tmp_path):
+    """bfloat16 is stored as its uint16 bits (Arrow has no bfloat16); docs/fs-sink.md's
+    one line turns what ``datasets`` returns back into the exact tensor."""
+    sink = FsSink(str(tmp_path / "run"))
+    sink.on_welcome({**INFO, "dtype": "bfloat16"})
+    b = _batch(0, [("r", 5)])
+    x = b.tensor.to(torch.bfloat16)
+    sink.on_batch(Batch(header=dataclasses.replace(b.header, dtype="bfloat16"), tensor=x, seq=0))
+    sink.close()
+    shards = [str(p) for p in ActivationRun(tmp_path / "run").shards()]
+    ds = datasets.load_dataset("arrow", data_files=shards, split="train", cache_dir=str(tmp_path))
+    assert ds.features["activation"].feature.dtype == "uint16"
+    acts = torch.tensor(np.array(ds["activation"], dtype=np.uint16)).view(torch.bfloat16)
+    assert torch.equal(acts, x)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "fs-sink.md").read_text()
+    assert 'torch.tensor(np.array(ds["activation"], dtype=np.uint16)).view(torch.bfloat16)' in doc

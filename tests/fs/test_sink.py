@@ -92,10 +92,11 @@ def test_rotation_by_time(tmp_path):
     sink.writer._commits.join()
     assert len(ActivationRun(tmp_path / "run").manifest["shards"]) == 1
     sink.on_batch(_batch(1, "a", [2]))
-    sink.on_heartbeat({}, caught_up=True)  # caught up: written at once
+    sink.on_heartbeat({}, caught_up=True)  # caught up, but young: still open
     sink.writer._commits.join()
+    assert len(ActivationRun(tmp_path / "run").manifest["shards"]) == 1
+    sink.close()  # the end commits it
     assert len(ActivationRun(tmp_path / "run").manifest["shards"]) == 2
-    sink.close()
 
 
 def test_restart_keeps_the_run_settings_and_the_pca_basis(tmp_path):
@@ -245,3 +246,37 @@ def test_restart_removes_its_own_tmp_files_only(tmp_path):
     FsSink(out).close()
     assert not half.exists() and not (out / "manifest.json.tmp").exists()
     assert theirs.read_text() == "keep me"
+
+
+def test_a_layer_read_without_its_hook_never_mixes_hooks(tmp_path):
+    """``dataset(layer)`` and ``request(id, layer)`` agree: the layer's one stored hook,
+    or an error naming the hooks when it has several (``dataset(layer)`` mixed them;
+    ``request`` took post_block, even in a run without it). A request with no rows
+    there raises (it was an empty tensor)."""
+    import dataclasses
+
+    def at(batch: Batch, hook: str) -> Batch:
+        return dataclasses.replace(batch, header=dataclasses.replace(batch.header, hook=hook))
+
+    sink = FsSink(tmp_path / "one")
+    sink.on_welcome(INFO)
+    sink.on_batch(at(_batch(0, "a", [0, 1]), "mlp_out"))
+    sink.close()
+    one = ActivationRun(tmp_path / "one")
+    assert one.request("a", 1).shape == (2, 8) and one.dataset(1).count_rows() == 2
+    with pytest.raises(KeyError, match=r"request 'nobody' has no rows at layer 1 hook 'mlp_out'"):
+        one.request("nobody", 1)
+
+    sink = FsSink(tmp_path / "two")
+    sink.on_welcome(INFO)
+    sink.on_batch(_batch(0, "a", [0, 1]))
+    sink.on_batch(at(_batch(0, "a", [0, 1, 2]), "mlp_out"))
+    sink.close()
+    two = ActivationRun(tmp_path / "two")
+    hooks = r"layer 1 is stored with hooks \['mlp_out', 'post_block'\]; name one"
+    for read in (lambda: two.dataset(1), lambda: two.request("a", 1)):
+        with pytest.raises(ValueError, match=hooks):
+            read()
+    assert two.dataset(1, "post_block").count_rows() == 2 and two.dataset().count_rows() == 5
+    assert two.request("a", 1, "mlp_out").shape == (3, 8)
+    assert two.request_ids(1) == ["a"]  # ids, not rows: any hook

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from actbus.bus import Publisher
+from actbus.bus import Batch, Publisher
 from actbus.wire import Header, RowIndex
-from consumers.fs.sink import FsSink  # noqa: F401  (the sink that writes --from runs)
+from consumers.fs.sink import FsSink
 from tests.support.procs import start_sink, stop, wait_for
 from tests.support.trainer_synth import SynthPublisher
 from trainers.checkpoint import load_sae
@@ -97,7 +99,7 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
         assert sink.wait(timeout=60) == 0
     finally:
         stop(sink)
-    common = ["--from", str(run_dir), "--layer", "2", "--batch-tokens", "256"]
+    common = ["--from", str(run_dir), "--layer", "2", "--batch-tokens", "256", "--epochs", "1"]
     common += ["--buffer-tokens", "2048", "--warmup-tokens", "512", "--no-progress"]
     r = _run("sae", *common, "--k", "8", "--expansion", "2", "--out", str(tmp_path / "sae"),
              "--summary", str(tmp_path / "sae.json"))  # fmt: skip
@@ -168,3 +170,88 @@ def test_several_saes_from_one_subscription(tmp_path):
     ]
     assert load_sae(tmp_path / "out" / saved[3]).cfg.layer == 3
     assert set(s["fvu_history"]) == set(saved)
+
+
+def _stored_run(path: Path, steps: int = 20) -> None:
+    """A run of ``steps`` steps of 8 requests x 32 rows at layer 2, tagged split=train
+    (even requests) or eval; row values are random."""
+    sink = FsSink(str(path))
+    sink.on_welcome({"model": "synthetic", "hidden_size": 64, "dtype": "float32"})
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        ri = RowIndex(
+            [f"q{step}-{i}" for i in range(8)],
+            np.arange(9, dtype=np.int64) * 32,
+            np.tile(np.arange(32), 8),
+            np.zeros(256, dtype=np.int64),
+            tags=[{"split": "train" if i % 2 == 0 else "eval"} for i in range(8)],
+        )
+        h = Header(step, 2, "post_block", "float32", (256, 64), "synthetic", ri)
+        sink.on_batch(Batch(header=h, tensor=torch.randn(256, 64, generator=g), seq=step))
+    sink.close()
+
+
+def test_from_a_stored_run_match_filters_and_passes_make_useful_steps(tmp_path):
+    """``--from RUN --match split=train`` trains on the train requests only, as a live
+    ``--match`` would (it was ignored with --from); without ``--epochs`` it makes about
+    200 steps and says how many passes that is (one pass made 5 steps of a small run)."""
+    run_dir, ledger = tmp_path / "run", tmp_path / "ledger"
+    _stored_run(run_dir)  # 5,120 rows, 2,560 of them train
+    r = _run(
+        "sae", "--from", str(run_dir), "--layer", "2", "--match", "split=train",
+        "--batch-tokens", "256", "--buffer-tokens", "2048", "--warmup-tokens", "512",
+        "--k", "4", "--expansion", "2", "--no-progress", "--out", str(tmp_path / "sae"),
+        "--ledger", str(ledger),
+        "--summary", str(tmp_path / "sae.json"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "2,560 rows per stream matching --match; 20 passes over them (chosen for about 200 " in (
+        r.stderr
+    ), r.stderr[-3000:]
+    trained = [line.split("\t")[1] for line in Path(f"{ledger}.rank0").read_text().splitlines()]
+    assert len(trained) == 20 * 2560
+    assert {int(rid.split("-")[1]) % 2 for rid in trained} == {0}  # train requests only
+    assert 190 <= json.loads((tmp_path / "sae.json").read_text())["steps"] <= 210
+    assert "steps on 51,200 tokens; saved: " in r.stderr
+
+
+def test_a_trainer_stopped_during_warm_up_trains_on_what_it_has_and_saves(tmp_path):
+    """The warm-up shows its progress; SIGTERM (as Ctrl-C) before it is done trains on
+    the buffered tokens and saves a checkpoint (it was: 0 steps, nothing saved, and
+    Lightning's own SIGTERM handling skipped the end of the fit)."""
+    address = f"ipc://{tmp_path}/bus.sock"
+    info = {"model": "synthetic", "hidden_size": 64, "layers": [0], "hooks": ["post_block"]}
+    pub = Publisher(address, info=info, heartbeat_s=0.2)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actbus.cli", "run", "sae", "--connect", address, "--layer", "0",
+         "--warmup-tokens", "60000", "--batch-tokens", "256", "--k", "4", "--expansion", "2",
+         "--no-progress", "--out", str(tmp_path / "sae"), "--summary", str(tmp_path / "s.json")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: "sae" in pub.stats()["subscribers"], 120, "the trainer to subscribe")
+        g = torch.Generator().manual_seed(0)
+        for step in range(20):  # 1,280 tokens: far from the warm-up's 60,000
+            ri = RowIndex([f"r{step}"], np.array([0, 64]), np.arange(64), np.zeros(64))
+            h = Header(step, 0, "post_block", "float32", (64, 64), "synthetic", ri)
+            pub.publish(h, torch.randn(64, 64, generator=g))
+        wait_for(lambda: any("warming up: L0/post_block 1,280 of" in x for x in lines), 30,
+                 "the warm-up's progress")  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pub.close(timeout=1)
+        reader.join(timeout=10)
+    out = "".join(lines)
+    assert rc == 0, out[-4000:]
+    assert "the 60,000 tokens per stream the first step waits for (--warmup-tokens)" in out
+    assert "stopping: no more data is read; training on what is buffered" in out, out[-3000:]
+    assert json.loads((tmp_path / "s.json").read_text())["steps"] == 5
+    (ckpt,) = [p for p in (tmp_path / "sae").iterdir() if (p / "cfg.json").exists()]
+    assert load_sae(ckpt).cfg.layer == 0 and "5 steps on 1,280 tokens; saved: " in out

@@ -52,8 +52,9 @@ def test_slow_trainer_drops_oldest_and_counts_every_drop(tmp_path):
 
 def test_data_module_stop_ends_a_live_stream_and_its_source_thread(tmp_path):
     """``stop()`` (what Ctrl-C calls) ends the batches while the publisher still has
-    data, and teardown then finds the subscriber's thread ended; a data module stopped
-    before its stream exists starts it stopped."""
+    data: the first after what the buffers held (so it is trained on and saved), a
+    second at once; teardown then finds the subscriber's thread ended. A data module
+    stopped before its stream exists starts it stopped."""
     address = f"ipc://{tmp_path}/synth.sock"
     pub = SynthPublisher(address, 100_000, "--rows", "64")  # far more than is read here
     cfg = DataConfig(
@@ -67,13 +68,25 @@ def test_data_module_stop_ends_a_live_stream_and_its_source_thread(tmp_path):
         dm = ActivationDataModule(cfg)
         batches = iter(dm.train_dataloader())
         assert len(next(batches)["L0/post_block"]["request_id"]) == 64
-        dm.stop()
+        time.sleep(1.0)  # the buffer fills
+        assert dm.stop()
         t0 = time.monotonic()
         rest = sum(1 for _ in batches)
-        assert time.monotonic() - t0 < 5 and rest <= cfg.prefetch + 1
+        held = cfg.buffer_tokens // cfg.batch_tokens + cfg.prefetch + 3  # + in hand
+        assert time.monotonic() - t0 < 5 and 1 <= rest <= held
         dm.teardown("fit")
         assert not dm.stream.source.is_alive() and dm.stream.hub.finished
         assert dm.stats()["bus/received"] >= 1
+
+        now = ActivationDataModule(cfg)
+        batches = iter(now.train_dataloader())
+        next(batches)
+        time.sleep(1.0)
+        assert now.stop() and not now.stop()  # Ctrl-C twice: now
+        t0 = time.monotonic()
+        rest = sum(1 for _ in batches)
+        assert time.monotonic() - t0 < 5 and rest <= cfg.prefetch + 1
+        now.teardown("fit")
 
         early = ActivationDataModule(cfg)
         early.stop()

@@ -1,0 +1,149 @@
+"""The README's three journeys, run as their scripts in ``examples/`` are run, on CPU with
+the tiny Llama, and what each made checked: checkpoints that load, rows stored and
+replayed, W&B runs with metrics, the dashboard's view, activations returned with the
+right shapes.
+
+Two engines in all: one ``actbus serve`` that journeys 1 (serve and train) and 2 (store
+and replay) drive as a running server (``--connect/--url``), and journey 3's own offline
+``LLM``. Ctrl-C of a server the script started itself is tested in
+``tests/capture/test_server.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = (1, 3)
+
+
+def _script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    print(r.stdout[-3000:])
+    return r
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    """``actbus serve`` as the README starts it (tiny Llama, layers 1 and 3)."""
+    tmp = tmp_path_factory.mktemp("journey-server")
+    address = f"ipc://{tempfile.mkdtemp(prefix='actbus-jt-')}/bus.sock"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp / "server.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actbus.cli", "serve", str(tiny_models["llama"]),
+         "--layers", "1,3", "--publish", address, "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.3"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server was not up within 600 s"
+            time.sleep(1)
+        yield address, url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_store_train_from_disk_and_replay(server, tmp_path):
+    """Journey 2 against the server: the run holds every row fed at both layers, intact;
+    the SAE trained from disk on label=1 requests loads; the replayed copy is the same."""
+    from consumers.fs import ActivationRun
+    from trainers.checkpoint import load_sae
+
+    address, url = server
+    out = tmp_path / "store"
+    r = _script("store_and_replay.py", "--connect", address, "--url", url, "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = ActivationRun(out / "run")
+    rows = run.manifest["rows"]
+    assert set(rows) == {"1/post_block", "3/post_block"} and rows["1/post_block"] > 1000
+    assert rows["1/post_block"] == rows["3/post_block"] and run.verify() == []
+    assert run.dtype == "float32" and run.reduction.kind == "bf16"
+    assert ActivationRun(out / "copy").manifest["rows"] == rows
+    summary = json.loads((out / "sae.json").read_text())
+    assert summary["steps"] >= 100  # --from without --epochs: about 200
+    (ckpt,) = [d for d in (out / "saes").iterdir() if (d / "cfg.json").exists()]
+    sae = load_sae(ckpt)
+    assert sae.cfg.layer == 3 and sae.cfg.d_in == run.hidden_size
+    assert "the same rows" in r.stdout
+
+
+def test_serve_and_train_live(server, tmp_path):
+    """Journey 1 against the server: an SAE and a probe trained on the live stream and
+    saved, both W&B runs (trainers' and the bus's) logged offline, the web dashboard saw
+    the traffic."""
+    from consumers.wandb_offline import history
+    from trainers.checkpoint import load_sae
+
+    address, url = server
+    out = tmp_path / "serve"
+    r = _script("serve_and_train.py", "--connect", address, "--url", url, "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sae = json.loads((out / "sae.json").read_text())
+    assert sae["steps"] >= 1 and sae["data"]["rows_in"] > 4000
+    (ckpt,) = [d for d in (out / "saes").iterdir() if (d / "cfg.json").exists()]
+    assert load_sae(ckpt).cfg.layer == 3
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["steps"] >= 1
+    (weights,) = (out / "probes").glob("*/probe.safetensors")
+    assert weights.stat().st_size > 0
+    runs = sorted(out.rglob("*run-*/run-*.wandb"))
+    assert len(runs) == 3, runs  # sae, probe, bus
+    assert all(history(run) for run in runs)
+    board = json.loads((out / "dashboard.json").read_text())
+    assert board["bus"]["tokens"] > 0 and {"L1.post_block", "L3.post_block"} <= {
+        f"L{t['layer']}.{t['hook']}" for t in board["acts"]["taps"].values()
+    }
+
+
+def test_return_activations_in_process(tmp_path):
+    """Journey 3, its own offline LLM: every request's rows come back, one per token fed
+    (one for the request that asked for its last prompt token), at both layers."""
+    out = tmp_path / "return"
+    r = _script("return_in_process.py", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    saved = torch.load(out / "activations.pt")
+    assert len(saved) == 8
+    for i, req in enumerate(saved):
+        n = len(req["positions"])
+        assert n == 1 if i == 0 else n > 10
+        for layer in LAYERS:
+            assert req[f"L{layer}/post_block"].shape == (n, 128)
+        assert req["token_ids"].shape == (n,)
