@@ -16,6 +16,7 @@ from actbus.bus.addresses import check_address
 from actbus.bus.security import check_server_keys
 from actbus.errors import ConfigError
 from actbus.streams import parse_hooks, parse_layers
+from actbus.wire import MAX_REQUEST_ID_CHARS, WireError, check_tags
 
 REQUESTS = ("all", "selected")
 DEFAULT_ADDRESS = "ipc:///tmp/actbus.sock"
@@ -185,4 +186,20 @@ def check_request_tags(raw: Any, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: values must be strings, numbers, lists or maps ({e})") from e
     if size > MAX_TAGS_BYTES:
         raise ConfigError(f"{where}: {size} bytes encoded; keep tags under {MAX_TAGS_BYTES} bytes")
+    try:  # as subscribers will read them: one request's bad tags must not cost its step
+        check_tags(
+            msgpack.unpackb(msgpack.packb(raw, use_bin_type=True), strict_map_key=False), where
+        )
+    except WireError as e:
+        raise ConfigError(f"{where}: {str(e).split(': ', 1)[-1]}") from None
     return dict(raw)
+
+
+def check_request_id(request_id: str, where: str = "request_id") -> str:
+    """A request id that fits the wire's bound (subscribers refuse longer ones)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ConfigError(
+            f"{where}: {len(request_id)} characters, more than the {MAX_REQUEST_ID_CHARS} "
+            "actbus carries; use a shorter request id"
+        )
+    return request_id

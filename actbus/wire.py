@@ -405,6 +405,12 @@ def _list(v: Any, field: str, limit: int) -> list[Any]:
     return v
 
 
+def check_tags(v: Any, field: str) -> dict[str, Any]:
+    """A request's tags as every subscriber will check them (``WireError`` if not):
+    capture refuses a request whose tags would get its step's messages refused."""
+    return _tags(v, field)
+
+
 def _tags(v: Any, field: str) -> dict[str, Any]:
     """One tag map: string keys, JSON-like values, bounded in count, length and depth.
     Flat maps of short strings and numbers (the usual tags) are checked inline."""

@@ -26,6 +26,7 @@ import json
 from typing import Any
 
 from actbus.capture.selection import Selection, parse_selection
+from actbus.config import check_request_id
 from actbus.errors import ConfigError
 
 KEY = "actbus"
@@ -119,7 +120,11 @@ def _wrap_process_inputs(orig):
                 _strip(sp)
             return request
         wire = sel.to_wire()
-        wire["caller_id"] = str(getattr(request, "external_req_id", None) or request_id)
+        try:
+            caller = check_request_id(str(getattr(request, "external_req_id", None) or request_id))
+        except ConfigError as e:
+            raise _client_error(e) from None
+        wire["caller_id"] = caller
         wire["n"] = int(getattr(sp, "n", 1) or 1)
         if sel.returns:
             try:

@@ -80,6 +80,13 @@ def test_positions_layers_hooks_and_tags_per_request(sched_engine):
         assert col.ended[(o.request_id, 0)] == "length"
 
 
+def _nested(depth: int) -> object:
+    v: object = 1
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
 BAD = [
     ({"hooks": ["resid_mid"]}, "extra_args.actbus.hooks[0]: unknown hook 'resid_mid'"),
     ({"layers": [9]}, "extra_args.actbus.layers[0]: layer 9 is out of range"),
@@ -88,6 +95,10 @@ BAD = [
     ({"positions": "middle"}, "extra_args.actbus.positions: unknown mode 'middle'"),
     ({"positions": [-1]}, "extra_args.actbus.positions[0]: expected a 0-based token position"),
     ({"tags": ["a"]}, "extra_args.actbus.tags: expected a mapping"),
+    # Tags every subscriber would refuse (and with them the whole step's messages).
+    ({"tags": {"deep": _nested(17)}}, "extra_args.actbus.tags: nested deeper than 16"),
+    ({"tags": {"raw": b"\x00"}}, "extra_args.actbus.tags: a value of type bytes"),
+    ({"tags": {"m": {1: "x"}}}, "extra_args.actbus.tags: 1 is not a string"),
     ({"layer": [3]}, "extra_args.actbus.layer: unknown key"),
     ("{not json", "extra_args.actbus: not valid JSON"),
     (7, "extra_args.actbus: expected a mapping"),
@@ -120,6 +131,12 @@ def test_bad_selection_fails_that_request_alone(sched_engine):
                     SamplingParams(max_tokens=4, extra_args={"actbus": raw}),
                 )
             assert needle in str(e.value), (raw, str(e.value))
+        with pytest.raises(ValueError, match="request_id: 5000 characters, more than the 4096"):
+            eng.add_request(  # an id subscribers would refuse
+                "x" * 5000,
+                TokensPrompt(prompt_token_ids=prompts[0]),
+                SamplingParams(max_tokens=4, extra_args={"actbus": {"tags": {"a": 1}}}),
+            )
         finished = {}
         deadline = time.monotonic() + 120
         while eng.has_unfinished_requests() and time.monotonic() < deadline:
