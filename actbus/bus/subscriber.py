@@ -443,6 +443,7 @@ class Subscriber:
         if tag == REJECT:
             reason = capped_text(str(body.get("reason", "")))
             if "unknown subscriber" in reason:
+                self.welcome = None  # forgotten (timed out): the next WELCOME is a new session
                 self._hello()
                 return None
             raise SubscriptionRejected(f"publisher at {self.address} refused: {reason}")
