@@ -363,6 +363,7 @@ class RunSource(threading.Thread):
         self.welcomed = threading.Event()
         self.welcomed.set()
         self._labels = _load_labels(cfg.labels_file)
+        self._counting = True
         self.info: dict[str, Any] = {"dataset_path": str(cfg.run_dir)}
         """What the run's manifest says of its stream (model, hidden_size, dtype)."""
         try:
@@ -415,6 +416,7 @@ class RunSource(threading.Thread):
                 for key, ds in datasets.items():
                     ds.set_epoch(epoch)  # another order of shards and of rows
                     its[key] = iter(ds)
+                self._counting = epoch == 0  # a bad row is one row, however many passes
                 self._pass(its)
         except BaseException as e:
             error = e
@@ -445,7 +447,7 @@ class RunSource(threading.Thread):
             else:
                 per = [json.loads(t) if t else {} for t in chunk["tags"]]
             label, bad = parse_labels(per, tags_cols)
-            if bad:
+            if bad and self._counting:
                 _count_bad_labels(self.stats, len(bad), rid[bad[0]], per[bad[0]])
         split = torch.tensor([split_value(r) for r in rid], dtype=torch.float64)
         rows = TrainingRows(chunk["activation"], chunk["position"], rid, split, label)

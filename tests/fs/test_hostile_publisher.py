@@ -120,7 +120,7 @@ class HostilePublisher:
         self.sock.send_multipart([self.ident, WELCOME, msgpack.packb(info)])
 
     def data(self, seq: int, header: dict, tensor: bytes) -> None:
-        frames = [DATA, pack_seq(seq), msgpack.packb(header), tensor]
+        frames = [DATA, pack_seq(seq, bytes(8)), msgpack.packb(header), tensor]
         self.sock.send_multipart([self.ident, *frames])
 
     def control(self, tag: bytes, body: dict) -> None:

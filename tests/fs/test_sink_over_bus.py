@@ -181,18 +181,26 @@ def test_marked_requests_kept_exactly(tmp_path):
             published += 1
             wait_sent(pub, "fs-sink", published)
 
+        from tests.support.procs import manifest, wait_for
+
+        def mark(rid: str, why: str) -> None:
+            """A mark, through the publisher before the next step (on a loaded machine
+            the probe's socket may lag the test's own publishing)."""
+            n = pub.stats().get("marks", 0)
+            probe.mark(rid, 0, why)
+            wait_for(lambda: pub.stats().get("marks", 0) > n, 30, f"the mark of {rid}")
+
         put(("tagged", {"keep": True}), ("plain", {}))
         put(("held", {}), ("evicted", {"keep": False}))
-        probe.mark("held", 0, "probe fired")
+        mark("held", "probe fired")
         put(("held", {}))  # after the mark: stored directly
-        probe.mark("early", 0, "before any row")
+        mark("early", "before any row")
         for i in range(4):  # pushes 'evicted' (and 'plain') out of a 3-request window
             put((f"filler{i}", {}))
-        probe.mark("evicted", 0, "too late")
+        mark("evicted", "too late")
         put(("early", {}), ("tagged", {"keep": True}))
         put(("late-filler", {}))
         # the mark for "evicted" has reached the sink once its window counters show it
-        from tests.support.procs import manifest, wait_for
 
         pub.publish(*step_message(step, [("plain", 0, 0, {})]))
         wait_for(
