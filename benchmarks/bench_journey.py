@@ -174,8 +174,10 @@ class GpuMemory(threading.Thread):
                 for used, total in self._query("gpu=memory.used,memory.total"):
                     self.peak_used_mib = max(self.peak_used_mib, float(used))
                     self.total_mib = float(total)
-                for pid, used in self._query("compute-apps=pid,used_memory"):
-                    self.per_pid[int(pid)] = max(self.per_pid.get(int(pid), 0.0), float(used))
+                for row in self._query("compute-apps=pid,used_memory"):
+                    if len(row) == 2 and row[0].isdigit() and row[1].isdigit():  # not [N/A]
+                        pid, used = int(row[0]), float(row[1])
+                        self.per_pid[pid] = max(self.per_pid.get(pid, 0.0), used)
             except (OSError, ValueError, subprocess.SubprocessError):
                 self.ok = False
 
@@ -435,6 +437,8 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
         s[f"trained_{name}"] = t["tokens_trained"]
         s[f"trained_share_{name}"] = round(t["tokens_trained"] / r["served_rows"], 4)
         s[f"received_{name}"] = t["rows_received"]
+        # under block every served row must reach the trainer: a check of the count
+        s[f"received_equals_served_{name}"] = t["rows_received"] == r["served_rows"]
         s[f"drops_{name}"] = t["missed"]
         s[f"publisher_dropped_{name}"] = t["publisher_dropped"]
         s[f"overflow_{name}"] = t["overflow"]
