@@ -39,11 +39,16 @@ def _patch_engine_args() -> None:
 
     @functools.wraps(orig)
     def create_engine_config(self, *args, **kwargs):
+        from actbus.capture import mode
         from actbus.capture.session import validate
 
+        requested = mode.Requested.of(self)  # before vLLM (or a plugin inside) changes it
+        first = vars(EngineArgs).get("create_engine_config") is create_engine_config
         vllm_config = orig(self, *args, **kwargs)
-        validate(vllm_config)
+        if validate(vllm_config) is not None:
+            mode.check(vllm_config, requested, first=first)
         return vllm_config
 
+    create_engine_config._actbus_wrapper = True
     EngineArgs.create_engine_config = create_engine_config
     EngineArgs._actbus_patched = True

@@ -64,4 +64,5 @@ def _wrap_execute_model(orig):
         )
         return out
 
+    execute_model._actbus_wrapper = True  # the runner check looks for it
     return execute_model

@@ -15,6 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from actbus.capture.internals import (
+    require,
+    runner_problems,
+    scheduler_problems,
+    vllm_version,
+)
+from actbus.capture.mode import log as mode_log
+from actbus.capture.mode import mode_line
 from actbus.capture.taps import check_architecture, install_taps, owned_layers
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
@@ -66,6 +74,7 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     checked = _checked(vllm_config)
     if checked is None:
         return None
+    require(scheduler_problems(), "the scheduler")
     vllm_config.additional_config["actbus"]["_graph_version"] = GRAPH_VERSION
     return checked[0]
 
@@ -99,7 +108,17 @@ def attach_capture(
         "compile_mode": getattr(cc.mode, "name", str(cc.mode)),
         "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
         "device": str(device),
+        "vllm": vllm_version(),
     }
+    mode_log.info(
+        mode_line(
+            runner=runner,
+            vllm_config=vllm_config,
+            version=engine["vllm"],
+            taps=taps.keys,
+            device=device,
+        )
+    )
     return CaptureWorker(cfg, taps, name, engine=engine, layers=layers, stage=stage)
 
 
@@ -108,10 +127,14 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
 
     Both runners keep ``model``, ``vllm_config``, ``max_num_tokens`` and ``device``
     on themselves; the capture worker is kept as ``runner._actbus`` (None: inert).
+    With capture configured, the internals actbus reads of this runner are checked
+    first, so a vLLM that changed them fails at start, before weights load.
     """
 
     @functools.wraps(orig)
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        if capture_config(self.vllm_config) is not None:
+            require(runner_problems(runner, self), f"Model Runner {runner.upper()}")
         out = orig(self, *args, **kwargs)
         self._actbus = attach_capture(
             self.model,
