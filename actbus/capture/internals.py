@@ -133,10 +133,10 @@ def signature_problems(cls: type, methods: dict[str, tuple[str, ...]]) -> list[s
 def missing_attrs(obj: Any, attrs: tuple[str, ...], label: str) -> list[str]:
     out = []
     for dotted in attrs:
-        value = obj
-        for part in dotted.split("."):
+        value, parts = obj, dotted.split(".")
+        for i, part in enumerate(parts):
             if not hasattr(value, part):
-                out.append(f"{label}.{dotted} is gone")
+                out.append(f"{label}.{'.'.join(parts[: i + 1])} is gone")
                 break
             value = getattr(value, part)
     return out

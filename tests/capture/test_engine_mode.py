@@ -54,5 +54,5 @@ def test_version_guard_fails_engine_start(tiny_models, tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-4000:]
     assert "does not have what actbus reads in Model Runner V1" in log, log[-4000:]
-    assert "CPUModelRunner(v1).query_start_loc.cpu is gone" in log
+    assert "CPUModelRunner(v1).query_start_loc is gone" in log
     assert "generated" not in log
