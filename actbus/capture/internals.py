@@ -61,7 +61,8 @@ RUNNER_ATTRS = {  # on the runner instance, before load_model runs
         "positions",
         "input_ids.gpu",
     ),
-    "v2": ("vllm_config", "max_num_tokens", "device", "execute_model_state"),
+    # V2's execute_model_state is read after each step (runner_v2.py checks it there).
+    "v2": ("vllm_config", "max_num_tokens", "device"),
 }
 V2_INPUT_BATCH = (
     "req_ids",

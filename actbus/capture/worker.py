@@ -200,15 +200,22 @@ class CaptureWorker:
         try:
             self._step(view)
         except VllmVersionError as e:
-            self.invariant_failures += 1
-            self.stopped = str(e)
-            log.error(
-                "%s. Capture is stopped for the rest of this engine's life (invariant "
-                "failures: %d); generation goes on without it.",
-                e,
-                self.invariant_failures,
-            )
-            self.close()
+            self.fail(e)
+
+    def fail(self, error: VllmVersionError) -> None:
+        """A runner no longer matches what actbus reads: log it, count it, stop capture
+        (the publisher closes, so subscribers see the stream end). Generation goes on."""
+        self.invariant_failures += 1
+        if self.stopped is not None:
+            return
+        self.stopped = str(error)
+        log.error(
+            "%s. Capture is stopped for the rest of this engine's life (invariant "
+            "failures: %d); generation goes on without it.",
+            error,
+            self.invariant_failures,
+        )
+        self.close()
 
     def _step(self, view: StepView) -> None:
         started = view.started if view.started is not None else time.perf_counter()

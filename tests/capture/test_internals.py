@@ -3,6 +3,8 @@ the first steps' layout after it (a real engine start failing is in test_engine_
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -135,3 +137,23 @@ def test_step_guard_compares_device_positions():
     assert guard.check(view)
     with pytest.raises(VllmVersionError, match="position of row 2 is 7 on the device, 6 as"):
         guard.check_positions(view, np.array([4, 5, 6]))
+
+
+def test_a_broken_step_stops_capture_not_the_engine(tmp_path, caplog):
+    """A real capture worker and publisher: the broken step is logged and counted, the
+    publisher closes, and later steps are ignored rather than raising into vLLM."""
+    from actbus.capture.taps import TapSet
+    from actbus.capture.worker import CaptureWorker
+    from actbus.config import CaptureConfig
+
+    cfg = CaptureConfig.from_dict({"layers": [0], "publish": f"ipc://{tmp_path}/bus.sock"})
+    taps = TapSet({(0, "post_block"): torch.zeros(8, 4)}, 4, torch.float32, 8, torch.device("cpu"))
+    worker = CaptureWorker(cfg, taps, "m")
+    broken = _view(["a"], [0, 2], [0, 1], scheduled={"a": 3}, starts={"a": 0}, total=2)
+    with caplog.at_level(logging.ERROR, logger="actbus.capture"):
+        worker.on_step(broken)
+        worker.on_step(broken)
+    assert worker.invariant_failures == 1
+    assert "rows per request {'a': 2} differ from tokens scheduled {'a': 3}" in worker.stopped
+    (record,) = [r for r in caplog.records if "Capture is stopped" in r.getMessage()]
+    assert "invariant failures: 1" in record.getMessage()
