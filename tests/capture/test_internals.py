@@ -157,3 +157,28 @@ def test_a_broken_step_stops_capture_not_the_engine(tmp_path, caplog):
     assert "rows per request {'a': 2} differ from tokens scheduled {'a': 3}" in worker.stopped
     (record,) = [r for r in caplog.records if "Capture is stopped" in r.getMessage()]
     assert "invariant failures: 1" in record.getMessage()
+
+
+def test_a_worker_with_a_runner_actbus_does_not_wrap_fails_at_start(tiny_models):
+    """A runner of another class would serve without capture: refused before loading."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    import actbus.plugin
+
+    actbus.plugin.register()
+
+    class OwnLoad(GPUModelRunner):
+        def load_model(self, *args, **kwargs):
+            raise AssertionError("the check comes first")
+
+    worker = Worker.__new__(Worker)
+    worker.vllm_config = EngineArgs(
+        model=str(tiny_models["llama"]),
+        dtype="float32",
+        additional_config={"actbus": {"layers": [1]}},
+    ).create_engine_config()
+    worker.model_runner = OwnLoad.__new__(OwnLoad)
+    with pytest.raises(VllmVersionError, match=r"OwnLoad, a model runner actbus does not"):
+        worker.load_model()
