@@ -19,7 +19,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from actbus.capture import frontend, runner_v1, runner_v2, scheduler
+    from actbus.capture import frontend, runner_v1, runner_v2, scheduler, session
 
     patched = [name for name, mod in (("v1", runner_v1), ("v2", runner_v2)) if mod.patch()]
     if not patched:
@@ -27,6 +27,7 @@ def register() -> None:
     if not frontend.patch():
         log.warning("actbus: vLLM's InputProcessor not found; per-request selections are off")
     scheduler.patch()
+    session.patch_worker()
     _patch_engine_args()
 
 
@@ -39,11 +40,16 @@ def _patch_engine_args() -> None:
 
     @functools.wraps(orig)
     def create_engine_config(self, *args, **kwargs):
+        from actbus.capture import mode
         from actbus.capture.session import validate
 
+        requested = mode.Requested.of(self)  # before vLLM (or a plugin inside) changes it
+        first = vars(EngineArgs).get("create_engine_config") is create_engine_config
         vllm_config = orig(self, *args, **kwargs)
-        validate(vllm_config)
+        if validate(vllm_config) is not None:
+            mode.check(vllm_config, requested, first=first)
         return vllm_config
 
+    create_engine_config._actbus_wrapper = True
     EngineArgs.create_engine_config = create_engine_config
     EngineArgs._actbus_patched = True

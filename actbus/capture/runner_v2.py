@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from actbus.capture.internals import vllm_version
 from actbus.capture.scheduler import read_step
 from actbus.capture.session import wrap_load_model
 from actbus.capture.worker import StepView
+from actbus.errors import VllmVersionError
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
@@ -45,6 +47,12 @@ def _wrap_execute_model(orig):
         if cap is None or kwargs.get("dummy_run") or (len(args) >= 2 and args[1]):
             return out
         requests = read_step(scheduler_output)
+        if not hasattr(self, "execute_model_state"):  # where this adapter reads the batch
+            cap.fail(VllmVersionError(
+                f"actbus: vLLM {vllm_version()}'s Model Runner V2 keeps no "
+                "execute_model_state after execute_model; capture cannot read its batches"
+            ))  # fmt: skip
+            return out
         state = getattr(self, "execute_model_state", None)
         ib = getattr(state, "input_batch", None)
         if ib is None or not ib.num_tokens:  # nothing ran; maybe requests ended
@@ -64,4 +72,5 @@ def _wrap_execute_model(orig):
         )
         return out
 
+    execute_model._actbus_wrapper = True  # the runner check looks for it
     return execute_model

@@ -85,6 +85,10 @@ class StepRequests:
     """Internal id -> position of its first token computed in this step."""
     finished: set[str]
     reasons: dict[str, str]
+    scheduled: dict[str, int] | None = None
+    """Internal id -> tokens scheduled for it in this step (the guard checks rows)."""
+    total: int | None = None
+    """Tokens scheduled in this step, all requests together."""
 
 
 def read_step(scheduler_output: Any) -> StepRequests:
@@ -107,4 +111,6 @@ def read_step(scheduler_output: Any) -> StepRequests:
         starts=starts,
         finished=set(scheduler_output.finished_req_ids),
         reasons=end_reasons(scheduler_output),
+        scheduled=scheduler_output.num_scheduled_tokens,
+        total=int(scheduler_output.total_num_scheduled_tokens),
     )

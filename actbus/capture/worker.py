@@ -28,12 +28,14 @@ import torch
 
 from actbus.bus.outlet import Admission, Outlet, TapOffer
 from actbus.bus.publisher import Publisher
+from actbus.capture.internals import StepGuard
 from actbus.capture.requests import caller_request_id
 from actbus.capture.scheduler import StepRequests
 from actbus.capture.selection import Selection
 from actbus.capture.stages import StageCollector, StageForwarder, stage_address
 from actbus.capture.taps import TapSet
 from actbus.config import CaptureConfig
+from actbus.errors import VllmVersionError
 from actbus.wire import DTYPE_NAMES, Header, RequestEnd, RowIndex
 
 log = logging.getLogger("actbus.capture")
@@ -41,7 +43,7 @@ log = logging.getLogger("actbus.capture")
 # server's log (vLLM configures only its own loggers' output).
 _serving_log = logging.getLogger("vllm.actbus")
 _CHILD = re.compile(r"^(\d+)_")
-# Tests set this to check host-derived positions against the device's every step.
+# Tests set this to check every step's layout (``StepGuard``), not only the first ones.
 _CHECK = os.environ.get("ACTBUS_CHECK_POSITIONS", "") not in ("", "0")
 # Largest device tensor staged for one host copy (several taps share one when small).
 STAGE_BYTES = 256 << 20
@@ -125,6 +127,10 @@ class CaptureWorker:
         layers = tuple(sorted(layers if layers is not None else {k[0] for k in taps.keys}))
         self._full_sig = (layers, tuple(cfg.hooks), "all")
         self._stages = None
+        self.guard = StepGuard(always=_CHECK)
+        self.stopped: str | None = None
+        """Why capture stopped (an invariant broke), or None while it runs."""
+        self.invariant_failures = 0
         self.publisher: Outlet
         if stage[0] > 0:
             self.publisher = StageForwarder(stage_address(cfg.publish))
@@ -195,6 +201,30 @@ class CaptureWorker:
 
     # ---------------------------------------------------------------------- step
     def on_step(self, view: StepView) -> None:
+        """Publish one step's rows; a broken invariant stops capture, not the engine."""
+        if self.stopped is not None:
+            return
+        try:
+            self._step(view)
+        except VllmVersionError as e:
+            self.fail(e)
+
+    def fail(self, error: VllmVersionError) -> None:
+        """A runner no longer matches what actbus reads: log it, count it, stop capture
+        (the publisher closes, so subscribers see the stream end). Generation goes on."""
+        self.invariant_failures += 1
+        if self.stopped is not None:
+            return
+        self.stopped = str(error)
+        log.error(
+            "%s. Capture is stopped for the rest of this engine's life (invariant "
+            "failures: %d); generation goes on without it.",
+            error,
+            self.invariant_failures,
+        )
+        self.close()
+
+    def _step(self, view: StepView) -> None:
         started = view.started if view.started is not None else time.perf_counter()
         sr = view.requests
         self._admit(sr)
@@ -206,11 +236,10 @@ class CaptureWorker:
             raise RuntimeError(
                 f"actbus: step has {n} tokens but tap buffers hold {self.taps.max_rows}"
             )
+        positions = self.guard.check(view)
         parts, full, host_pos = self._plan(view) if n else ({}, False, None)
-        if n and _CHECK:
-            dev = view.positions[:n].cpu().numpy()
-            if not np.array_equal(dev, host_pos):
-                raise RuntimeError("actbus: host-derived positions differ from the device's")
+        if positions:
+            self.guard.check_positions(view, host_pos)
         if parts or ended or lasts:
             self._emit(view, parts, full, host_pos, ended, lasts)
         # Every engine step counts, captured or not, so all pipeline stages agree.
