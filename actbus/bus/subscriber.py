@@ -469,7 +469,9 @@ class Subscriber:
             if new_stream or next_seq < self._next_seq:
                 self._publisher_id = body.get("publisher_id")
                 pid = self._publisher_id
-                self.source = Source(self.address, capped_text(pid) if pid else None)
+                self.source = Source(
+                    self.address, capped_text(str(pid)) if pid is not None else None
+                )
                 self._next_seq = next_seq
                 self._receipt = None
             else:
