@@ -55,10 +55,8 @@ class PerPublisherSink(Consumer):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Consumer:
-        """As ``FsSink.from_args``, which builds one of these under fan-in."""
-        from consumers.fs.sink import FsSink
-
-        return FsSink.from_args(args)
+        """Not a plugin of its own: ``FsSink.from_args`` (``fs-sink``) makes one."""
+        raise NotImplementedError("use FsSink.from_args: it builds this under fan-in")
 
     def subscription(self, *args: Any, **kwargs: Any) -> Subscription:
         return self.store_filter.cut(super().subscription(*args, **kwargs))
