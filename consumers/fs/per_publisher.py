@@ -25,6 +25,7 @@ from typing import Any
 from actbus.bus import Batch
 from actbus.bus.protocol import Subscription
 from actbus.consumer import Consumer
+from actbus.logcap import capped_text
 from consumers.fs.selection import StoreFilter
 
 log = logging.getLogger("actbus.fs_sink")
@@ -63,7 +64,8 @@ class PerPublisherSink(Consumer):
 
     def on_welcome(self, info: dict[str, Any]) -> None:
         # Kept until that publisher's first batch says which address it is.
-        self._welcomes[str(info.get("publisher_id"))] = info
+        pid = info.get("publisher_id")
+        self._welcomes[capped_text(str(pid)) if pid is not None else "None"] = info
 
     def on_batch(self, batch: Batch) -> None:
         src = batch.source
@@ -75,7 +77,7 @@ class PerPublisherSink(Consumer):
             log.info("publisher %s: writing its run to %s", src.address, sink.out)
         if self._run_of.get(src.address, "") != src.publisher_id:
             self._run_of[src.address] = src.publisher_id
-            sink.on_welcome(self._welcomes.pop(str(src.publisher_id), {}))
+            sink.on_welcome(self._welcomes.pop(str(src.publisher_id), {}))  # as Source caps it
         sink.on_batch(batch)
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
