@@ -24,6 +24,14 @@ def test_two_publishers_one_run_each(tmp_path):
                 h, t = step_message(s, [(f"req{k}-{s}", 0, 0, {"pub": k})])
                 p.publish(h, t)
                 sent[a][s] = t
+        pubs[0].close()  # a restarts: a new run at the same address, while b goes on
+        first_a = pubs[0].id
+        pubs[0] = publisher(addrs[0])
+        wait_for(lambda: "fs-sink" in pubs[0].stats()["subscribers"], 60, "the sink back")
+        for s in range(20, 25):
+            h, t = step_message(s, [(f"req0-{s}", 0, 0, {"pub": 0})])
+            pubs[0].publish(h, t)
+            sent[addrs[0]][s] = t
         for p in pubs:
             p.close()
         assert wait_exit(proc, out) == 0, log_of(out)
@@ -32,10 +40,12 @@ def test_two_publishers_one_run_each(tmp_path):
             proc.kill()
     for k, a in enumerate(addrs):
         run = ActivationRun(out / run_name(a))
-        assert run.manifest["streams"] == [pubs[k].id]
+        steps = range(25 if k == 0 else 20)
+        # a's two runs are two streams of its run; b's one
+        assert run.manifest["streams"] == ([first_a, pubs[0].id] if k == 0 else [pubs[1].id])
         table = run.dataset().to_table().sort_by("step")
-        assert table.column("step").to_pylist() == [s for s in range(20) for _ in range(4)]
-        assert set(table.column("request_id").to_pylist()) == {f"req{k}-{s}" for s in range(20)}
-        assert torch.equal(run.decode(table), torch.cat([sent[a][s] for s in range(20)]))
+        assert table.column("step").to_pylist() == [s for s in steps for _ in range(4)]
+        assert set(table.column("request_id").to_pylist()) == {f"req{k}-{s}" for s in steps}
+        assert torch.equal(run.decode(table), torch.cat([sent[a][s] for s in steps]))
         assert run.verify() == []
-    assert "received=40" in log_of(out) and "received=20" in log_of(out)
+    assert "received=45" in log_of(out) and "received=25" in log_of(out)
