@@ -15,11 +15,12 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from actbus.bus import Batch, Event, Subscriber, Subscription
+from actbus.bus.fanin import FanIn, per_publisher, subscribe
 from actbus.bus.protocol import parse_policy
 
 log = logging.getLogger("actbus.consumer")
@@ -157,6 +158,8 @@ class RunOutcome:
     restarts: int = 0
     failure: ConsumerFailed | None = None
     """The error that ended the run (``stop``, or restarts used up); None if it ended well."""
+    publishers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The last instance's counters by publisher address (``FanIn.per_publisher``)."""
 
 
 def run(
@@ -171,6 +174,9 @@ def run(
     client_secret_key: str | None = None,
 ) -> RunOutcome:
     """Feed consumers built by ``make`` from the publisher at ``address`` until stopped.
+
+    ``address`` is what ``--connect`` takes: one address, or several publishers
+    (``A,B``, a rank range, ``@FILE``), read as one stream (``actbus.bus.fanin``).
 
     A callback that raises is logged with its traceback and counted, then handled
     by ``restart`` (default: stop). Each instance has its own subscription, closed
@@ -222,9 +228,9 @@ def _run_once(
         failure = ConsumerFailed(_name_of(make), "construction", e)
         _report(failure, outcome)
         return failure
-    sub: Subscriber | None = None
+    sub: Subscriber | FanIn | None = None
     try:
-        sub = Subscriber(
+        sub = subscribe(
             address,
             subscription(consumer) if subscription else consumer.subscription(),
             server_key=server_key,
@@ -258,10 +264,11 @@ def _run_once(
                 outcome.received += sub.stats.received
                 outcome.missed += sub.stats.missed
                 outcome.rejected += sub.stats.rejected
+                outcome.publishers = per_publisher(sub)
     return failure
 
 
-def _deliver(consumer: Consumer, sub: Subscriber, out: Batch | Event) -> bool:
+def _deliver(consumer: Consumer, sub: Subscriber | FanIn, out: Batch | Event) -> bool:
     """Hand one item to the consumer; True at the end of the stream."""
     if isinstance(out, Batch):
         _call(consumer, "on_batch", consumer.on_batch, out)

@@ -123,6 +123,17 @@ def main(argv: list[str]) -> int:
         out.errors,
         out.restarts,
     )
+    if len(out.publishers) > 1:  # fan-in: each publisher's own counters
+        for addr, row in out.publishers.items():
+            logging.getLogger("actbus").info(
+                "publisher %s (run %s): received=%d missed=%d lost=%d rejected=%d",
+                addr,
+                row.get("publisher_id"),
+                row["received"],
+                row["missed"],
+                row["lost"],
+                row["rejected"],
+            )
     if out.failure is not None:
         if ns.on_error == "restart":
             hint = f"gave up after {out.restarts} restarts (--max-restarts)"

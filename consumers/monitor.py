@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from actbus.bus import Batch, Subscriber, statsview
+from actbus.bus.endpoints import Endpoints
 from actbus.bus.protocol import DASHBOARD_POLICY
 from actbus.consumer import Consumer
 from actbus.logcap import capped_text
@@ -67,6 +68,7 @@ class Monitor(Consumer):
         self.digest_errors = 0
         """Batches left out because the statistics could not take them (logged)."""
         self._keys = (server_key, client_secret_key)
+        self._fan_in = Endpoints.parse(address).fan_in
         self._stats_timeout_s = stats_timeout_s
         self._side: Subscriber | None = None
         self._next = time.monotonic() + interval_s
@@ -215,8 +217,8 @@ class Monitor(Consumer):
             self.flush()
 
     def _publisher_stats(self) -> dict[str, Any] | None:
-        if self._ended:
-            return None
+        if self._ended or self._fan_in:  # several publishers: their counters are per
+            return None  # publisher (`actbus stats --connect ADDR` reads each)
         try:
             if self._side is None:
                 server_key, client_key = self._keys

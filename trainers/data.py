@@ -250,6 +250,7 @@ class BusSource(threading.Thread):
         self.welcomed = threading.Event()
         self.info: dict[str, Any] = {}
         """The publisher's WELCOME (model, hidden_size, layers, ...)."""
+        self._pub_noted = 0.0
 
     def subscription(self):
         from actbus.bus import Subscription
@@ -268,13 +269,14 @@ class BusSource(threading.Thread):
         )
 
     def run(self) -> None:
-        from actbus.bus import Batch, Subscriber
+        from actbus.bus import Batch
+        from actbus.bus.fanin import subscribe
 
         cfg = self.cfg
         error: BaseException | None = None
         sub = None
         try:
-            sub = Subscriber(
+            sub = subscribe(
                 cfg.address,
                 self.subscription(),
                 server_key=cfg.server_key,
@@ -303,6 +305,7 @@ class BusSource(threading.Thread):
             error = e
         finally:
             if sub is not None:
+                self._pub_noted = 0.0  # the final counters, each publisher's included
                 self._note(sub)
                 sub.close()
             _report_bad_labels(self.stats)
@@ -334,6 +337,16 @@ class BusSource(threading.Thread):
             self.hub.put(stream_key(h.layer, h.hook), rows, self.stop_event)
 
     def _note(self, sub) -> None:
+        from actbus.bus.fanin import FanIn
+
+        now = time.monotonic()
+        if isinstance(sub, FanIn) and now - self._pub_noted > 0.5:  # each publisher's own
+            self._pub_noted = now
+            rows = sub.per_publisher()
+            for i, row in enumerate(rows.values()):
+                for k in ("received", "missed", "lost", "publisher_dropped"):
+                    self.stats[f"bus/pub{i}/{k}"] = row[k]
+            self.stats["bus/lost"] = sum(r["lost"] for r in rows.values())
         s = sub.stats
         view = s.publisher_view or {}
         dropped = view.get("dropped", {})

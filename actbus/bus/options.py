@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from actbus.bus.addresses import check_address
+from actbus.bus.endpoints import Endpoints
 from actbus.bus.protocol import MAX_NAME, MAX_WINDOW, Subscription, parse_match, parse_policy
 from actbus.bus.security import ClientAuth
 from actbus.errors import ConfigError
@@ -21,6 +21,7 @@ from actbus.flags import add_fields, flag
 from actbus.streams import parse_hooks, parse_layers
 
 if TYPE_CHECKING:
+    from actbus.bus.fanin import FanIn
     from actbus.bus.subscriber import Subscriber
 
 log = logging.getLogger("actbus.options")
@@ -49,7 +50,9 @@ class SubscriberOptions:
     """A subscriber's command-line options, checked when built (errors name the flag)."""
 
     connect: str | None = field(default=None, metadata=flag(metavar="ADDR"))
-    """publisher address, e.g. ipc:///tmp/actbus.sock or tcp://HOST:5555"""
+    """publisher address, e.g. ipc:///tmp/actbus.sock or tcp://HOST:5555; several
+    (fan-in): A,B,C, a rank range ipc:///tmp/actbus-{0..3}.sock, or @FILE (one
+    endpoint a line, re-read when it changes)"""
     policy: str = "block"
     """what the publisher does when this subscriber falls behind: block, drop_newest,
     drop_oldest, sample:N (every N-th step), sample:FRACTION, sample:R/s (at most R steps
@@ -80,7 +83,7 @@ class SubscriberOptions:
 
     def __post_init__(self) -> None:
         if self.connect is not None:
-            check_address(self.connect, field_name="--connect", allow_remote=True)
+            Endpoints.parse(self.connect)
         try:
             parse_policy(self.policy)
         except ValueError as e:
@@ -187,13 +190,19 @@ class SubscriberOptions:
         )
         return dataclasses.replace(sub, name=self.name) if self.name else sub
 
-    def subscribe(self, subscription: Subscription) -> Subscriber:
-        """A ``Subscriber`` of ``subscription`` on ``connect``, with these keys."""
-        from actbus.bus.subscriber import Subscriber
-
+    @property
+    def endpoints(self) -> Endpoints:
+        """The publishers ``--connect`` names (one, or several: fan-in)."""
         if self.connect is None:
             raise ConfigError("--connect: required; give the publisher's address")
-        return Subscriber(self.connect, subscription, **self.keys)
+        return Endpoints.parse(self.connect)
+
+    def subscribe(self, subscription: Subscription) -> Subscriber | FanIn:
+        """The stream of ``subscription`` from ``connect``'s publishers, with these keys:
+        a ``Subscriber``, or a ``FanIn`` for several (``actbus.bus.fanin.subscribe``)."""
+        from actbus.bus.fanin import subscribe
+
+        return subscribe(self.endpoints, subscription, **self.keys)
 
 
 def _match(pairs: list[tuple[str, Any]] | None, tags_json: str | None) -> dict[str, Any] | None:

@@ -111,6 +111,8 @@ def main(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
     opts = SubscriberOptions.from_args(args, p)
+    if opts.endpoints.fan_in:
+        p.error("--connect: actbus stats reads one publisher's counters; give one address")
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
         console = Console(width=200)

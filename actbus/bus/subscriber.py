@@ -92,6 +92,18 @@ def check_taps(
             )
 
 
+@dataclass(frozen=True)
+class Source:
+    """Which publisher a batch or event came from: its address and its run
+    (``publisher_id``, new at each start, so a restarted publisher's run is told apart)."""
+
+    address: str
+    publisher_id: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.address}#{self.publisher_id}" if self.publisher_id else self.address
+
+
 @dataclass
 class Batch:
     """One step of one (layer, hook): rows of activations and whose they are."""
@@ -99,6 +111,8 @@ class Batch:
     header: Header
     tensor: torch.Tensor  # [rows, hidden], read-only view over the received frame
     seq: int
+    source: Source | None = None
+    """The publisher it came from (several under fan-in: ``actbus.bus.fanin``)."""
 
     @property
     def step(self) -> int:
@@ -117,8 +131,9 @@ class Batch:
 class Event:
     """A control event surfaced to the consumer loop (heartbeat or end of stream)."""
 
-    kind: str  # "heartbeat" | "end" | "welcome" | "stats"
+    kind: str  # "heartbeat" | "end" | "welcome" | "stats" | "mark"
     body: dict[str, Any]
+    source: Source | None = None
 
 
 @dataclass
@@ -130,6 +145,8 @@ class SubscriberStats:
     rejected_by: dict[str, int] = field(default_factory=dict)
     """``rejected`` by the header field at fault (``WireError.field``)."""
     welcomes: int = 0
+    lost: int = 0
+    """Times the publisher went quiet without saying goodbye (killed, unreachable)."""
     last_step: int = -1
     publisher_step: int = -1  # the publisher's last published step, from heartbeats
     publisher_view: dict[str, Any] = field(default_factory=dict)
@@ -168,6 +185,7 @@ class Subscriber:
         self._owed = 0  # messages received since the last acknowledgement
         self._owed_bytes = 0
         self._publisher_id: str | None = None
+        self.source = Source(address)
         self._last_heard = 0.0
         self._last_hello = 0.0
         self._last_credit = time.monotonic()
@@ -205,6 +223,33 @@ class Subscriber:
             out = self._handle(frames)
             if out is not None:
                 return out
+
+    def service(self) -> None:
+        """Keep the subscription alive without reading (credit, HELLO after silence,
+        a refused handshake raised): what ``recv`` does first, for a ``FanIn`` that
+        reads many subscribers' sockets itself."""
+        self._last_recv_call = time.monotonic()
+        self._check_publisher()
+        if why := self._auth.failure():
+            raise SubscriptionRejected(why)
+
+    def take(self) -> tuple[bool, Batch | Event | None]:
+        """One message if one is waiting (never blocks): (whether one was read, what
+        it yields; None for a message that yields nothing)."""
+        try:
+            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False, None
+        return True, self._handle(frames)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The data socket, for polling many subscribers at once (read with ``take``)."""
+        return self._sock
+
+    @property
+    def publisher_id(self) -> str | None:
+        return self._publisher_id
 
     def request_stats(self) -> None:
         """Ask for the publisher's full counters; they arrive as an ``Event("stats")``."""
@@ -321,6 +366,7 @@ class Subscriber:
         if self._silent(now) and now - self._last_hello > 1.0:
             if self.welcome is not None:
                 log.warning("publisher at %s went quiet; subscribing again", self.address)
+                self.stats.lost += 1
                 self.welcome = None
                 self._waiting_since = self._waiting_logged = now
             self._hello()
@@ -409,7 +455,7 @@ class Subscriber:
                 # Nothing waits for us at the publisher, and everything it sent before
                 # this heartbeat has arrived: seqs below its counter that we lack were dropped.
                 self._skip_to(seq)
-            return Event("heartbeat", body)
+            return Event("heartbeat", body, self.source)
         if tag == WELCOME:
             next_seq = int(body.get("next_seq", 0))
             new_stream = body.get("publisher_id") != self._publisher_id
@@ -422,6 +468,10 @@ class Subscriber:
             # numbers afresh: it refuses acknowledgements beyond what it sent.
             if new_stream or next_seq < self._next_seq:
                 self._publisher_id = body.get("publisher_id")
+                pid = self._publisher_id
+                self.source = Source(
+                    self.address, capped_text(str(pid)) if pid is not None else None
+                )
                 self._next_seq = next_seq
                 self._receipt = None
             else:
@@ -429,17 +479,17 @@ class Subscriber:
             if repeat:
                 return None
             self.stats.welcomes += 1
-            return Event("welcome", body)
+            return Event("welcome", body, self.source)
         if tag == STATS:
-            return Event("stats", body)
+            return Event("stats", body, self.source)
         if tag == MARK:
             if not isinstance(body.get("request_id"), str):
                 raise WireError("mark without a request_id")
-            return Event("mark", body)
+            return Event("mark", body, self.source)
         if tag == END:
             self.welcome = None
             self._waiting_since = self._waiting_logged = time.monotonic()
-            return Event("end", body)
+            return Event("end", body, self.source)
         if tag == REJECT:
             reason = capped_text(str(body.get("reason", "")))
             if "unknown subscriber" in reason:
@@ -470,4 +520,4 @@ class Subscriber:
         self.stats.received += 1
         self.stats.bytes_received += header.nbytes
         self.stats.last_step = max(self.stats.last_step, header.step)
-        return Batch(header=header, tensor=tensor, seq=seq)
+        return Batch(header=header, tensor=tensor, seq=seq, source=self.source)

@@ -10,6 +10,7 @@ and bytes; evicted requests, and marks that come too late for them, are counted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import Counter, OrderedDict
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from actbus.bus.protocol import Subscription
 from consumers.fs.rows import TapRows
 
 log = logging.getLogger("actbus.fs_sink")
@@ -33,6 +35,11 @@ class StoreFilter:
     hooks: tuple[str, ...] | None = None
     position_range: tuple[int, int | None] | None = None
     """``[start, stop)`` of token positions kept (stop None: to the end)."""
+
+    def cut(self, sub: Subscription) -> Subscription:
+        """``sub`` asking for these layers and hooks only: unwanted taps never cross
+        the bus."""
+        return dataclasses.replace(sub, layers=self.layers, hooks=self.hooks)
 
     def wants(self, layer: int, hook: str) -> bool:
         return (self.layers is None or layer in self.layers) and (

@@ -21,15 +21,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from actbus.bus import Batch
+from actbus.bus.endpoints import Endpoints
 from actbus.bus.protocol import Subscription
 from actbus.consumer import Consumer
 from actbus.flags import int_list
 from actbus.logcap import capped, capped_text
 from actbus.wire import MAX_INT32, MAX_REASON_CHARS, MAX_REQUEST_ID_CHARS
 from consumers.fs import layout
+from consumers.fs.per_publisher import PerPublisherSink
 from consumers.fs.reductions import parse_reduction
 from consumers.fs.rows import TapRows
 from consumers.fs.selection import (
@@ -141,7 +144,9 @@ class FsSink(Consumer):
         s.add_argument("--window-mb-held", type=float, default=1024, help="--keep marked: MiB held")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> FsSink:
+    def from_args(cls, args: argparse.Namespace) -> Consumer:
+        """An ``FsSink``; under fan-in (``--connect`` naming several publishers) a
+        ``PerPublisherSink`` of one ``FsSink`` run per publisher under ``--out``."""
         try:
             cfg = WriterConfig(
                 shard_rows=args.shard_rows,
@@ -159,25 +164,28 @@ class FsSink(Consumer):
                 hooks=tuple(args.hooks.split(",")) if args.hooks else None,
                 position_range=parse_position_range(args.positions) if args.positions else None,
             )
-            window = None
-            if args.keep == "marked":
-                window = MarkedWindow(
-                    args.window_requests,
-                    int(args.window_mb_held * (1 << 20)),
-                    parse_keep_match(args.keep_match),
-                )
-            elif args.keep_match:
+            keep_match = parse_keep_match(args.keep_match)
+            if args.keep != "marked" and args.keep_match:
                 raise ValueError("--keep-match applies only with --keep marked")
         except ValueError as e:
             raise SystemExit(f"actbus run fs-sink: {e}") from None
-        return cls(args.out, cfg, store_filter=store_filter, window=window)
+
+        def make(out: str | Path) -> FsSink:
+            window = None
+            if args.keep == "marked":
+                window = MarkedWindow(
+                    args.window_requests, int(args.window_mb_held * (1 << 20)), keep_match
+                )
+            return cls(out, cfg, store_filter=store_filter, window=window)
+
+        connect = getattr(args, "connect", None)
+        if connect and Endpoints.parse(connect).fan_in:
+            return PerPublisherSink(args.out, make, store_filter)
+        return make(args.out)
 
     def subscription(self, *args: Any, **kwargs: Any) -> Subscription:
         """Layers and hooks are cut at the publisher: unwanted taps never cross the bus."""
-        sub = super().subscription(*args, **kwargs)
-        return dataclasses.replace(
-            sub, layers=self.store_filter.layers, hooks=self.store_filter.hooks
-        )
+        return self.store_filter.cut(super().subscription(*args, **kwargs))
 
     # ------------------------------------------------------------------ events
     def on_welcome(self, info: dict[str, Any]) -> None:

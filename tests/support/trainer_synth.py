@@ -1,7 +1,7 @@
 """A publisher of synthetic activations with a planted sparse dictionary (trainer tests).
 
 python -m tests.trainer_synth ADDR MESSAGES [--rows R] [--requests Q] [--seed S]
-    [--label-shift D] [--layers 0,3] [--nonfinite-every N]
+    [--label-shift D] [--layers 0,3] [--nonfinite-every N] [--id-prefix P]
 
 Each message is one step of ``--requests`` fake requests of ``rows/requests`` rows:
 every row is a sum of ``ACTIVE`` of ``ATOMS`` unit atoms in ``D`` dims with weights in
@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--layers", default="0")
     p.add_argument("--wait-subscribers", type=int, default=1)
     p.add_argument("--nonfinite-every", type=int, default=0)
+    p.add_argument("--id-prefix", default="", help="before each request id (fan-in tests)")
     a = p.parse_args()
     atoms, direction = planted()
     g = torch.Generator().manual_seed(a.seed)
@@ -99,7 +100,7 @@ def main() -> None:
             x = x + shift[:, None] * direction
         if a.nonfinite_every and step % a.nonfinite_every == a.nonfinite_every - 1:
             x[0, 3], x[1, 0] = float("nan"), float("inf")
-        ids = [f"s{step}-r{i}" for i in range(a.requests)]
+        ids = [f"{a.id_prefix}s{step}-r{i}" for i in range(a.requests)]
         ri = RowIndex(
             ids,
             offsets,

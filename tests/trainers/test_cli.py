@@ -72,6 +72,44 @@ def test_ddp_two_ranks_train_each_token_once(tmp_path):
     load_sae(next(p for p in (tmp_path / "out").iterdir() if (p / "cfg.json").exists()))
 
 
+def test_ddp_two_ranks_share_two_publishers_each_token_once(tmp_path):
+    """Fan-in: two publishers into a 2-rank DDP trainer, one group at each publisher:
+    the ranks' tokens are disjoint and together every token of both publishers."""
+    addrs = [f"ipc://{tmp_path}/synth-{i}.sock" for i in range(2)]
+    messages = 30
+    pubs = [
+        SynthPublisher(
+            a, messages, "--rows", "256", "--wait-subscribers", "2", "--id-prefix", f"p{i}"
+        )
+        for i, a in enumerate(addrs)
+    ]
+    ledger = tmp_path / "ledger"
+    try:
+        r = _run(
+            "sae", "--connect", ",".join(addrs), "--d-in", "64", "--layer", "0", "--k", "4",
+            "--expansion", "4", "--policy", "block", "--batch-tokens", "256",
+            "--buffer-tokens", "2048", "--warmup-tokens", "512", "--idle-s", "10",
+            "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+            "--out", str(tmp_path / "out"), "--no-progress", "--ledger", str(ledger),
+            "--summary", str(tmp_path / "summary.json"),
+        )  # fmt: skip
+    finally:
+        for p in pubs:
+            p.stop()
+    assert r.returncode == 0, r.stderr[-4000:]
+    seen = []
+    for rank in (0, 1):
+        lines = Path(f"{ledger}.rank{rank}").read_text().splitlines()
+        seen.append({tuple(line.split("\t")[1:]) for line in lines})
+        assert len(lines) == len(seen[-1]), f"rank {rank} trained a token twice"
+        assert {rid[:2] for rid, _ in seen[-1]} == {"p0", "p1"}, f"rank {rank}: not both"
+    assert not seen[0] & seen[1]
+    ids = [f"p{k}s{s}-r{i}" for k in range(2) for s in range(messages) for i in range(8)]
+    assert seen[0] | seen[1] == {(r, str(p)) for r in ids for p in range(32)}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["data"]["bus/pub0/received"] > 0 and summary["data"]["bus/pub1/received"] > 0
+
+
 def test_sae_and_probe_from_a_stored_run(tmp_path):
     """Publisher -> fs sink process -> run dir; then ``--from DIR`` trains from it, with
     probe labels from the tags the sink kept."""

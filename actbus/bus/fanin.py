@@ -1,0 +1,257 @@
+"""Fan-in: one consumer reading several publishers, on ZeroMQ alone.
+
+A ``FanIn`` holds one ``Subscriber`` per publisher, each with its own DEALER socket,
+credit window, sequence numbers, receipts and drop accounting, exactly as when it
+reads one publisher. Backpressure therefore stays per publisher: under ``block`` a
+slow consumer grants credit to each publisher only as it reads that publisher's
+messages, so each is slowed, and a publisher that disappears holds no credit of the
+others. ``recv`` polls every socket at once (``zmq.Poller``) and takes ready ones
+in turn, so no publisher starves another.
+
+A publisher that goes quiet without saying goodbye (killed) is logged by its
+subscriber and counted (``lost``); its subscriber keeps saying HELLO, and a publisher
+that comes back (a new ``publisher_id``) is taken up again: its batches carry the
+new ``Source``. With an endpoints file (``--connect @FILE``) publishers listed later
+are subscribed to, and ones removed are let go, while the stream runs.
+
+``subscribe`` is the one way every command opens its stream: a single address gets
+a plain ``Subscriber`` (the single-publisher path, unchanged), anything else a
+``FanIn`` with the same reading interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import fields
+from typing import Any
+
+import zmq
+
+from actbus.bus.endpoints import Endpoints, FileWatch
+from actbus.bus.protocol import Subscription
+from actbus.bus.subscriber import Batch, Event, Subscriber, SubscriberStats
+
+log = logging.getLogger("actbus.fanin")
+FILE_CHECK_S = 1.0
+"""How often an endpoints file is looked at (its mtime; read only when it changed)."""
+_SUMMED = ("received", "bytes_received", "missed", "rejected", "welcomes", "lost")
+
+
+class FanIn:
+    """Several publishers read as one stream; per-publisher state in ``publishers``."""
+
+    def __init__(
+        self,
+        endpoints: Endpoints | str,
+        subscription: Subscription | None = None,
+        **subscriber_kw: Any,
+    ) -> None:
+        self.endpoints = (
+            endpoints if isinstance(endpoints, Endpoints) else Endpoints.parse(endpoints)
+        )
+        self.address = self.endpoints.describe()
+        self.subscription = subscription or Subscription()
+        self._kw = subscriber_kw
+        self.publishers: dict[str, Subscriber] = {}
+        """One subscriber per publisher address, in the order they were listed."""
+        self._retired = SubscriberStats()  # counters of publishers let go (file edits)
+        self._ended: set[str] = set()
+        self._poller = zmq.Poller()
+        self._order: list[Subscriber] = []
+        self._turn = 0
+        self._current: Subscriber | None = None
+        self.welcome: dict[str, Any] | None = None
+        """The first publisher's WELCOME (model, hidden_size...), as ``Subscriber``'s."""
+        self._watch = FileWatch(self.endpoints.file) if self.endpoints.file else None
+        self._next_file_check = 0.0
+        try:
+            self._sync(self.endpoints.current())
+            if self._watch is not None:
+                self._watch.changed()  # its signature now: edits from here on are news
+                self._next_file_check = time.monotonic() + FILE_CHECK_S
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ reading
+    def recv(self, timeout: float | None = None) -> Batch | Event | None:
+        """The next batch or event from any publisher, or None when ``timeout`` passes.
+
+        An ``end`` of one publisher comes as ``Event("left")`` (with its ``source``);
+        ``Event("end")`` comes once every publisher has ended (never with a file, whose
+        fleet may grow again)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check_file()
+            for s in self._order:
+                s.service()
+            n = len(self._order)
+            for i in range(n):  # in turn from the one after the last served: no starving
+                s = self._order[(self._turn + i) % n]
+                got, out = s.take()
+                if not got:
+                    continue
+                self._turn = (self._turn + i + 1) % n
+                if out is not None:
+                    return self._note(s, out)
+                break
+            else:
+                wait = 250.0
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - time.monotonic()) * 1e3)
+                if n == 0:
+                    time.sleep(wait / 1e3)
+                    ready = False
+                else:
+                    ready = bool(self._poller.poll(int(wait)))
+                if not ready and deadline is not None and time.monotonic() >= deadline:
+                    return None
+
+    def _note(self, s: Subscriber, out: Batch | Event) -> Batch | Event | None:
+        self._current = s
+        if isinstance(out, Batch):
+            return out
+        if out.kind == "welcome":
+            self._ended.discard(s.address)
+            if self.welcome is None:
+                self.welcome = out.body
+            log.info("publisher %s taken up", out.source)
+        elif out.kind == "end":
+            self._ended.add(s.address)
+            log.info("publisher %s ended its stream", out.source)
+            if self._watch is None and self._ended >= set(self.publishers):
+                return out
+            return Event("left", out.body, out.source)
+        return out
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Batches until every publisher has ended."""
+        while True:
+            out = self.recv()
+            if isinstance(out, Batch):
+                yield out
+            elif isinstance(out, Event) and out.kind == "end":
+                return
+
+    def wait_welcome(self, timeout: float) -> dict[str, Any]:
+        """Block until some publisher accepted the subscription (or raise)."""
+        deadline = time.monotonic() + timeout
+        while self.welcome is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no publisher answered at {self.address} within {timeout}s")
+            self.recv(timeout=left)
+        return self.welcome
+
+    def caught_up(self, beat: dict[str, Any]) -> bool:
+        """Whether the publisher whose heartbeat was just read has nothing in flight."""
+        return self._current is not None and self._current.caught_up(beat)
+
+    def request_stats(self) -> None:
+        for s in self._order:
+            s.request_stats()
+
+    def mark(self, request_id: str, sample_index: int = 0, reason: str = "") -> None:
+        """Marks go to every publisher: a request id is known to one of them only."""
+        for s in self._order:
+            s.mark(request_id, sample_index, reason)
+
+    # -------------------------------------------------------------------- stats
+    @property
+    def stats(self) -> SubscriberStats:
+        """The counters summed over publishers (``per_publisher`` has each)."""
+        out = SubscriberStats()
+        subs = [*self._order]
+        for name in _SUMMED:
+            total = getattr(self._retired, name) + sum(getattr(s.stats, name) for s in subs)
+            setattr(out, name, total)
+        out.rejected_by = dict(self._retired.rejected_by)
+        for s in subs:
+            for k, v in s.stats.rejected_by.items():
+                out.rejected_by[k] = out.rejected_by.get(k, 0) + v
+        out.last_step = max((s.stats.last_step for s in subs), default=-1)
+        return out
+
+    def per_publisher(self) -> dict[str, dict[str, Any]]:
+        """Each publisher's own counters, by address: what it sent us, what it dropped
+        for us (``missed``, and its own view), whether it is there now."""
+        out = {}
+        for addr, s in self.publishers.items():
+            st = s.stats
+            row = {f.name: getattr(st, f.name) for f in fields(st) if f.name != "publisher_view"}
+            row["publisher_id"] = s.publisher_id
+            row["connected"] = s.welcome is not None
+            row["ended"] = addr in self._ended
+            dropped = st.publisher_view.get("dropped", {})
+            row["publisher_dropped"] = (
+                sum(dropped.values()) if isinstance(dropped, dict) else dropped
+            )
+            out[addr] = row
+        return out
+
+    # --------------------------------------------------------------- membership
+    def _check_file(self) -> None:
+        if self._watch is None or time.monotonic() < self._next_file_check:
+            return
+        self._next_file_check = time.monotonic() + FILE_CHECK_S
+        if self._watch.changed():
+            self._sync(self._watch.addresses)
+
+    def _sync(self, addresses: list[str]) -> None:
+        """Subscribe to publishers newly listed; let go of those no longer listed."""
+        for addr in [a for a in self.publishers if a not in addresses]:
+            s = self.publishers.pop(addr)
+            self._poller.unregister(s.socket)
+            for name in _SUMMED:
+                setattr(self._retired, name, getattr(self._retired, name) + getattr(s.stats, name))
+            for k, v in s.stats.rejected_by.items():
+                self._retired.rejected_by[k] = self._retired.rejected_by.get(k, 0) + v
+            self._ended.discard(addr)
+            s.close()
+            log.info("publisher %s no longer listed: unsubscribed", addr)
+        for addr in addresses:
+            if addr not in self.publishers:
+                s = Subscriber(addr, self.subscription, **self._kw)
+                self.publishers[addr] = s
+                self._poller.register(s.socket, zmq.POLLIN)
+                if self._watch is not None or self._order:
+                    log.info("publisher %s listed: subscribing", addr)
+        self._order = list(self.publishers.values())
+        if self._current not in self._order:
+            self._current = None
+
+    def close(self) -> None:
+        """Say goodbye to every publisher. Idempotent."""
+        for s in self.publishers.values():
+            with contextlib.suppress(Exception):
+                s.close()
+
+    def __enter__(self) -> FanIn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def subscribe(
+    connect: str | Endpoints, subscription: Subscription | None = None, **kw: Any
+) -> Subscriber | FanIn:
+    """The stream ``--connect`` names: a ``Subscriber`` for one address (the
+    single-publisher path, unchanged), a ``FanIn`` for several or a file."""
+    endpoints = connect if isinstance(connect, Endpoints) else Endpoints.parse(connect)
+    if not endpoints.fan_in:
+        return Subscriber(endpoints.addresses[0], subscription, **kw)
+    return FanIn(endpoints, subscription, **kw)
+
+
+def per_publisher(sub: Subscriber | FanIn) -> dict[str, dict[str, Any]]:
+    """Counters by publisher, for either kind (one entry for a ``Subscriber``)."""
+    if isinstance(sub, FanIn):
+        return sub.per_publisher()
+    st = sub.stats
+    row = {f.name: getattr(st, f.name) for f in fields(st) if f.name != "publisher_view"}
+    row["publisher_id"] = sub.publisher_id
+    return {sub.address: row}
