@@ -158,6 +158,7 @@ class Publisher:
             self._ctx.term()
             raise OSError(f"actbus.publish={address!r}: cannot bind: {e}") from e
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._socket_file = _socket_file(address)
         self._queue: deque[Item] = deque()
         self._queued_bytes = 0
         self._cond = threading.Condition()
@@ -338,6 +339,18 @@ class Publisher:
             self._wake()
         self._thread.join(timeout=max(0.5, deadline - time.monotonic() + 1.0))
 
+    def _remove_socket_file(self) -> None:
+        """After END, an ``ipc://`` socket file goes: one left behind means the
+        publisher died without END, and its subscribers still wait (the engine's
+        front end then tells them: ``actbus.bus.farewell``). Only the file this
+        publisher bound is removed, never one another process bound since."""
+        if self._socket_file is None:
+            return
+        path, inode = self._socket_file
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
+
     # ------------------------------------------------------------ publisher thread
     def _busy(self) -> bool:
         with self._cond:
@@ -350,6 +363,7 @@ class Publisher:
                 os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
+        ended = False
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -362,6 +376,7 @@ class Publisher:
                     closing = self._closing
                 if closing:
                     self._broadcast(END, {"last_step": self.last_step})
+                    ended = True
                     break
                 # Work left that needs no event: do not sleep (no lost wake-ups).
                 wake_at = min(next_beat, self._stats_due) if self._stats_owed else next_beat
@@ -390,6 +405,8 @@ class Publisher:
             self._sock.close(linger=CLOSE_LINGER_MS)  # END reaches live subscribers
             self._auth.close()  # only now: without it, a CURVE socket admits anyone
             self._ctx.term()
+            if ended:
+                self._remove_socket_file()
             with self._cond:
                 self._stopped.set()
                 self._closing = True
@@ -696,3 +713,14 @@ class Publisher:
 def _who(s: Route) -> str:
     """A subscriber in a log line: its name, quoted and capped, or its serial."""
     return capped(s.sub.name) if s.sub.name else f"#{s.serial}"
+
+
+def _socket_file(address: str) -> tuple[str, int] | None:
+    """The path and inode of the file an ``ipc://`` bind made (None: tcp, abstract)."""
+    path = address.removeprefix("ipc://")
+    if path == address or path.startswith("@"):
+        return None
+    try:
+        return path, os.stat(path).st_ino
+    except OSError:
+        return None

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
 from typing import Any
 
 from actbus.capture.selection import Selection, parse_selection
@@ -30,6 +32,7 @@ from actbus.config import check_request_id
 from actbus.errors import ConfigError
 
 KEY = "actbus"
+log = logging.getLogger("actbus")
 
 
 def patch() -> bool:
@@ -42,6 +45,12 @@ def patch() -> bool:
     InputProcessor.process_inputs = _wrap_process_inputs(InputProcessor.process_inputs)
     InputProcessor._actbus_patched = True
     try:
+        from vllm.v1.engine.core_client import MPClient
+    except ImportError:
+        pass
+    else:
+        MPClient.shutdown = _wrap_shutdown(MPClient.shutdown)
+    try:
         from vllm.v1.engine.output_processor import RequestState
     except ImportError:
         return True  # selections still work; "return" is refused per request below
@@ -53,6 +62,51 @@ def patch() -> bool:
     RequestOutput.add = _wrap_add(RequestOutput.add)
     RequestState._actbus_returns = True
     return True
+
+
+def _wrap_shutdown(orig):
+    @functools.wraps(orig)
+    def shutdown(self, *args: Any, **kwargs: Any):
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            if not getattr(self, "_actbus_farewell", False):
+                self._actbus_farewell = True
+                _farewell(getattr(self, "vllm_config", None))
+
+    return shutdown
+
+
+def _farewell(vllm_config: Any) -> None:
+    """END for the subscribers of an engine whose shutdown killed its workers before
+    their publisher could say it (vLLM 0.26 stops its engine core with SIGTERM and
+    no grace): trainers and ``--exit-on-end`` consumers would wait forever. A
+    publisher that ended cleanly removed its ``ipc://`` socket file: nothing to do."""
+    if vllm_config is None:
+        return
+    try:
+        from actbus.capture.session import _checked
+
+        checked = _checked(vllm_config)
+    except Exception:  # a config refused at start: no publisher ever ran
+        return
+    if checked is None or not checked[0].publish:
+        return
+    cfg = checked[0]
+    path = cfg.publish.removeprefix("ipc://")
+    if path != cfg.publish and not path.startswith("@") and not os.path.exists(path):
+        return
+    from actbus.bus.farewell import announce_end
+
+    told = announce_end(
+        cfg.publish,
+        reason="the engine stopped",
+        server_secret_key=cfg.server_secret_key,
+        authorized_keys=cfg.authorized_keys,
+        insecure_allow_any_interface=cfg.insecure_allow_any_interface,
+    )
+    if told:
+        log.info("actbus: the engine stopped before its publisher; told %d subscribers", told)
 
 
 class _Frontend:

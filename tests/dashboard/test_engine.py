@@ -103,12 +103,13 @@ def test_dashboards_show_the_engine_live(sched_engine, tmp_path):
         "actbus-engine-test",
         "--wandb-group",
         "engine-session",
-        # Credit for thousands of messages: a consumer scheduled late (niceness 10, two
-        # busy cores) catches up instead of dropping, so the step count below is exact.
+        # The most credit a publisher grants (1024 messages, 256 MiB): a consumer
+        # scheduled late (niceness 10, two busy cores) catches up instead of dropping,
+        # so the step count below is exact.
         "--window",
-        "8192",
+        "1024",
         "--window-mb",
-        "512",
+        "256",
     )
     dash = DashboardProc(
         address, tmp_path / "dash.log", "--policy", f"sample:{DASH_EVERY}", "--interval", "0.5"
