@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.procs import wait_for
+
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 3)
@@ -126,7 +128,8 @@ def test_serve_and_train_live(server, tmp_path):
     assert weights.stat().st_size > 0
     runs = sorted(out.rglob("*run-*/run-*.wandb"))
     assert len(runs) == 3, runs  # sae, probe, bus
-    assert all(history(run) for run in runs)
+    # W&B's service process may still be writing a run's file as its client exits.
+    wait_for(lambda: all(history(run) for run in runs), 60, "every W&B run's history on disk", 0.5)
     board = json.loads((out / "dashboard.json").read_text())
     assert board["bus"]["tokens"] > 0 and {"L1.post_block", "L3.post_block"} <= {
         f"L{t['layer']}.{t['hook']}" for t in board["acts"]["taps"].values()
