@@ -181,15 +181,15 @@ def check_request_tags(raw: Any, where: str) -> dict[str, Any]:
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise ConfigError(f"{where}: expected a mapping of string keys to values, got {raw!r}")
     try:
-        size = len(msgpack.packb(raw, use_bin_type=True))
+        packed = msgpack.packb(raw, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise ConfigError(f"{where}: values must be strings, numbers, lists or maps ({e})") from e
-    if size > MAX_TAGS_BYTES:
-        raise ConfigError(f"{where}: {size} bytes encoded; keep tags under {MAX_TAGS_BYTES} bytes")
-    try:  # as subscribers will read them: one request's bad tags must not cost its step
-        check_tags(
-            msgpack.unpackb(msgpack.packb(raw, use_bin_type=True), strict_map_key=False), where
+    if len(packed) > MAX_TAGS_BYTES:
+        raise ConfigError(
+            f"{where}: {len(packed)} bytes encoded; keep tags under {MAX_TAGS_BYTES} bytes"
         )
+    try:  # as subscribers will read them: one request's bad tags must not cost its step
+        check_tags(msgpack.unpackb(packed, strict_map_key=False), where)
     except WireError as e:
         raise ConfigError(f"{where}: {str(e).split(': ', 1)[-1]}") from None
     return dict(raw)

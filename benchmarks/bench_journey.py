@@ -54,24 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
+from benchmarks.bench_capture import LLAMA3_8B  # noqa: E402  (one shape for both benchmarks)
+
 ARMS = {"plain": None, "block": "block", "drop": "drop_oldest"}
 """Arm -> the trainer's policy (None: no capture at all)."""
 TARGETS = {"ratio_engine_block": 0.85, "trained_share_block": 1.0, "ratio_engine_drop": 0.95}
