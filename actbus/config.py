@@ -15,12 +15,12 @@ from typing import Any
 from actbus.bus.addresses import check_address
 from actbus.bus.security import check_server_keys
 from actbus.errors import ConfigError
-from actbus.streams import parse_hooks, parse_layers
+from actbus.steer.config import SteerConfig
+from actbus.streams import parse_hooks, parse_layers, parse_positions
 from actbus.wire import MAX_REQUEST_ID_CHARS, WireError, check_tags
 
 REQUESTS = ("all", "selected")
 DEFAULT_ADDRESS = "ipc:///tmp/actbus.sock"
-POSITION_MODES = ("all", "prompt", "generated", "last_prompt", "last")
 MAX_TAGS_BYTES = 4096
 
 
@@ -66,6 +66,9 @@ class CaptureConfig:
     A HELLO asking more (``--window-mb``) is refused, naming this key."""
     max_subscribers: int = 256
     """Subscribers at once; one more is refused, naming this key."""
+    steer: SteerConfig | None = None
+    """Steering (``actbus.steer.config``): which points can be steered, named vectors
+    and global steering; None: the graph has no steering at all."""
     all_layers: bool = field(default=False, repr=False)
 
     @classmethod
@@ -140,6 +143,8 @@ class CaptureConfig:
             if not isinstance(raw["model_name"], str):
                 raise ConfigError("actbus.model_name: expected a string")
             kw["model_name"] = raw["model_name"]
+        if "steer" in raw:
+            kw["steer"] = SteerConfig.from_dict(raw["steer"])
         return cls(**kw)
 
     def resolve_layers(self, num_layers: int, model: str) -> tuple[int, ...]:
@@ -147,30 +152,6 @@ class CaptureConfig:
         if self.all_layers:
             return tuple(range(num_layers))
         return parse_layers(self.layers, "actbus.layers", num_layers=num_layers, model=model)
-
-
-def parse_positions(raw: Any, where: str) -> str | tuple[int, ...]:
-    """Token positions to capture: a mode of ``POSITION_MODES`` or a non-empty list of
-    0-based positions (sorted, without repeats). Shared by the engine's config and a
-    request's own selection (``actbus.capture.selection``)."""
-    if isinstance(raw, str):
-        if raw not in POSITION_MODES:
-            raise ConfigError(
-                f"{where}: unknown mode {raw!r}; use one of {', '.join(POSITION_MODES)} "
-                "or a list of token positions"
-            )
-        return raw
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = [raw]
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise ConfigError(
-            f"{where}: expected one of {', '.join(POSITION_MODES)} or a non-empty list of "
-            f"token positions, got {raw!r}"
-        )
-    for i, p in enumerate(raw):
-        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-            raise ConfigError(f"{where}[{i}]: expected a 0-based token position, got {p!r}")
-    return tuple(sorted(set(raw)))
 
 
 def check_request_tags(raw: Any, where: str) -> dict[str, Any]:

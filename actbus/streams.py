@@ -10,6 +10,8 @@ from typing import Any
 
 from actbus.errors import ConfigError
 
+POSITION_MODES = ("all", "prompt", "generated", "last_prompt", "last")
+"""Which token positions of a request a selection or a steering entry names."""
 HOOKS = ("pre_attn", "post_attn", "mlp_out", "post_block")
 """Per decoder layer: the residual stream entering it, after attention is added,
 what the MLP block adds, and the stream leaving it (``post_attn + mlp_out``)."""
@@ -68,3 +70,27 @@ def parse_hooks(raw: Any, where: str, *, tapped: tuple[str, ...] | None = None) 
     if tapped is not None:
         return tuple(h for h in tapped if h in raw)
     return tuple(dict.fromkeys(raw))
+
+
+def parse_positions(raw: Any, where: str) -> str | tuple[int, ...]:
+    """Token positions: a mode of ``POSITION_MODES`` or a non-empty list of 0-based
+    positions (sorted, without repeats). Shared by the engine's config, a request's own
+    selection (``actbus.capture.selection``) and steering entries (``actbus.steer``)."""
+    if isinstance(raw, str):
+        if raw not in POSITION_MODES:
+            raise ConfigError(
+                f"{where}: unknown mode {raw!r}; use one of {', '.join(POSITION_MODES)} "
+                "or a list of token positions"
+            )
+        return raw
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError(
+            f"{where}: expected one of {', '.join(POSITION_MODES)} or a non-empty list of "
+            f"token positions, got {raw!r}"
+        )
+    for i, p in enumerate(raw):
+        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+            raise ConfigError(f"{where}[{i}]: expected a 0-based token position, got {p!r}")
+    return tuple(sorted(set(raw)))

@@ -24,6 +24,9 @@ LAYERS: dict[str, int] = {
     "actbus.bus": 2,
     "actbus.bus.": 2,
     "actbus.config": 3,
+    "actbus.steer": 3,  # the package's docstring
+    "actbus.steer.config": 3,  # part of the engine's config
+    "actbus.steer.": 4,
     "actbus.capture": 4,
     "actbus.capture.": 4,
     "actbus.tiny_models": 4,

@@ -17,6 +17,10 @@ Requests with ``"return": true`` are registered with the front end's
 ``ReturnCollector``; ``RequestState._new_completion_output`` (where every output
 of the V1 output processor is made, offline and streaming alike) is wrapped to
 attach their rows as ``CompletionOutput.activations``.
+
+Steering (``extra_args["actbus"]["steer"]`` and ``"steer_global"``) is resolved here
+too (``actbus.steer.frontend``) and travels in the same normalized entry; a request
+steered in its prompt gets a cache salt derived from that steering.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
 from actbus.errors import ConfigError
+from actbus.steer.frontend import RequestSteer, SteerFrontend
 
 KEY = "actbus"
 log = logging.getLogger("actbus")
@@ -124,8 +129,18 @@ class _Frontend:
         self.requests = cfg.requests
         self.num_layers = _num_layers(vllm_config.model_config)
         self.base = Selection(layers, cfg.hooks, cfg.positions, cfg.tags)
+        self.steer = (
+            SteerFrontend(
+                cfg.steer,
+                num_layers=self.num_layers,
+                hidden_size=vllm_config.model_config.get_hidden_size(),
+            )
+            if cfg.steer is not None
+            else None
+        )
 
-    def selection(self, params: Any) -> Selection | None:
+    def parse(self, params: Any) -> tuple[Selection | None, RequestSteer | None]:
+        """The request's capture selection and its whole steering (global included)."""
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
@@ -137,10 +152,26 @@ class _Frontend:
                     f"extra_args.actbus: not valid JSON ({e.msg} at column {e.colno}); over "
                     "HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
                 ) from None
+        steer_raw, use_global = None, True
+        if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
+            raw = dict(raw)
+            steer_raw, use_global = raw.pop("steer", None), raw.pop("steer_global", True)
+            if not raw:  # steering alone: captured as a request without a selection
+                raw = None
+            if self.steer is None:
+                raise ConfigError(
+                    "extra_args.actbus.steer: this engine does not steer; add a 'steer' "
+                    "entry to its actbus config"
+                )
+        steer = (
+            self.steer.request(steer_raw, use_global, "extra_args.actbus.steer")
+            if self.steer is not None
+            else None
+        )
         if raw is False:  # opts this request out of ``requests: all``
-            return None
+            return None, steer
         if raw is None:
-            return self.base if self.requests == "all" else None
+            return (self.base if self.requests == "all" else None), steer
         sel = parse_selection(
             raw,
             engine_layers=self.base.layers,
@@ -154,26 +185,42 @@ class _Frontend:
                 "subscribe to the bus instead (actbus run fs-sink --connect ADDR, a trainer, "
                 "or actbus.bus.Subscriber) and give the request tags to find its rows by"
             )
-        return sel
+        return sel, steer
+
+
+def frontend_for(input_processor: Any) -> _Frontend:
+    """The capture front end of one ``InputProcessor`` (made on first use)."""
+    fe = getattr(input_processor, "_actbus_frontend", None)
+    if fe is None:
+        fe = input_processor._actbus_frontend = _Frontend(input_processor.vllm_config)
+    return fe
 
 
 def _wrap_process_inputs(orig):
     @functools.wraps(orig)
     def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
-        fe = getattr(self, "_actbus_frontend", None)
-        if fe is None:
-            fe = self._actbus_frontend = _Frontend(self.vllm_config)
+        fe = frontend_for(self)
         try:
-            sel = fe.selection(params) if fe.active and _is_sampling(params) else None
+            sel, steer = fe.parse(params) if fe.active and _is_sampling(params) else (None, None)
         except ConfigError as e:
             raise _client_error(e) from None
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         sp = getattr(request, "sampling_params", None)
-        if sel is None or sp is None:
+        if (sel is None and steer is None) or sp is None:
             if sp is not None and fe.active:
                 _strip(sp)
             return request
-        wire = sel.to_wire()
+        wire: dict[str, Any] = {}
+        if steer is not None:
+            wire["steer"] = steer.to_wire()
+            salt = steer.cache_salt(_prompt_len(request))
+            if salt is not None:  # steered prompt tokens: their KV is this steering's own
+                old = getattr(request, "cache_salt", None)
+                request.cache_salt = f"{old}|{salt}" if old else salt
+        if sel is None:
+            sp.extra_args = {**(sp.extra_args or {}), KEY: wire}
+            return request
+        wire.update(sel.to_wire())
         try:
             caller = check_request_id(str(getattr(request, "external_req_id", None) or request_id))
         except ConfigError as e:

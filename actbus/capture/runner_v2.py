@@ -2,7 +2,8 @@
 
 V2 builds an ``InputBatch`` per step and keeps it in ``execute_model_state``
 until ``sample_tokens`` clears it, so the batch layout is read right after
-``execute_model`` returns. Dummy runs (profiling, warm-up, graph capture) are
+``execute_model`` returns; steering tables are filled from the ``InputBatch`` that
+``prepare_inputs`` returns, before the forward. Dummy runs (profiling, warm-up, graph capture) are
 skipped. Every touch of V2 internals is in this file.
 """
 
@@ -34,6 +35,7 @@ def patch() -> bool:
         return True
     GPUModelRunner.load_model = wrap_load_model(GPUModelRunner.load_model, "v2")
     GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
+    GPUModelRunner.prepare_inputs = _wrap_prepare_inputs(GPUModelRunner.prepare_inputs)
     GPUModelRunner._actbus_patched = True
     return True
 
@@ -41,12 +43,18 @@ def patch() -> bool:
 def _wrap_execute_model(orig):
     @functools.wraps(orig)
     def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
+        dummy = kwargs.get("dummy_run") or (len(args) >= 2 and args[1])
+        steer = getattr(self, "_actbus_steer", None)
+        requests = None
+        if steer is not None and not dummy:  # filled in prepare_inputs, before the forward
+            requests = self._actbus_requests = read_step(scheduler_output)
+            steer.admit(requests)
         out = orig(self, scheduler_output, *args, **kwargs)
         started = time.perf_counter()
         cap = getattr(self, "_actbus", None)
-        if cap is None or kwargs.get("dummy_run") or (len(args) >= 2 and args[1]):
+        if cap is None or dummy:
             return out
-        requests = read_step(scheduler_output)
+        requests = requests or read_step(scheduler_output)
         if not hasattr(self, "execute_model_state"):  # where this adapter reads the batch
             cap.fail(VllmVersionError(
                 f"actbus: vLLM {vllm_version()}'s Model Runner V2 keeps no "
@@ -74,3 +82,19 @@ def _wrap_execute_model(orig):
 
     execute_model._actbus_wrapper = True  # the runner check looks for it
     return execute_model
+
+
+def _wrap_prepare_inputs(orig):
+    @functools.wraps(orig)
+    def prepare_inputs(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
+        ib = orig(self, scheduler_output, *args, **kwargs)
+        steer = getattr(self, "_actbus_steer", None)
+        if steer is not None:
+            steer.fill(
+                list(ib.req_ids[: ib.num_reqs]),
+                ib.query_start_loc_np[: ib.num_reqs + 1].astype("int64"),
+                self._actbus_requests.starts,
+            )
+        return ib
+
+    return prepare_inputs

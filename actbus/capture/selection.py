@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from actbus.config import check_request_tags, parse_positions
+from actbus.config import check_request_tags
 from actbus.errors import ConfigError
-from actbus.streams import parse_hooks, parse_layers
+from actbus.streams import parse_hooks, parse_layers, parse_positions
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Selection:
     layers: tuple[int, ...]
     hooks: tuple[str, ...]
     positions: str | tuple[int, ...] = "all"
-    """A mode of ``actbus.config.POSITION_MODES`` or explicit 0-based token positions."""
+    """A mode of ``actbus.streams.POSITION_MODES`` or explicit 0-based token positions."""
     tags: dict[str, Any] = field(default_factory=dict)
     returns: bool = False
     """Attach the rows to the request's own outputs too (``"return": true``)."""

@@ -23,15 +23,23 @@ from actbus.capture.internals import (
 )
 from actbus.capture.mode import log as mode_log
 from actbus.capture.mode import mode_line
-from actbus.capture.taps import check_architecture, install_taps, owned_layers
+from actbus.capture.taps import (
+    check_architecture,
+    find_decoder_layers,
+    install_taps,
+    owned_layers,
+    wrap_layer,
+)
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
+from actbus.steer.graph import install_steering
+from actbus.steer.worker import Steerer
 
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's
 # compile cache (keyed on additional_config) never reuses a graph of another shape.
-GRAPH_VERSION = 2
+GRAPH_VERSION = 3
 
 
 def capture_config(vllm_config: Any) -> CaptureConfig | None:
@@ -122,13 +130,48 @@ def attach_capture(
     return CaptureWorker(cfg, taps, name, engine=engine, layers=layers, stage=stage)
 
 
+def attach_steering(
+    model: nn.Module, vllm_config: Any, *, max_rows: int, device: torch.device
+) -> Steerer | None:
+    """Install the steering tables on this rank's steerable layers (every rank: tensor-
+    parallel ranks add the same vectors, pipeline stages steer the layers they own)."""
+    checked = _checked(vllm_config)
+    if checked is None or checked[0].steer is None:
+        return None
+    sc = checked[0].steer
+    mc = vllm_config.model_config
+    n = _num_layers(mc)
+    cc = vllm_config.compilation_config
+    max_rows = max(max_rows, int(getattr(cc, "max_cudagraph_capture_size", 0) or 0))
+    layers = owned_layers(model, n, sc.resolve_layers(n))
+    decoder = find_decoder_layers(model, n)
+    max_seqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 256) or 256)
+    tables = install_steering(
+        decoder,
+        architecture=check_architecture(getattr(mc.hf_config, "architectures", None)),
+        layers=layers,
+        hooks=sc.hooks,
+        hidden_size=mc.get_hidden_size(),
+        max_rows=max_rows,
+        per_token=sc.per_token,
+        max_vectors=sc.max_vectors or 8 * max_seqs + 1,
+        dtype=mc.dtype,
+        device=device,
+    )
+    for i in layers:
+        wrap_layer(decoder[i])
+    log.info("actbus: steering layers %s at %s", list(layers), list(sc.hooks))
+    return Steerer(tables)
+
+
 def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]:
     """Wrap a runner's ``load_model`` so taps go in after weights load, before compile.
 
     Both runners keep ``model``, ``vllm_config``, ``max_num_tokens`` and ``device``
-    on themselves; the capture worker is kept as ``runner._actbus`` (None: inert).
-    With capture configured, the internals actbus reads of this runner are checked
-    first, so a vLLM that changed them fails at start, before weights load.
+    on themselves; the capture worker is kept as ``runner._actbus`` and the steering
+    tables as ``runner._actbus_steer`` (None: inert). With capture configured, the
+    internals actbus reads of this runner are checked first, so a vLLM that changed
+    them fails at start, before weights load.
     """
 
     @functools.wraps(orig)
@@ -136,6 +179,9 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
         if capture_config(self.vllm_config) is not None:
             require(runner_problems(runner, self), f"Model Runner {runner.upper()}")
         out = orig(self, *args, **kwargs)
+        self._actbus_steer = attach_steering(
+            self.model, self.vllm_config, max_rows=self.max_num_tokens, device=self.device
+        )
         self._actbus = attach_capture(
             self.model,
             self.vllm_config,

@@ -15,6 +15,7 @@ from torch import nn
 
 from actbus.capture import ops  # noqa: F401  (registers torch.ops.actbus.*)
 from actbus.errors import ConfigError
+from actbus.steer.graph import steer_point
 from actbus.streams import HOOKS
 
 # Architectures whose vLLM decoder layers take ``(positions, hidden_states,
@@ -93,7 +94,8 @@ def install_taps(
             buf = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
             layer.register_buffer(f"_actbus_{hook}", buf, persistent=False)
             buffers[(layer_idx, hook)] = buf
-        _wrap_layer(layer, tuple(h for h in HOOKS if h in hooks))
+        layer._actbus_taps = tuple(h for h in HOOKS if h in hooks)
+        wrap_layer(layer)
     return TapSet(buffers, hidden_size, dtype, max_rows, torch.device(device))
 
 
@@ -103,12 +105,25 @@ def owned_layers(model: nn.Module, num_layers: int, layers: tuple[int, ...]) -> 
     return tuple(i for i in layers if type(decoder[i]).__name__ != "PPMissingLayer")
 
 
-def _wrap_layer(layer: nn.Module, hooks: tuple[str, ...]) -> None:
-    """Call the tap ops on the layer's inputs and outputs, inside the traced graph."""
+def wrap_layer(layer: nn.Module) -> None:
+    """Wrap a decoder layer's forward once; what it does is read at trace time from
+    ``_actbus_taps`` (hooks to capture) and ``_actbus_steer_hooks`` (points to steer,
+    ``actbus.steer.graph``). Steering comes first at a point, so captured rows show the
+    steered stream."""
+    if getattr(layer, "_actbus_wrapped", False):
+        return
+    layer._actbus_wrapped = True
     inner = layer.forward
     tap_sum, tap_copy = torch.ops.actbus.tap_sum, torch.ops.actbus.tap_copy
 
     def forward(positions, hidden_states, residual=None, *args, **kwargs):
+        hooks = getattr(layer, "_actbus_taps", ())
+        steer = getattr(layer, "_actbus_steer_hooks", ())
+        if "pre_attn" in steer:
+            if residual is None:  # the first layer: the stream is the embeddings
+                hidden_states = steer_point(layer, "pre_attn", hidden_states, hidden_states)
+            else:
+                residual = steer_point(layer, "pre_attn", hidden_states + residual, residual)
         if "pre_attn" in hooks:
             if residual is None:
                 tap_copy(layer._actbus_pre_attn, hidden_states)
@@ -119,6 +134,8 @@ def _wrap_layer(layer: nn.Module, hooks: tuple[str, ...]) -> None:
             tap_copy(layer._actbus_post_attn, resid)
         if "mlp_out" in hooks:
             tap_copy(layer._actbus_mlp_out, hidden)
+        if "post_block" in steer:  # after post_attn is read: that stream is unchanged
+            resid = steer_point(layer, "post_block", hidden + resid, resid)
         if "post_block" in hooks:
             tap_sum(layer._actbus_post_block, hidden, resid)
         return hidden, resid

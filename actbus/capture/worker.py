@@ -176,8 +176,8 @@ class CaptureWorker:
             if rid in self._reqs:  # resumed after preemption: keep the watermark
                 self._reqs[rid].prompt_len = prompt_len
                 continue
-            if wire is None:
-                continue  # not captured: costs only the in-graph copy
+            if wire is None or "layers" not in wire:
+                continue  # not captured (maybe steered only): costs only the in-graph copy
             sel = Selection.from_wire(wire)
             child = _CHILD.match(rid) if int(wire.get("n", 1)) > 1 else None
             self._reqs[rid] = _Request(

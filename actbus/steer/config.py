@@ -1,0 +1,290 @@
+"""What users write to steer: the engine's ``actbus.steer`` entry and a request's
+``steer`` list, parsed and checked once (no model, no files: ``vectors`` loads them).
+
+A steering entry adds one vector at some decoder layers and hook points::
+
+    {"vector": "happy", "layers": [3], "hooks": "post_block", "scale": 4.0,
+     "norm_match": false, "tier": "base", "positions": "all"}
+
+``vector`` is a registered name or the vector itself (a list of ``hidden_size``
+floats). ``tier`` says in which phase it applies: ``base`` (every token), ``prefill``
+(prompt tokens) or ``decode`` (generated tokens); ``positions`` narrows it further,
+as in capture selections. With ``norm_match`` the vector is rescaled per token to
+``scale x ||stream||``, the norm of the residual stream at that point.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from actbus.errors import ConfigError
+from actbus.streams import parse_positions
+
+STEER_HOOKS = ("pre_attn", "post_attn", "post_block")
+"""Where a vector can be added: the stream entering a layer, after attention is added,
+and leaving it (``mlp_out`` is not a point of the stream)."""
+TIERS = ("base", "prefill", "decode")
+ENTRY_KEYS = ("vector", "layers", "hooks", "scale", "norm_match", "tier", "positions")
+SOURCE_KINDS = ("file", "sae", "probe")
+# (tier, positions) pairs that select no token at all.
+_EMPTY = (("prefill", "generated"), ("decode", "prompt"), ("decode", "last_prompt"))
+MAX_ENTRIES = 64
+"""Entries one request may carry (after layers and hooks are expanded)."""
+
+
+@dataclass(frozen=True, eq=False)
+class SteerSpec:
+    """One vector at one (layer, hook), checked but not resolved: ``vector`` is a name
+    or the values as given."""
+
+    layer: int
+    hook: str
+    vector: str | tuple[float, ...]
+    scale: float = 1.0
+    norm_match: bool = False
+    tier: str = "base"
+    positions: str | tuple[int, ...] = "all"
+
+    @property
+    def point(self) -> tuple[int, str]:
+        return (self.layer, self.hook)
+
+
+@dataclass(frozen=True)
+class VectorSource:
+    """Where a named vector comes from: a safetensors file (``key`` names the tensor;
+    optional when the file holds one), feature ``feature`` of an SAE checkpoint (its
+    unit decoder row), or head ``head`` of a probe checkpoint (its unit direction)."""
+
+    kind: str
+    path: str
+    key: str | None = None
+    feature: int | None = None
+    head: str | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> VectorSource:
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{where}: expected a mapping such as {{'file': 'v.safetensors', 'key': 'v'}}, "
+                f"{{'sae': DIR, 'feature': 12}} or {{'probe': DIR}}, got {raw!r:.80}"
+            )
+        kinds = [k for k in SOURCE_KINDS if k in raw]
+        if len(kinds) != 1:
+            raise ConfigError(f"{where}: give exactly one of {', '.join(SOURCE_KINDS)}")
+        kind = kinds[0]
+        allowed = {"file": ("key",), "sae": ("feature",), "probe": ("head",)}[kind]
+        for k in raw:
+            if k != kind and k not in allowed:
+                raise ConfigError(
+                    f"{where}.{k}: unknown key for a {kind} source; valid: {kind}, "
+                    f"{', '.join(allowed)}"
+                )
+        path = raw[kind]
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}.{kind}: expected a path, got {path!r}")
+        feature = raw.get("feature")
+        if kind == "sae" and (
+            not isinstance(feature, int) or isinstance(feature, bool) or feature < 0
+        ):
+            raise ConfigError(
+                f"{where}.feature: expected a latent index (int >= 0), got {feature!r}"
+            )
+        for k in ("key", "head"):
+            if k in raw and not isinstance(raw[k], str):
+                raise ConfigError(f"{where}.{k}: expected a string, got {raw[k]!r}")
+        return cls(kind, path, raw.get("key"), feature, raw.get("head"))
+
+
+@dataclass(frozen=True, eq=False)
+class SteerConfig:
+    """The engine's ``actbus.steer``: which points can be steered (each adds a few
+    operations to the compiled graph, steered or not), the tables' sizes, named vectors
+    and the global steering every request gets unless it opts out."""
+
+    layers: tuple[int, ...] = ()
+    all_layers: bool = True
+    """``layers`` unset or ``"all"``: every decoder layer can be steered."""
+    hooks: tuple[str, ...] = ("post_block",)
+    per_token: int = 4
+    """Vectors added to one token at one point, at most (global and own together)."""
+    max_vectors: int = 0
+    """Rows of the device table of vectors in use; 0: 8 per running request, plus one."""
+    vectors: dict[str, VectorSource] = field(default_factory=dict)
+    global_steer: tuple[dict[str, Any], ...] = ()
+    """Entries as written (checked for form; layers and names are checked against the
+    model when the engine starts)."""
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "actbus.steer") -> SteerConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a mapping such as {{'layers': [3]}}")
+        known = ("layers", "hooks", "per_token", "max_vectors", "vectors", "global")
+        for k in raw:
+            if k not in known:
+                raise ConfigError(f"{where}.{k}: unknown key; valid keys are {', '.join(known)}")
+        kw: dict[str, Any] = {}
+        layers = raw.get("layers", "all")
+        if layers != "all":
+            kw["layers"] = check_layers(layers, f"{where}.layers")
+            kw["all_layers"] = False
+        if "hooks" in raw:
+            kw["hooks"] = check_hooks(raw["hooks"], f"{where}.hooks", STEER_HOOKS)
+        for name, lo, hi in (("per_token", 1, 64), ("max_vectors", 0, 1 << 20)):
+            if name in raw:
+                v = raw[name]
+                if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                    raise ConfigError(
+                        f"{where}.{name}: expected an integer in {lo}..{hi}, got {v!r}"
+                    )
+                kw[name] = v
+        vectors = raw.get("vectors", {})
+        if not isinstance(vectors, dict):
+            raise ConfigError(f"{where}.vectors: expected a mapping of names to sources")
+        kw["vectors"] = {
+            check_name(n, f"{where}.vectors"): VectorSource.from_dict(s, f"{where}.vectors.{n}")
+            for n, s in vectors.items()
+        }
+        glob = raw.get("global", [])
+        parse_steer(glob, f"{where}.global")  # the form; the model is checked later
+        kw["global_steer"] = tuple(glob)
+        return cls(**kw)
+
+    def resolve_layers(self, num_layers: int) -> tuple[int, ...]:
+        if self.all_layers:
+            return tuple(range(num_layers))
+        return check_layers(self.layers, "actbus.steer.layers", num_layers=num_layers)
+
+
+def check_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not name or len(name) > 200:
+        raise ConfigError(f"{where}: a vector name must be a non-empty string, got {name!r:.60}")
+    return name
+
+
+def check_layers(
+    raw: Any,
+    where: str,
+    *,
+    num_layers: int | None = None,
+    steerable: tuple[int, ...] | None = None,
+) -> tuple[int, ...]:
+    """A non-empty list of layer indices (or one), each in the model and steerable."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError(
+            f"{where}: expected a layer index or a non-empty list of them, got {raw!r}"
+        )
+    for i, v in enumerate(raw):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"{where}[{i}]: expected a 0-based layer index (int >= 0), got {v!r}")
+        if num_layers is not None and v >= num_layers:
+            raise ConfigError(
+                f"{where}[{i}]: layer {v} is out of range; the model has {num_layers} decoder "
+                f"layers (valid: 0..{num_layers - 1})"
+            )
+        if steerable is not None and v not in steerable:
+            raise ConfigError(
+                f"{where}[{i}]: layer {v} cannot be steered on this engine (steerable: "
+                f"{list(steerable)}); add it to the engine's actbus.steer.layers"
+            )
+    return tuple(sorted(set(raw)))
+
+
+def check_hooks(raw: Any, where: str, steerable: tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError(f"{where}: expected a hook name or a non-empty list of them, got {raw!r}")
+    for i, h in enumerate(raw):
+        if h not in STEER_HOOKS:
+            raise ConfigError(
+                f"{where}[{i}]: {h!r} is not a steering point; use one of {', '.join(STEER_HOOKS)}"
+            )
+        if h not in steerable:
+            raise ConfigError(
+                f"{where}[{i}]: hook {h!r} cannot be steered on this engine (steerable: "
+                f"{list(steerable)}); add it to the engine's actbus.steer.hooks"
+            )
+    return tuple(dict.fromkeys(raw))
+
+
+def check_finite(x: Any, where: str, what: str) -> float:
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        raise ConfigError(f"{where}: expected {what} (a finite number), got {x!r:.40}")
+    return float(x)
+
+
+def parse_steer(
+    raw: Any,
+    where: str,
+    *,
+    num_layers: int | None = None,
+    layers: tuple[int, ...] | None = None,
+    hooks: tuple[str, ...] = STEER_HOOKS,
+) -> tuple[SteerSpec, ...]:
+    """A list of steering entries, expanded to one ``SteerSpec`` per (layer, hook).
+
+    With ``num_layers`` and ``layers``, each layer must exist and be steerable.
+    Inline vectors are checked for finite values here and for width by the caller."""
+    if not isinstance(raw, (list, tuple)):
+        raise ConfigError(
+            f"{where}: expected a list of entries such as "
+            "[{'vector': 'happy', 'layers': [3], 'scale': 4.0}], "
+            f"got {type(raw).__name__}"
+        )
+    out: list[SteerSpec] = []
+    for i, e in enumerate(raw):
+        w = f"{where}[{i}]"
+        if not isinstance(e, dict):
+            raise ConfigError(f"{w}: expected a mapping with 'vector' and 'layers'")
+        for k in e:
+            if k not in ENTRY_KEYS:
+                raise ConfigError(f"{w}.{k}: unknown key; valid keys are {', '.join(ENTRY_KEYS)}")
+        for k in ("vector", "layers"):
+            if k not in e:
+                raise ConfigError(f"{w}.{k}: required")
+        vec = e["vector"]
+        if isinstance(vec, str):
+            check_name(vec, f"{w}.vector")
+        elif isinstance(vec, (list, tuple)) and vec:
+            for j, x in enumerate(vec):
+                check_finite(x, f"{w}.vector[{j}]", "a vector component")
+            vec = tuple(float(x) for x in vec)
+        else:
+            raise ConfigError(
+                f"{w}.vector: expected a registered vector's name or a list of floats, "
+                f"got {vec!r:.60}"
+            )
+        ls = check_layers(e["layers"], f"{w}.layers", num_layers=num_layers, steerable=layers)
+        hs = check_hooks(e.get("hooks", "post_block"), f"{w}.hooks", hooks)
+        scale = check_finite(e.get("scale", 1.0), f"{w}.scale", "a scale")
+        norm_match = e.get("norm_match", False)
+        if not isinstance(norm_match, bool):
+            raise ConfigError(f"{w}.norm_match: expected true or false, got {norm_match!r:.40}")
+        tier = e.get("tier", "base")
+        if tier not in TIERS:
+            raise ConfigError(f"{w}.tier: expected one of {', '.join(TIERS)}, got {tier!r:.40}")
+        positions = parse_positions(e.get("positions", "all"), f"{w}.positions")
+        if positions == "last":
+            raise ConfigError(
+                f"{w}.positions: 'last' is not known until a request ends; use 'generated', "
+                "'last_prompt' or a list of positions"
+            )
+        if (tier, positions) in _EMPTY:
+            raise ConfigError(
+                f"{w}.positions: {positions!r} selects no token of tier {tier!r}; drop one of them"
+            )
+        out.extend(
+            SteerSpec(layer, hook, vec, scale, norm_match, tier, positions)
+            for layer in ls
+            for hook in hs
+        )
+    if len(out) > MAX_ENTRIES:
+        raise ConfigError(
+            f"{where}: {len(out)} (layer, hook) entries; at most {MAX_ENTRIES} per request"
+        )
+    return tuple(out)

@@ -1,0 +1,143 @@
+"""Front-end side of steering: a request's steering resolved into what the worker trusts.
+
+A request's own entries (``extra_args["actbus"]["steer"]``) are checked against the
+model and the engine's steerable points, names are resolved to values in the
+registry, and the engine's global entries are added unless the request opts out
+(``"steer_global": false``). The result goes to the worker with the request, vectors
+and all, so the worker never looks a name up: a vector replaced while serving changes
+requests admitted afterwards, and no request changes vector mid-way.
+
+Steering that touches prompt tokens changes their KV cache, so such a request gets a
+cache salt derived from that steering (same steering, shared cache; different or
+none, separate). Decode-only steering leaves the prompt's cache shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from actbus.errors import ConfigError
+from actbus.steer.config import SteerConfig, SteerSpec, parse_steer
+from actbus.steer.vectors import Vector, VectorRegistry
+
+GLOBAL_WHERE = "actbus.steer.global"
+
+
+@dataclass(frozen=True, eq=False)
+class Resolved:
+    """One spec with its vector's values and its coefficients ``(a, b)``."""
+
+    spec: SteerSpec
+    vector: Vector
+
+    @property
+    def coef(self) -> tuple[float, float]:
+        s = self.spec
+        return (0.0, s.scale / self.vector.norm) if s.norm_match else (s.scale, 0.0)
+
+    def key(self) -> list[Any]:
+        s = self.spec
+        pos = s.positions if isinstance(s.positions, str) else list(s.positions)
+        return [s.layer, s.hook, self.vector.digest, *self.coef, s.tier, pos]
+
+    def touches_prompt(self, prompt_len: int) -> bool:
+        s = self.spec
+        if s.tier == "decode" or s.positions == "generated":
+            return False
+        if isinstance(s.positions, tuple):
+            return any(p < prompt_len for p in s.positions)
+        return True
+
+
+@dataclass(frozen=True, eq=False)
+class RequestSteer:
+    """A request's whole steering (global and own)."""
+
+    entries: tuple[Resolved, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        vectors = {r.vector.digest: r.vector.values.tobytes() for r in self.entries}
+        return {"vectors": vectors, "entries": [r.key() for r in self.entries]}
+
+    def cache_salt(self, prompt_len: int) -> str | None:
+        """A digest of the steering that changes prompt tokens' KV; None if none does."""
+        keys = sorted(json.dumps(r.key()) for r in self.entries if r.touches_prompt(prompt_len))
+        if not keys:
+            return None
+        return "actbus-steer:" + hashlib.sha256("\n".join(keys).encode()).hexdigest()[:32]
+
+
+class SteerFrontend:
+    """The engine's steering as the front end sees it: steerable points, the named
+    vectors and the global entries. Changes while serving apply to new requests."""
+
+    def __init__(self, cfg: SteerConfig, *, num_layers: int, hidden_size: int) -> None:
+        self.cfg = cfg
+        self.num_layers = num_layers
+        self.layers = cfg.resolve_layers(num_layers)
+        self.hooks = cfg.hooks
+        self.registry = VectorRegistry(hidden_size)
+        for name, src in cfg.vectors.items():
+            self.registry.register(name, src)
+        self._lock = threading.Lock()
+        self._global: tuple[Resolved, ...] = ()
+        self.set_global(list(cfg.global_steer))
+
+    def parse(self, raw: Any, where: str) -> tuple[SteerSpec, ...]:
+        return parse_steer(
+            raw, where, num_layers=self.num_layers, layers=self.layers, hooks=self.hooks
+        )
+
+    def resolve(self, specs: tuple[SteerSpec, ...], where: str) -> tuple[Resolved, ...]:
+        out = []
+        for i, s in enumerate(specs):
+            if isinstance(s.vector, str):
+                vec = self.registry.get(s.vector, f"{where}[{i}].vector")
+            else:
+                vec = Vector.of(s.vector, f"{where}[{i}].vector", self.registry.width)
+            if s.norm_match and vec.norm == 0.0:
+                raise ConfigError(f"{where}[{i}].norm_match: the vector is zero; nothing to match")
+            out.append(Resolved(s, vec))
+        return tuple(out)
+
+    def set_global(self, raw: list[dict[str, Any]]) -> None:
+        """Replace the global entries (checked, names resolved now)."""
+        resolved = self.resolve(self.parse(raw, GLOBAL_WHERE), GLOBAL_WHERE)
+        self._check_per_token(resolved, GLOBAL_WHERE)
+        with self._lock:
+            self._global = resolved
+
+    @property
+    def global_entries(self) -> tuple[Resolved, ...]:
+        with self._lock:
+            return self._global
+
+    def request(self, raw: Any, use_global: Any, where: str) -> RequestSteer | None:
+        """A request's steering: its own entries (``raw``, None if it has none) after
+        the global ones unless ``use_global`` is false."""
+        if not isinstance(use_global, bool):
+            raise ConfigError(
+                f"{where}_global: expected true or false (false: no global steering), "
+                f"got {use_global!r:.40}"
+            )
+        own = self.resolve(self.parse(raw, where), where) if raw is not None else ()
+        entries = (self.global_entries if use_global else ()) + own
+        if not entries:
+            return None
+        self._check_per_token(entries, where)
+        return RequestSteer(entries)
+
+    def _check_per_token(self, entries: tuple[Resolved, ...], where: str) -> None:
+        counts = Counter(r.spec.point for r in entries)
+        for (layer, hook), n in counts.items():
+            if n > self.cfg.per_token:
+                raise ConfigError(
+                    f"{where}: {n} vectors at layer {layer} {hook} (global ones included); "
+                    f"this engine adds at most {self.cfg.per_token} per token at one point "
+                    "(actbus.steer.per_token)"
+                )
