@@ -25,6 +25,7 @@ SCHED_ARCH = "llama"
 # 3: the last layer of the tiny models (post_block before the final norm).
 CAPTURE_LAYERS = [0, 3]
 HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
+STEER_HOOKS = ["pre_attn", "post_attn", "post_block"]
 MAX_BATCHED_TOKENS = 64  # small, so longer prompts are split by chunked prefill
 SCHED_BLOCKS = 17  # x 32 tokens: one max_model_len request (+ the null block), no more
 
@@ -66,6 +67,9 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
                 "heartbeat_s": 0.25,
                 # Long, so tests see death detected by the socket, not by silence.
                 "subscriber_timeout_s": 30,
+                # Every layer and point steerable: the capture tests then also show that
+                # the steering ops cost unsteered requests nothing (tests/steer).
+                "steer": {"hooks": list(STEER_HOOKS)},
             }
         },
     )

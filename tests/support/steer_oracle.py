@@ -1,0 +1,128 @@
+"""HF transformers with steering vectors added by module hooks: the steering oracle.
+
+The same vector is added at the same point of the stream as actbus adds it in vLLM's
+compiled graph: ``pre_attn`` to the layer's input, ``post_attn`` to the stream after
+attention (in place, on the input of the norm before the MLP, so the residual HF keeps
+is the same tensor and sees it too) and ``post_block`` to the layer's output. The
+captured points read the steered stream, as actbus's taps do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tests.support.oracle import hf_model
+
+_POST_ATTN = {"llama": "post_attention_layernorm", "gemma": "pre_feedforward_layernorm"}
+_MLP_OUT = {"llama": ("mlp", "out"), "gemma": ("post_feedforward_layernorm", "out")}
+
+
+@dataclass
+class HFSteer:
+    """One entry, as a request gives it, with its vector's values."""
+
+    layer: int
+    hook: str
+    vector: torch.Tensor
+    scale: float = 1.0
+    norm_match: bool = False
+    tier: str = "base"
+    positions: object = "all"
+
+    def mask(self, n: int, prompt_len: int) -> torch.Tensor:
+        pos = torch.arange(n)
+        m = torch.ones(n, dtype=torch.bool)
+        if self.tier == "prefill":
+            m &= pos < prompt_len
+        elif self.tier == "decode":
+            m &= pos >= prompt_len
+        p = self.positions
+        if p == "prompt":
+            m &= pos < prompt_len
+        elif p == "generated":
+            m &= pos >= prompt_len
+        elif p == "last_prompt":
+            m &= pos == prompt_len - 1
+        elif not isinstance(p, str):
+            m &= torch.isin(pos, torch.tensor(list(p)))
+        return m
+
+    def delta(self, stream: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """``[seq, hidden]`` added to ``stream`` (``[seq, hidden]``)."""
+        v = self.vector.to(stream.dtype)
+        if self.norm_match:
+            coef = self.scale * stream.norm(dim=-1, keepdim=True) / v.norm()
+        else:
+            coef = torch.full((stream.shape[0], 1), self.scale, dtype=stream.dtype)
+        return coef * self.mask(stream.shape[0], prompt_len)[:, None].to(stream.dtype) * v
+
+
+def _sum(steers, stream, prompt_len):
+    out = torch.zeros_like(stream)
+    for s in steers:
+        out = out + s.delta(stream, prompt_len)
+    return out
+
+
+def hf_steered_forward(
+    path, token_ids: list[int], prompt_len: int, steers: list[HFSteer], capture: list[int]
+) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
+    """Logits ``[seq, vocab]`` and the captured points of ``capture`` layers (every hook)."""
+    model = hf_model(str(path))
+    family = "gemma" if "Gemma" in type(model).__name__ else "llama"
+    acts: dict[tuple[int, str], torch.Tensor] = {}
+    handles = []
+    at = {}
+    for s in steers:
+        at.setdefault((s.layer, s.hook), []).append(s)
+    for i, layer in enumerate(model.model.layers):
+
+        def pre(_m, args, kwargs, i=i):
+            x = args[0] if args else kwargs["hidden_states"]
+            x = x + _sum(at.get((i, "pre_attn"), []), x[0], prompt_len)[None]
+            acts[(i, "pre_attn")] = x[0].clone()
+            if args:
+                return (x, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x}
+
+        def mid(_m, args, i=i):
+            x = args[0]
+            x.add_(_sum(at.get((i, "post_attn"), []), x[0], prompt_len)[None])  # in place
+            acts[(i, "post_attn")] = x[0].clone()
+
+        def post(_m, _args, out, i=i):
+            h = out[0] if isinstance(out, tuple) else out
+            h = h + _sum(at.get((i, "post_block"), []), h[0], prompt_len)[None]
+            acts[(i, "post_block")] = h[0].clone()
+            return (h, *out[1:]) if isinstance(out, tuple) else h
+
+        def mlp(_m, _args, out, i=i):
+            acts[(i, "mlp_out")] = (out[0] if isinstance(out, tuple) else out)[0].clone()
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(getattr(layer, _POST_ATTN[family]).register_forward_pre_hook(mid))
+        handles.append(getattr(layer, _MLP_OUT[family][0]).register_forward_hook(mlp))
+        handles.append(layer.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([token_ids])).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, {k: v for k, v in acts.items() if k[0] in capture}
+
+
+def hf_steered_greedy(
+    path, prompt: list[int], max_tokens: int, steers: list[HFSteer], capture: list[int]
+) -> tuple[list[int], dict[tuple[int, str], torch.Tensor]]:
+    """Greedy tokens (the whole sequence recomputed per token: steering depends only on
+    positions, so this equals incremental decoding) and the activations of every fed
+    token (``prompt + output[:-1]``)."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        logits, _ = hf_steered_forward(path, ids, len(prompt), steers, [])
+        ids.append(int(logits[-1].argmax()))
+    _, acts = hf_steered_forward(path, ids[:-1], len(prompt), steers, capture)
+    return ids[len(prompt) :], acts
