@@ -1,0 +1,173 @@
+"""Steering input without an engine: the config, request entries, named vectors from
+files and checkpoints, cache salts, and the worker's table rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from actbus.capture.scheduler import StepRequests
+from actbus.config import CaptureConfig
+from actbus.errors import ConfigError
+from actbus.steer.config import SteerConfig, VectorSource, parse_steer
+from actbus.steer.frontend import SteerFrontend
+from actbus.steer.graph import SteerTables
+from actbus.steer.vectors import VectorRegistry
+from actbus.steer.worker import Steerer
+
+H = 8
+
+
+def test_engine_config():
+    cfg = CaptureConfig.from_dict(
+        {"layers": [1], "steer": {"layers": [0, 2], "hooks": ["pre_attn", "post_block"]}}
+    )
+    assert cfg.steer.resolve_layers(4) == (0, 2) and cfg.steer.hooks == ("pre_attn", "post_block")
+    assert CaptureConfig.from_dict({"layers": [1]}).steer is None
+    for raw, needle in [
+        ({"hooks": ["mlp_out"]}, "actbus.steer.hooks[0]: 'mlp_out' is not a steering point"),
+        ({"per_token": 0}, "actbus.steer.per_token"),
+        ({"colour": 1}, "actbus.steer.colour: unknown key"),
+        ({"vectors": {"a": {"sae": "d"}}}, "actbus.steer.vectors.a.feature"),
+        ({"vectors": {"a": {"file": "f", "sae": "d"}}}, "actbus.steer.vectors.a: give exactly one"),
+        ({"global": [{"vector": "a"}]}, "actbus.steer.global[0].layers: required"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            SteerConfig.from_dict(raw)
+        assert needle in str(e.value), (raw, str(e.value))
+    with pytest.raises(ConfigError, match="layer 7 is out of range"):
+        SteerConfig.from_dict({"layers": [7]}).resolve_layers(4)
+
+
+def test_entries_expand_per_layer_and_hook():
+    specs = parse_steer(
+        [{"vector": "v", "layers": [2, 1], "hooks": ["post_attn", "pre_attn"], "scale": 2}],
+        "s",
+        num_layers=4,
+        layers=(1, 2),
+    )
+    assert [(s.layer, s.hook, s.scale) for s in specs] == [
+        (1, "post_attn", 2.0),
+        (1, "pre_attn", 2.0),
+        (2, "post_attn", 2.0),
+        (2, "pre_attn", 2.0),
+    ]
+    with pytest.raises(ConfigError, match=r"s\[0\].layers\[0\]: layer 3 cannot be steered"):
+        parse_steer([{"vector": "v", "layers": 3}], "s", num_layers=4, layers=(1, 2))
+    with pytest.raises(ConfigError, match=r"s\[0\].positions: 'last' is not known"):
+        parse_steer([{"vector": "v", "layers": 1, "positions": "last"}], "s")
+    with pytest.raises(ConfigError, match=r"s\[0\].norm_match"):
+        parse_steer([{"vector": "v", "layers": 1, "norm_match": 1}], "s")
+
+
+def test_vectors_from_files_and_checkpoints(tmp_path):
+    reg = VectorRegistry(H)
+    save_file({"v": torch.arange(H, dtype=torch.float32)}, str(tmp_path / "one.safetensors"))
+    vec = reg.register("a", VectorSource("file", str(tmp_path / "one.safetensors")))
+    assert vec.values.tolist() == list(range(H)) and reg.names() == ["a"]
+    save_file({"x": torch.ones(H), "y": torch.ones(3)}, str(tmp_path / "two.safetensors"))
+    with pytest.raises(ConfigError, match=r"vectors.b.key: .* holds \['x', 'y'\]"):
+        reg.register("b", VectorSource("file", str(tmp_path / "two.safetensors")))
+    with pytest.raises(
+        ConfigError, match=r"vectors\.b: has 3 values; this model's residual stream has 8"
+    ):
+        reg.register("b", VectorSource("file", str(tmp_path / "two.safetensors"), key="y"))
+    with pytest.raises(ConfigError, match="NaN or Inf"):
+        reg.register("b", [float("inf")] * H)
+    # An SAE checkpoint: the unit decoder row; a probe: its unit direction on raw inputs.
+    (tmp_path / "sae").mkdir()
+    w_dec = torch.randn(16, H)
+    save_file({"W_dec": w_dec}, str(tmp_path / "sae" / "sae_weights.safetensors"))
+    v = reg.register("f", VectorSource("sae", str(tmp_path / "sae"), feature=5))
+    np.testing.assert_allclose(v.values, (w_dec[5] / w_dec[5].norm()).numpy(), rtol=1e-6)
+    with pytest.raises(
+        ConfigError, match=r"vectors\.g\.feature: 16 is out of range; the SAE has 16"
+    ):
+        reg.register("g", VectorSource("sae", str(tmp_path / "sae"), feature=16))
+    (tmp_path / "probe").mkdir()
+    w, inv_std = torch.randn(2, H), torch.rand(H) + 0.5
+    save_file(
+        {
+            "linear.weight": w,
+            "linear.bias": torch.zeros(2),
+            "mean": torch.zeros(H),
+            "inv_std": inv_std,
+        },
+        str(tmp_path / "probe" / "probe.safetensors"),
+    )
+    (tmp_path / "probe" / "probe.json").write_text('{"heads": {"happy": 0, "sad": 1}}')
+    with pytest.raises(
+        ConfigError, match=r"vectors.p.head: the probe has heads \['happy', 'sad'\]"
+    ):
+        reg.register("p", VectorSource("probe", str(tmp_path / "probe")))
+    v = reg.register("p", VectorSource("probe", str(tmp_path / "probe"), head="sad"))
+    d = w[1] * inv_std
+    np.testing.assert_allclose(v.values, (d / d.norm()).numpy(), rtol=1e-6)
+    reg.remove("p")
+    with pytest.raises(ConfigError, match="no steering vector named 'p'"):
+        reg.get("p", "where")
+
+
+def _frontend(**kw) -> SteerFrontend:
+    return SteerFrontend(
+        SteerConfig.from_dict({"hooks": ["post_attn", "post_block"], **kw}),
+        num_layers=4,
+        hidden_size=H,
+    )
+
+
+def test_cache_salt_follows_prefill_steering():
+    fe = _frontend()
+    fe.registry.register("v", np.ones(H))
+
+    def salt(entries, prompt_len=10):
+        rs = fe.request(entries, True, "steer")
+        return rs.cache_salt(prompt_len) if rs is not None else None
+
+    base = [{"vector": "v", "layers": 1}]
+    assert salt(base) is not None and salt(base) == salt([{"vector": "v", "layers": [1]}])
+    assert salt(base) != salt([{"vector": "v", "layers": 1, "scale": 2.0}])
+    assert salt([{"vector": "v", "layers": 1, "tier": "decode"}]) is None
+    assert salt([{"vector": "v", "layers": 1, "positions": "generated"}]) is None
+    assert salt([{"vector": "v", "layers": 1, "positions": [12]}]) is None
+    assert salt([{"vector": "v", "layers": 1, "positions": [3, 12]}]) is not None
+    # a named vector replaced: the salt follows its values, not its name
+    before = salt(base)
+    fe.registry.register("v", np.full(H, 2.0))
+    assert salt(base) != before
+    # global steering in prefill salts every request, unless it opts out
+    fe.set_global([{"vector": "v", "layers": 2, "hooks": "post_attn"}])
+    assert salt([]) is not None and fe.request([], False, "steer") is None
+    with pytest.raises(ConfigError, match=r"actbus\.steer\.global"):
+        fe.set_global([{"vector": "v", "layers": 2, "hooks": "pre_attn"}])
+
+
+def test_worker_shares_rows_by_digest_and_frees_them():
+    tables = SteerTables(
+        torch.zeros(3, H), {(1, "post_block"): torch.zeros(16, 2, dtype=torch.int64)},
+        {(1, "post_block"): torch.zeros(16, 2, 2)}, per_token=2, max_rows=16,
+    )  # fmt: skip
+    st = Steerer(tables)
+
+    def wire(*digests):
+        return {
+            "steer": {
+                "vectors": {
+                    d: np.full(H, i + 1, np.float32).tobytes() for i, d in enumerate(digests)
+                },
+                "entries": [[1, "post_block", d, 1.0, 0.0, "base", "all"] for d in digests],
+            }
+        }
+
+    st.admit(StepRequests([("a", 4, wire("x")), ("b", 4, wire("x"))], {}, set(), {}))
+    assert st.rows_in_use == 1
+    st.admit(StepRequests([("c", 4, wire("y", "z"))], {}, set(), {}))  # no room: not steered
+    assert st.skipped == 1 and "c" not in st._reqs
+    st.fill(["a", "b"], np.array([0, 2, 3]), {"a": 0, "b": 7})
+    assert tables.index[(1, "post_block")][:3, 0].tolist() == [1, 1, 1]
+    st.admit(StepRequests([], {}, {"a", "b"}, {}))
+    assert st.rows_in_use == 0
+    st.fill([], np.array([0]), {})
+    assert not tables.coef[(1, "post_block")].any()
