@@ -44,7 +44,9 @@ def patch() -> bool:
         if "load_model" in vars(cls):
             cls.load_model = wrap_load_model(vars(cls)["load_model"], "v1")
     GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
-    GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(GPUModelRunner._prepare_inputs)
+    if hasattr(GPUModelRunner, "_prepare_inputs"):  # where steering tables are filled
+        GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(GPUModelRunner._prepare_inputs)
+        GPUModelRunner._actbus_steers = True
     GPUModelRunner._actbus_patched = True
     return True
 

@@ -35,7 +35,9 @@ def patch() -> bool:
         return True
     GPUModelRunner.load_model = wrap_load_model(GPUModelRunner.load_model, "v2")
     GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
-    GPUModelRunner.prepare_inputs = _wrap_prepare_inputs(GPUModelRunner.prepare_inputs)
+    if hasattr(GPUModelRunner, "prepare_inputs"):  # where steering tables are filled
+        GPUModelRunner.prepare_inputs = _wrap_prepare_inputs(GPUModelRunner.prepare_inputs)
+        GPUModelRunner._actbus_steers = True
     GPUModelRunner._actbus_patched = True
     return True
 

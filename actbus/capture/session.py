@@ -182,6 +182,11 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
         self._actbus_steer = attach_steering(
             self.model, self.vllm_config, max_rows=self.max_num_tokens, device=self.device
         )
+        if self._actbus_steer is not None and not getattr(self, "_actbus_steers", False):
+            raise ConfigError(
+                f"actbus.steer: this vLLM's {runner} model runner has no step hook to fill "
+                "the steering tables from; remove actbus.steer or use the other runner"
+            )
         self._actbus = attach_capture(
             self.model,
             self.vllm_config,
