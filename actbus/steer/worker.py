@@ -32,6 +32,23 @@ class _Entry:
     tier: str
     positions: str | tuple[int, ...]
 
+    def steers(self, pos: int, prompt_len: int) -> bool:
+        """Whether this entry steers the token at ``pos`` (a decode step's one token)."""
+        if (self.tier == "prefill" and pos >= prompt_len) or (
+            self.tier == "decode" and pos < prompt_len
+        ):
+            return False
+        p = self.positions
+        if p == "all":
+            return True
+        if p == "prompt":
+            return pos < prompt_len
+        if p == "generated":
+            return pos >= prompt_len
+        if p == "last_prompt":
+            return pos == prompt_len - 1
+        return pos in p
+
     def mask(self, pos: np.ndarray, prompt_len: int) -> np.ndarray:
         """Which of the tokens at ``pos`` this entry steers."""
         if self.tier == "prefill":
@@ -140,11 +157,18 @@ class Steerer:
                 lo, hi = int(offsets[i]), int(offsets[i + 1])
                 if st is None or lo == hi:
                     continue
-                pos = starts.get(rid, 0) + np.arange(hi - lo, dtype=np.int64)
+                start = starts.get(rid, 0)
+                pos = None if hi - lo == 1 else start + np.arange(hi - lo, dtype=np.int64)
                 for e in st.entries:
-                    m = e.mask(pos, st.prompt_len)
-                    if not m.any():
-                        continue
+                    if pos is None:  # a decode step: plain Python is faster than numpy
+                        if not e.steers(start, st.prompt_len):
+                            continue
+                        rows = lo
+                    else:
+                        m = e.mask(pos, st.prompt_len)
+                        if not m.any():
+                            continue
+                        rows = lo + np.flatnonzero(m)
                     if e.point not in active:
                         active[e.point] = (
                             np.zeros((n, k_max), dtype=np.int64),
@@ -152,7 +176,6 @@ class Steerer:
                             np.zeros(n, dtype=np.int64),
                         )
                     idx, coef, count = active[e.point]
-                    rows = lo + np.flatnonzero(m)
                     k = count[rows]  # the front end admits at most k_max per point
                     idx[rows, k] = e.slot
                     coef[rows, k, 0] = e.a

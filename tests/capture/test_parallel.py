@@ -1,5 +1,8 @@
 """Tensor and pipeline parallelism: one engine with TP=2 x PP=2 on CPU.
 
+Steering too: every tensor-parallel rank adds the same vector, each stage at the
+layers it owns.
+
 Each pipeline stage captures the layers it owns (stage 0: layers 0-1, stage 1:
 layers 2-3), only tensor-parallel rank 0 of a stage captures, and the second stage
 forwards its messages to the first stage's publisher. Subscribers see one stream:
@@ -14,10 +17,12 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+import torch
 
 from actbus.bus import Batch, Subscription
 from tests.support.collector import Collector
 from tests.support.oracle import hf_activations, max_rel_error
+from tests.support.steer_oracle import HFSteer, hf_steered_greedy
 
 pytestmark = pytest.mark.engine
 LAYERS = [0, 1, 2, 3]
@@ -44,7 +49,14 @@ def parallel_engine(tiny_models, tmp_path_factory):
             max_num_seqs=8,
             num_gpu_blocks_override=64,
             seed=0,
-            additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": HOOKS}},
+            additional_config={
+                "actbus": {
+                    "publish": address,
+                    "layers": LAYERS,
+                    "hooks": HOOKS,
+                    "steer": {"hooks": ["pre_attn", "post_attn", "post_block"]},
+                }
+            },
         )
     finally:
         if old is None:
@@ -125,3 +137,56 @@ def test_every_stage_publishes_its_layers_into_one_stream(parallel_engine):
         mixed += len({layer for layer, _ in per_tap}) == len(LAYERS)
     assert mixed > 0, "no step carried layers of both stages"
     assert np.all(np.diff(sorted(col.steps)) > 0)
+
+
+def test_steering_on_both_stages_matches_hf(parallel_engine):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, _, model_path = parallel_engine
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 500) for _ in range(12 + 29 * i)] for i in range(3)]
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    g = torch.Generator().manual_seed(2)
+    norm = float(
+        hf_activations(model_path, prompts[0], [1], ["pre_attn"])[(1, "pre_attn")]
+        .norm(dim=-1)
+        .mean()
+    )
+    v = [2 * norm * u / u.norm() for u in torch.randn(3, hidden, generator=g)]
+    cases = [
+        [HFSteer(0, "post_attn", v[0]), HFSteer(3, "pre_attn", v[1], 0.7, True)],
+        [
+            HFSteer(2, "post_block", v[2], tier="decode"),
+            HFSteer(1, "post_block", v[0], tier="prefill"),
+        ],
+        [],
+    ]
+
+    def entry(s: HFSteer) -> dict:
+        return {"vector": s.vector.tolist(), "layers": s.layer, "hooks": s.hook, "scale": s.scale,
+                "norm_match": s.norm_match, "tier": s.tier}  # fmt: skip
+
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=6,
+            ignore_eos=True,
+            extra_args={"actbus": {"steer": [entry(s) for s in c], "return": True}},
+        )
+        for c in cases
+    ]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    changed = 0
+    for o, steers in zip(outs, cases, strict=True):
+        tokens, want = hf_steered_greedy(model_path, list(o.prompt_token_ids), 6, steers, LAYERS)
+        assert list(o.outputs[0].token_ids) == tokens, steers
+        acts = o.outputs[0].activations
+        assert acts is not None and acts.complete
+        for key in acts.tensors:
+            assert max_rel_error(acts[key], want[key]) <= 1e-3, (key, steers)
+        changed += (
+            bool(steers)
+            and tokens != hf_steered_greedy(model_path, list(o.prompt_token_ids), 6, [], [])[0]
+        )
+    assert changed >= 1, "steering this strong should change some greedy tokens"

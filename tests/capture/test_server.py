@@ -2,8 +2,8 @@
 
 Started as users start it, in its own process; the engine taps two layers and
 captures only requests that ask (``--requests selected``), over HTTP through
-``vllm_xargs={"actbus": "<json>"}``. The last test stops it with Ctrl-C (SIGINT), as
-a user would, and checks the stream ended for its subscribers.
+``vllm_xargs={"actbus": "<json>"}``, which steers requests too. The last test stops it
+with Ctrl-C (SIGINT), as a user would, and checks the stream ended for its subscribers.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def server(tiny_models, tmp_path_factory):
         "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
         "--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "64",
         "--host", "127.0.0.1", "--port", str(port),
+        "--actbus-config", json.dumps({"steer": {"layers": [1, 2], "hooks": ["post_block"]}}),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}  # the worker's actbus line is INFO
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -205,6 +206,46 @@ def test_return_over_http_is_a_400_that_says_to_subscribe(server):
         sub.wait_welcome(30)
         subscribers = stats_of(sub, 10)["subscribers"]
     assert "actbus-return" not in subscribers, subscribers
+
+
+def test_steering_over_http_matches_hf(server):
+    """A vector sent in vllm_xargs steers that request alone; bad steering is a 400."""
+    import openai
+    import torch
+
+    from tests.support.steer_oracle import HFSteer, hf_steered_greedy
+
+    base, model_path = server.base, server.model
+    c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=120, max_retries=0)
+    prompt = [random.Random(3).randrange(3, 400) for _ in range(19)]
+    stream = hf_activations(model_path, prompt, [1], ["post_block"])[(1, "post_block")]
+    norm = float(stream.norm(dim=-1).mean())
+    v = torch.randn(stream.shape[1], generator=torch.Generator().manual_seed(1))
+    v = 2 * norm * v / v.norm()
+    steer = [{"vector": v.tolist(), "layers": 2, "scale": 1.0}]
+    got = {}
+    for name, extra in (("steered", _selection(steer=steer)), ("plain", {})):
+        r = c.completions.create(
+            model=str(model_path), prompt=prompt, max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **extra},
+        )  # fmt: skip
+        got[name] = list(r.choices[0].token_ids)
+    want, _ = hf_steered_greedy(model_path, prompt, 6, [HFSteer(2, "post_block", v)], [])
+    plain, _ = hf_steered_greedy(model_path, prompt, 6, [], [])
+    assert got == {"steered": want, "plain": plain} and want != plain
+    for raw, needle in (
+        ({"steer": [{"vector": "nope", "layers": 1}]}, "no steering vector named 'nope'"),
+        (
+            {"steer": [{"vector": [1.0], "layers": 3}]},
+            "steer[0].layers[0]: layer 3 cannot be steered",
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(
+                model=str(model_path), prompt=[5, 6, 7], max_tokens=4,
+                extra_body={"vllm_xargs": {"actbus": json.dumps(raw)}},
+            )  # fmt: skip
+        assert e.value.status_code == 400 and needle in str(e.value), str(e.value)
 
 
 def test_ctrl_c_of_the_server_ends_the_stream(server):
