@@ -23,6 +23,30 @@ from actbus.steer.graph import SteerTables
 log = logging.getLogger("actbus.steer")
 
 
+class _Upload:
+    """Host-to-device copies that do not stall the host on CUDA.
+
+    A copy from pageable memory waits for the stream to drain, which would undo vLLM's
+    overlap of input preparation with the previous forward. Each copy goes through a
+    fresh pinned tensor, kept (with an event) until the copy has run; copies stay in
+    stream order, so the forward that follows reads the new values. On CPU: a copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._inflight: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+
+    def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        self._inflight = [(t, e) for t, e in self._inflight if not e.query()]
+        host = src.pin_memory()
+        dst.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._inflight.append((host, done))
+
+
 @dataclass(frozen=True)
 class _Entry:
     point: tuple[int, str]
@@ -87,6 +111,7 @@ class Steerer:
         self._reqs: dict[str, _Request] = {}
         self._dirty: set[tuple[int, str]] = set()
         self.skipped = 0  # requests not steered because the table was full
+        self._upload = _Upload(tables.table.device)
 
     # ------------------------------------------------------------------ requests
     def admit(self, sr: StepRequests) -> None:
@@ -121,7 +146,7 @@ class Steerer:
                 continue
             row = self._free.pop()
             values = torch.frombuffer(bytearray(vectors[d]), dtype=torch.float32)
-            self.tables.table[row].copy_(values.to(self.dtype))
+            self._upload(self.tables.table[row], values.to(self.dtype))
             self._rows[d] = [row, 1]
         entries = [
             _Entry(
@@ -182,8 +207,8 @@ class Steerer:
                     coef[rows, k, 1] = e.b
                     count[rows] += 1
         for point, (idx, coef, _) in active.items():
-            self.tables.index[point][:n].copy_(torch.from_numpy(idx))
-            self.tables.coef[point][:n].copy_(torch.from_numpy(coef))
+            self._upload(self.tables.index[point][:n], torch.from_numpy(idx))
+            self._upload(self.tables.coef[point][:n], torch.from_numpy(coef))
         for point in self._dirty - active.keys():
             self.tables.index[point].zero_()
             self.tables.coef[point].zero_()
