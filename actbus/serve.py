@@ -1,7 +1,8 @@
 """``actbus serve``: vLLM's OpenAI-compatible server with the publisher on.
 
-It turns capture flags into vLLM's ``--additional-config`` and starts the server as
-vLLM itself would; every other argument goes to vLLM unchanged, and the config is
+It turns capture flags into vLLM's ``--additional-config`` (and, with steering, adds
+the steering endpoints as vLLM ``--middleware``) and starts the server as vLLM itself
+would; every other argument goes to vLLM unchanged, and the config is
 validated the same way as in ``LLM(...)`` before the engine starts.
 
 The server runs as a child process, in a process group of its own, and this one
@@ -66,6 +67,9 @@ def serve_command(argv: list[str]) -> list[str]:
     CaptureConfig.from_dict(cfg)  # fail here, before the engine starts
     if any(a == "--additional-config" or a.startswith("--additional-config=") for a in vllm_args):
         raise ConfigError("--additional-config: actbus serve writes it; use --actbus-config")
+    # With steering on: the endpoints for named vectors and global steering
+    # (actbus.steer.http), through vLLM's own --middleware flag.
+    steer = ["--middleware", "actbus.steer.http.middleware"] if "steer" in cfg else []
     return [
         sys.executable,
         "-m",
@@ -74,6 +78,7 @@ def serve_command(argv: list[str]) -> list[str]:
         args.model,
         "--additional-config",
         json.dumps({"actbus": cfg}),
+        *steer,
         *vllm_args,
     ]
 

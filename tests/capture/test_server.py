@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,18 @@ def server(tiny_models, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def _call(base: str, method: str, path: str, body=None) -> tuple[int, dict]:
+    """One call to actbus's steering endpoints: (status, JSON body)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"{base}/v1/actbus/{path}", data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def _selection(**kw) -> dict:
@@ -230,11 +243,27 @@ def test_steering_over_http_matches_hf(server):
             extra_body={"ignore_eos": True, "return_token_ids": True, **extra},
         )  # fmt: skip
         got[name] = list(r.choices[0].token_ids)
+    # The same vector registered by name over HTTP, then steered with by name.
+    assert _call(base, "PUT", "vectors/push", {"values": v.tolist()})[1]["width"] == len(v)
+    status, listed = _call(base, "GET", "vectors")
+    assert status == 200 and [x["name"] for x in listed["vectors"]] == ["push"]
+    by_name = _selection(steer=[{"vector": "push", "layers": 2}])
+    r = c.completions.create(
+        model=str(model_path), prompt=prompt, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True, **by_name},
+    )  # fmt: skip
+    got["by_name"] = list(r.choices[0].token_ids)
+    assert _call(base, "DELETE", "vectors/push")[0] == 200
+    assert _call(base, "DELETE", "vectors/push")[0] == 404
+    status, err = _call(base, "PUT", "vectors/bad", {"values": [1.0, 2.0]})
+    assert status == 400 and "has 2 values" in err["error"], err
+    status, err = _call(base, "PUT", "vectors/bad", {"sae": "/nonexistent"})
+    assert status == 400 and err["error"].startswith("body.feature"), err
     want, _ = hf_steered_greedy(model_path, prompt, 6, [HFSteer(2, "post_block", v)], [])
     plain, _ = hf_steered_greedy(model_path, prompt, 6, [], [])
-    assert got == {"steered": want, "plain": plain} and want != plain
+    assert got == {"steered": want, "plain": plain, "by_name": want} and want != plain
     for raw, needle in (
-        ({"steer": [{"vector": "nope", "layers": 1}]}, "no steering vector named 'nope'"),
+        ({"steer": [{"vector": "push", "layers": 1}]}, "no steering vector named 'push'"),
         (
             {"steer": [{"vector": [1.0], "layers": 3}]},
             "steer[0].layers[0]: layer 3 cannot be steered",

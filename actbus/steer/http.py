@@ -1,0 +1,116 @@
+"""Named vectors and global steering over HTTP, on vLLM's OpenAI server.
+
+``actbus serve`` adds ``middleware`` below with vLLM's own ``--middleware`` flag. It
+answers ``/v1/actbus/...`` itself and passes every other request on:
+
+- ``GET /v1/actbus/vectors``: the names with their norms and digests;
+- ``PUT /v1/actbus/vectors/NAME``: body ``{"values": [...]}`` or a source
+  (``{"sae": DIR, "feature": I}``, ``{"probe": DIR, "head": TAG}``,
+  ``{"file": PATH, "key": TENSOR}``, paths on the server's host);
+- ``DELETE /v1/actbus/vectors/NAME``;
+- ``GET`` / ``PUT /v1/actbus/steer/global``: body ``{"entries": [...]}``.
+
+Middleware added this way runs before vLLM's API-key check, so it checks for itself:
+with an API key (``--api-key`` or ``VLLM_API_KEY``) every call must carry it as a
+bearer token; without one, only loopback clients are served.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from typing import Any
+
+from actbus.errors import ConfigError
+from actbus.steer.api import steering
+from actbus.steer.config import VectorSource
+
+PREFIX = "/v1/actbus/"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _tokens(request: Any) -> list[str]:
+    args = getattr(request.app.state, "args", None)
+    keys = getattr(args, "api_key", None)
+    if isinstance(keys, str):
+        keys = [keys]
+    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
+def _denied(request: Any) -> tuple[int, str] | None:
+    tokens = _tokens(request)
+    if tokens:
+        given = request.headers.get("authorization", "")
+        ok = given.startswith("Bearer ") and any(
+            hmac.compare_digest(given[7:].encode(), t.encode()) for t in tokens
+        )
+        return None if ok else (401, "actbus: steering endpoints need the server's API key")
+    host = request.client.host if request.client else ""
+    if host in LOOPBACK:
+        return None
+    return (403, "actbus: without --api-key, steering endpoints serve loopback clients only")
+
+
+async def middleware(request: Any, call_next: Any) -> Any:
+    """Answer ``/v1/actbus/...``; everything else goes to vLLM."""
+    path = request.url.path
+    if not path.startswith(PREFIX):
+        return await call_next(request)
+    from fastapi.responses import JSONResponse
+
+    denied = _denied(request)
+    if denied is not None:
+        return JSONResponse({"error": denied[1]}, status_code=denied[0])
+    body: Any = None
+    if request.method == "PUT":
+        try:
+            body = json.loads(await request.body() or b"null")
+        except json.JSONDecodeError as e:
+            return JSONResponse({"error": f"body: not valid JSON ({e.msg})"}, status_code=400)
+    try:
+        status, out = _handle(request.app.state.engine_client, request.method, path, body)
+    except ConfigError as e:
+        status, out = 400, {"error": str(e)}
+    except KeyError as e:
+        status, out = 404, {"error": str(e.args[0])}
+    return JSONResponse(out, status_code=status)
+
+
+def _handle(engine: Any, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+    steer = steering(engine)
+    reg = steer.registry
+    parts = path[len(PREFIX) :].strip("/").split("/")
+    if parts == ["vectors"] and method == "GET":
+        return 200, {"vectors": [_describe(n, reg.get(n, "name")) for n in reg.names()]}
+    if len(parts) == 2 and parts[0] == "vectors" and method in ("PUT", "DELETE"):
+        name = parts[1]
+        if method == "DELETE":
+            reg.remove(name)
+            return 200, {"removed": name}
+        if not isinstance(body, dict):
+            raise ConfigError(
+                "body: expected {'values': [...]} or a source such as {'sae': DIR, 'feature': 3}"
+            )
+        if "values" in body:
+            if set(body) != {"values"}:
+                raise ConfigError("body: 'values' goes alone")
+            values = body["values"]
+            if not isinstance(values, list):
+                raise ConfigError("body.values: expected a list of floats")
+            vec = reg.register(name, values)
+        else:
+            vec = reg.register(name, VectorSource.from_dict(body, "body"))
+        return 200, _describe(name, vec)
+    if parts == ["steer", "global"] and method == "GET":
+        return 200, {"entries": [r.key() for r in steer.global_entries]}
+    if parts == ["steer", "global"] and method == "PUT":
+        if not isinstance(body, dict) or set(body) != {"entries"}:
+            raise ConfigError("body: expected {'entries': [...]} (a request's steer list)")
+        steer.set_global(body["entries"])
+        return 200, {"entries": len(steer.global_entries)}
+    raise KeyError(f"{method} {path}: no such actbus endpoint")
+
+
+def _describe(name: str, vec: Any) -> dict[str, Any]:
+    return {"name": name, "norm": vec.norm, "digest": vec.digest, "width": len(vec.values)}
