@@ -33,6 +33,7 @@ from actbus.capture.taps import (
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
+from actbus.steer.frontend import SteerFrontend
 from actbus.steer.graph import install_steering
 from actbus.steer.worker import Steerer
 
@@ -83,8 +84,12 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     if checked is None:
         return None
     require(scheduler_problems(), "the scheduler")
+    cfg = checked[0]
+    if cfg.steer is not None:  # named vectors load and global entries resolve, or fail now
+        mc = vllm_config.model_config
+        SteerFrontend(cfg.steer, num_layers=_num_layers(mc), hidden_size=mc.get_hidden_size())
     vllm_config.additional_config["actbus"]["_graph_version"] = GRAPH_VERSION
-    return checked[0]
+    return cfg
 
 
 def attach_capture(

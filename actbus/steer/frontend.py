@@ -83,7 +83,7 @@ class SteerFrontend:
         self.hooks = cfg.hooks
         self.registry = VectorRegistry(hidden_size)
         for name, src in cfg.vectors.items():
-            self.registry.register(name, src)
+            self.registry.register(name, src, "actbus.steer.vectors")
         self._lock = threading.Lock()
         self._global: tuple[Resolved, ...] = ()
         self.set_global(list(cfg.global_steer))

@@ -111,10 +111,13 @@ class VectorRegistry:
         self._lock = threading.Lock()
         self._named: dict[str, Vector] = {}
 
-    def register(self, name: str, values: np.ndarray | list[float] | VectorSource) -> Vector:
-        """Add or replace ``name``; requests admitted from now on use the new values."""
-        check_name(name, "name")
-        where = f"vectors.{name}"
+    def register(
+        self, name: str, values: np.ndarray | list[float] | VectorSource, where: str = "vectors"
+    ) -> Vector:
+        """Add or replace ``name``; requests admitted from now on use the new values.
+        ``where`` prefixes error messages (the engine's config: ``actbus.steer.vectors``)."""
+        check_name(name, where)
+        where = f"{where}.{name}"
         if isinstance(values, VectorSource):
             values = load_source(values, where)
         elif hasattr(values, "detach"):  # a torch tensor

@@ -17,6 +17,16 @@ CASES = [
         {"layers": [1], "publish": "tcp:/127.0.0.1:5"},
         "actbus.publish='tcp:/127.0.0.1:5': not a ZeroMQ address",
     ),
+    ({"layers": [1], "steer": {"hooks": "mlp_out"}}, "actbus.steer.hooks[0]: 'mlp_out'"),
+    ({"layers": [1], "steer": {"layers": [4]}}, "actbus.steer.layers[0]: layer 4 is out of range"),
+    (
+        {"layers": [1], "steer": {"vectors": {"v": {"file": "/nonexistent.safetensors"}}}},
+        "actbus.steer.vectors.v: /nonexistent.safetensors is not a file",
+    ),
+    (
+        {"layers": [1], "steer": {"global": [{"vector": "nope", "layers": 1}]}},
+        "actbus.steer.global[0].vector: no steering vector named 'nope'",
+    ),
 ]
 
 
