@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from actbus.errors import ConfigError
 from actbus.streams import parse_positions
 
@@ -41,7 +43,7 @@ class SteerSpec:
 
     layer: int
     hook: str
-    vector: str | tuple[float, ...]
+    vector: str | np.ndarray
     scale: float = 1.0
     norm_match: bool = False
     tier: str = "base"
@@ -218,6 +220,23 @@ def check_finite(x: Any, where: str, what: str) -> float:
     return float(x)
 
 
+def _floats(raw: list | tuple, where: str) -> np.ndarray:
+    """A flat list of finite numbers as float32 (checked in one pass; the slow loop only
+    runs to name the first bad component)."""
+    try:
+        arr = np.asarray(raw, dtype=np.float64)
+        ok = arr.ndim == 1 and bool(np.isfinite(arr).all())
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        for j, x in enumerate(raw):
+            check_finite(x, f"{where}[{j}]", "a vector component")
+        raise ConfigError(f"{where}: expected a flat list of numbers")
+    out = arr.astype(np.float32)
+    out.setflags(write=False)
+    return out
+
+
 def parse_steer(
     raw: Any,
     where: str,
@@ -251,9 +270,7 @@ def parse_steer(
         if isinstance(vec, str):
             check_name(vec, f"{w}.vector")
         elif isinstance(vec, (list, tuple)) and vec:
-            for j, x in enumerate(vec):
-                check_finite(x, f"{w}.vector[{j}]", "a vector component")
-            vec = tuple(float(x) for x in vec)
+            vec = _floats(vec, f"{w}.vector")
         else:
             raise ConfigError(
                 f"{w}.vector: expected a registered vector's name or a list of floats, "
