@@ -4,5 +4,6 @@
 ``steer`` list), ``vectors`` holds named vectors and loads them from files and
 checkpoints, ``graph`` is what the traced forward computes, ``worker`` fills the
 per-token tables before each forward, ``frontend`` resolves a request's steering
-into the form the worker trusts, and ``api`` is the Python API over a running engine.
+into the form the worker trusts, ``api`` is the Python API over a running engine and
+``http`` the same over vLLM's OpenAI server.
 """
