@@ -51,12 +51,14 @@ class HFSteer:
 
     def delta(self, stream: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """``[seq, hidden]`` added to ``stream`` (``[seq, hidden]``)."""
-        v = self.vector.to(stream.dtype)
+        v = self.vector.to(stream.device, torch.float32)
+        s = stream.float()
         if self.norm_match:
-            coef = self.scale * stream.norm(dim=-1, keepdim=True) / v.norm()
+            coef = self.scale * s.norm(dim=-1, keepdim=True) / v.norm()
         else:
-            coef = torch.full((stream.shape[0], 1), self.scale, dtype=stream.dtype)
-        return coef * self.mask(stream.shape[0], prompt_len)[:, None].to(stream.dtype) * v
+            coef = torch.full((s.shape[0], 1), self.scale, device=s.device)
+        mask = self.mask(s.shape[0], prompt_len)[:, None].to(s.device, torch.float32)
+        return (coef * mask * v).to(stream.dtype)
 
 
 def _sum(steers, stream, prompt_len):
@@ -67,10 +69,17 @@ def _sum(steers, stream, prompt_len):
 
 
 def hf_steered_forward(
-    path, token_ids: list[int], prompt_len: int, steers: list[HFSteer], capture: list[int]
+    path,
+    token_ids: list[int],
+    prompt_len: int,
+    steers: list[HFSteer],
+    capture: list[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
     """Logits ``[seq, vocab]`` and the captured points of ``capture`` layers (every hook)."""
-    model = hf_model(str(path))
+    model = hf_model(str(path), dtype, device)
     family = "gemma" if "Gemma" in type(model).__name__ else "llama"
     acts: dict[tuple[int, str], torch.Tensor] = {}
     handles = []
@@ -107,7 +116,7 @@ def hf_steered_forward(
         handles.append(layer.register_forward_hook(post))
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([token_ids])).logits[0]
+            logits = model(torch.tensor([token_ids], device=device)).logits[0]
     finally:
         for h in handles:
             h.remove()
