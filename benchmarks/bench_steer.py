@@ -10,6 +10,11 @@ graphs). Each configuration runs in its own process (a fresh engine):
     steer_mixed        half the requests steered at layer 16, each with its own vector
     steer_and_capture  steer_1 plus layers 4, 12, 20, 28 captured to a lossless
                        (``block``) null subscriber
+    lens_steer_1       vllm-lens 1.2.1 (a peer plugin; it forces eager mode) steering
+                       every request at layer 16 with the same vector and scale
+
+Each arm loads only its own plugin (``VLLM_PLUGINS``), so an installed vllm-lens never
+forces eager mode on the actbus arms.
 
 Prints a table, then one JSON line with every figure and ``ratio_<config>`` (tokens per
 second against ``plain``).
@@ -51,7 +56,9 @@ CONFIGS: dict[str, Arm | None] = {
     "steer_4": Arm(CAPTURED, norm_match=True),
     "steer_mixed": Arm([16], share=0.5),
     "steer_and_capture": Arm([16], capture=True),
+    "lens_steer_1": None,  # vllm-lens, not actbus: see run_one
 }
+PLUGINS = {"plain": "no-plugin", "lens_steer_1": "activations"}  # else "actbus"
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
@@ -65,6 +72,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     model_dir = Path(tempfile.mkdtemp(prefix="bench-8b-"))
     (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
     arm = CONFIGS[name]
+    lens = name.startswith("lens_")
     extra: dict = {}
     sub = None
     if arm is not None:
@@ -108,6 +116,14 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     ]
     base = dict(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
     params = [SamplingParams(**base) for _ in prompts]  # plain
+    if lens:
+        from vllm_lens import SteeringVector
+
+        v = torch.randn(LLAMA3_8B["hidden_size"], generator=torch.Generator().manual_seed(0))
+        sv = SteeringVector(activations=v[None], layer_indices=[16], scale=0.5)
+        params = [
+            SamplingParams(**base, extra_args={"apply_steering_vectors": [sv]}) for _ in prompts
+        ]
     if arm is not None:
         from actbus.steer.api import vectors
 
@@ -156,7 +172,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--input", type=int, default=256)
     ap.add_argument("--output", type=int, default=256)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument(
+        "--configs",
+        default=",".join(c for c in CONFIGS if not c.startswith("lens_")),
+        help="comma-separated arms; lens_steer_1 needs vllm-lens installed",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -164,9 +184,7 @@ def main() -> int:
         return 0
     results = {}
     for name in args.configs.split(","):
-        env = dict(os.environ)
-        if name == "plain":
-            env["VLLM_PLUGINS"] = "no-plugin"  # load no general plugin at all
+        env = {**os.environ, "VLLM_PLUGINS": PLUGINS.get(name, "actbus")}
         cmd = [sys.executable, __file__, "--one", name, "--prompts", str(args.prompts),
                "--input", str(args.input), "--output", str(args.output)]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

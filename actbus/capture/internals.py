@@ -50,6 +50,10 @@ RUNNER_METHODS = {
         "execute_model": ("scheduler_output", "intermediate_tensors", "dummy_run"),
     },
 }
+STEER_METHODS = {  # where the steering tables are filled, once the batch is laid out
+    "v1": {"_prepare_inputs": ("scheduler_output",)},
+    "v2": {"prepare_inputs": ("scheduler_output",)},
+}
 RUNNER_ATTRS = {  # on the runner instance, before load_model runs
     "v1": (
         "vllm_config",

@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from actbus.capture.internals import (
+    STEER_METHODS,
     require,
     runner_problems,
     scheduler_problems,
+    signature_problems,
     vllm_version,
 )
 from actbus.capture.mode import log as mode_log
@@ -187,10 +189,15 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
         self._actbus_steer = attach_steering(
             self.model, self.vllm_config, max_rows=self.max_num_tokens, device=self.device
         )
-        if self._actbus_steer is not None and not getattr(self, "_actbus_steers", False):
-            raise ConfigError(
-                f"actbus.steer: this vLLM's {runner} model runner has no step hook to fill "
-                "the steering tables from; remove actbus.steer or use the other runner"
+        if self._actbus_steer is not None:
+            if not getattr(self, "_actbus_steers", False):
+                raise ConfigError(
+                    f"actbus.steer: this vLLM's {runner} model runner has no step hook to "
+                    "fill the steering tables from; remove actbus.steer or use the other runner"
+                )
+            require(
+                signature_problems(type(self), STEER_METHODS[runner]),
+                f"Model Runner {runner.upper()} (steering)",
             )
         self._actbus = attach_capture(
             self.model,
