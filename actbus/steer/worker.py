@@ -47,57 +47,57 @@ class _Upload:
         self._inflight.append((host, done))
 
 
-@dataclass(frozen=True)
-class _Entry:
-    point: tuple[int, str]
-    slot: int
-    a: float
-    b: float
-    tier: str
-    positions: str | tuple[int, ...]
-
-    def steers(self, pos: int, prompt_len: int) -> bool:
-        """Whether this entry steers the token at ``pos`` (a decode step's one token)."""
-        if (self.tier == "prefill" and pos >= prompt_len) or (
-            self.tier == "decode" and pos < prompt_len
-        ):
-            return False
-        p = self.positions
-        if p == "all":
-            return True
-        if p == "prompt":
-            return pos < prompt_len
-        if p == "generated":
-            return pos >= prompt_len
-        if p == "last_prompt":
-            return pos == prompt_len - 1
-        return pos in p
-
-    def mask(self, pos: np.ndarray, prompt_len: int) -> np.ndarray:
-        """Which of the tokens at ``pos`` this entry steers."""
-        if self.tier == "prefill":
-            m = pos < prompt_len
-        elif self.tier == "decode":
-            m = pos >= prompt_len
-        else:
-            m = np.ones(len(pos), dtype=bool)
-        p = self.positions
-        if p == "prompt":
-            m &= pos < prompt_len
-        elif p == "generated":
-            m &= pos >= prompt_len
-        elif p == "last_prompt":
-            m &= pos == prompt_len - 1
-        elif isinstance(p, tuple):
-            m &= np.isin(pos, np.asarray(p, dtype=np.int64))
-        return m
+TIER_CODES = {"base": 0, "prefill": 1, "decode": 2}
+POSITION_CODES = {"all": 0, "prompt": 1, "generated": 2, "last_prompt": 3}
+LISTED = 4  # an explicit list of positions
 
 
 @dataclass
 class _Request:
+    """One request's steering, as arrays: one element per entry this rank steers."""
+
     prompt_len: int
-    entries: list[_Entry]
+    point: np.ndarray  # int64: index into ``Steerer.points``
+    slot: np.ndarray  # int64: row of the vector table
+    a: np.ndarray  # float32
+    b: np.ndarray  # float32
+    tier: np.ndarray  # int8: TIER_CODES
+    mode: np.ndarray  # int8: POSITION_CODES, or LISTED
+    listed: dict[int, np.ndarray]  # entry -> its sorted positions (mode LISTED)
     digests: list[str]
+
+
+@dataclass
+class _Batch:
+    """The steered requests of one batch, their entries concatenated (one element per
+    entry); ``req`` maps an entry to its request's place in ``key``."""
+
+    key: tuple[str, ...]  # the steered requests' ids, in batch order
+    where: np.ndarray  # their places in the batch
+    prompt_len: np.ndarray
+    point: np.ndarray
+    slot: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    tier: np.ndarray
+    mode: np.ndarray
+    req: np.ndarray
+    listed: dict[int, np.ndarray]  # entry -> its positions (mode LISTED)
+
+
+def _entry_mask(
+    tier: np.ndarray, mode: np.ndarray, pos: np.ndarray, prompt_len: np.ndarray
+) -> np.ndarray:
+    """Which (entry, token) pairs are steered, from each pair's tier, position mode,
+    position and prompt length (``LISTED`` pairs are decided by the caller)."""
+    prompt = pos < prompt_len
+    keep = np.where(tier == 1, prompt, np.where(tier == 2, ~prompt, True))
+    by_mode = np.select(
+        [mode == 1, mode == 2, mode == 3],
+        [prompt, ~prompt, pos == prompt_len - 1],
+        default=True,
+    )
+    return keep & by_mode
 
 
 class Steerer:
@@ -105,11 +105,14 @@ class Steerer:
 
     def __init__(self, tables: SteerTables) -> None:
         self.tables = tables
+        self.points = tables.points
+        self._point_ids = {p: i for i, p in enumerate(self.points)}
         self.dtype = tables.table.dtype
         self._rows: dict[str, list[int]] = {}  # digest -> [table row, requests using it]
         self._free = list(range(tables.table.shape[0] - 1, 0, -1))  # row 0 stays zero
         self._reqs: dict[str, _Request] = {}
         self._dirty: set[tuple[int, str]] = set()
+        self._last: _Batch | None = None  # the last batch laid out, reused while unchanged
         self.skipped = 0  # requests not steered because the table was full
         self._upload = _Upload(tables.table.device)
 
@@ -120,6 +123,7 @@ class Steerer:
             st = self._reqs.pop(rid, None)
             if st is not None:
                 self._release(st.digests)
+                self._last = None
         for rid, prompt_len, wire in sr.new:
             if rid in self._reqs:  # resumed after preemption
                 continue
@@ -128,6 +132,7 @@ class Steerer:
                 st = self._take(rid, prompt_len, steer)
                 if st is not None:
                     self._reqs[rid] = st
+                    self._last = None
 
     def _take(self, rid: str, prompt_len: int, steer: dict) -> _Request | None:
         vectors: dict[str, bytes] = steer["vectors"]
@@ -148,19 +153,27 @@ class Steerer:
             values = torch.frombuffer(bytearray(vectors[d]), dtype=torch.float32)
             self._upload(self.tables.table[row], values.to(self.dtype))
             self._rows[d] = [row, 1]
-        entries = [
-            _Entry(
-                (int(layer), str(hook)),
-                self._rows[d][0],
-                float(a),
-                float(b),
-                str(tier),
-                pos if isinstance(pos, str) else tuple(pos),
-            )
-            for layer, hook, d, a, b, tier, pos in steer["entries"]
-            if (int(layer), str(hook)) in self.tables.index  # else another stage's layer
-        ]
-        return _Request(prompt_len, entries, list(vectors))
+        mine = [e for e in steer["entries"] if (int(e[0]), str(e[1])) in self._point_ids]
+        # (entries of layers this rank does not hold belong to another pipeline stage)
+        listed = {
+            j: np.asarray(e[6], dtype=np.int64)
+            for j, e in enumerate(mine)
+            if not isinstance(e[6], str)
+        }
+        return _Request(
+            prompt_len,
+            np.array([self._point_ids[(int(e[0]), str(e[1]))] for e in mine], dtype=np.int64),
+            np.array([self._rows[e[2]][0] for e in mine], dtype=np.int64),
+            np.array([e[3] for e in mine], dtype=np.float32),
+            np.array([e[4] for e in mine], dtype=np.float32),
+            np.array([TIER_CODES[str(e[5])] for e in mine], dtype=np.int8),
+            np.array(
+                [LISTED if j in listed else POSITION_CODES[str(e[6])] for j, e in enumerate(mine)],
+                dtype=np.int8,
+            ),
+            listed,
+            list(vectors),
+        )
 
     def _release(self, digests: list[str]) -> None:
         for d in digests:
@@ -172,47 +185,102 @@ class Steerer:
 
     # ---------------------------------------------------------------------- step
     def fill(self, req_ids: list[str], offsets: np.ndarray, starts: dict[str, int]) -> None:
-        """Write this step's per-token indices and coefficients (before the forward)."""
+        """Write this step's per-token indices and coefficients (before the forward).
+
+        Vectorized over (entry, token) pairs: the host cost of a step is a handful of
+        numpy calls whatever the batch, not a Python loop over requests x entries."""
         n = int(offsets[-1]) if len(offsets) else 0
-        k_max = self.tables.per_token
-        active: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        if self._reqs:
-            for i, rid in enumerate(req_ids):
-                st = self._reqs.get(rid)
-                lo, hi = int(offsets[i]), int(offsets[i + 1])
-                if st is None or lo == hi:
-                    continue
-                start = starts.get(rid, 0)
-                pos = None if hi - lo == 1 else start + np.arange(hi - lo, dtype=np.int64)
-                for e in st.entries:
-                    if pos is None:  # a decode step: plain Python is faster than numpy
-                        if not e.steers(start, st.prompt_len):
-                            continue
-                        rows = lo
-                    else:
-                        m = e.mask(pos, st.prompt_len)
-                        if not m.any():
-                            continue
-                        rows = lo + np.flatnonzero(m)
-                    if e.point not in active:
-                        active[e.point] = (
-                            np.zeros((n, k_max), dtype=np.int64),
-                            np.zeros((n, k_max, 2), dtype=np.float32),
-                            np.zeros(n, dtype=np.int64),
-                        )
-                    idx, coef, count = active[e.point]
-                    k = count[rows]  # the front end admits at most k_max per point
-                    idx[rows, k] = e.slot
-                    coef[rows, k, 0] = e.a
-                    coef[rows, k, 1] = e.b
-                    count[rows] += 1
-        for point, (idx, coef, _) in active.items():
+        active: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if self._reqs and n:
+            batch = self._batch(req_ids)
+            if batch is not None:
+                active = self._lay_out(batch, req_ids, offsets, starts, n)
+        for p, (idx, coef) in active.items():
+            point = self.points[p]
             self._upload(self.tables.index[point][:n], torch.from_numpy(idx))
             self._upload(self.tables.coef[point][:n], torch.from_numpy(coef))
-        for point in self._dirty - active.keys():
+        now = {self.points[p] for p in active}
+        for point in self._dirty - now:
             self.tables.index[point].zero_()
             self.tables.coef[point].zero_()
-        self._dirty = set(active)
+        self._dirty = now
+
+    def _batch(self, req_ids: list[str]) -> _Batch | None:
+        """The steered requests of this batch, their entries concatenated; kept while
+        the batch's steered requests stay the same (decode steps, mostly)."""
+        where = [i for i, rid in enumerate(req_ids) if rid in self._reqs]
+        if not where:
+            return None
+        key = tuple(req_ids[i] for i in where)
+        if self._last is not None and self._last.key == key:
+            return self._last
+        cat = [self._reqs[rid] for rid in key]
+        per_req = np.array([len(st.point) for st in cat], dtype=np.int64)
+        base = np.cumsum(per_req) - per_req
+        self._last = _Batch(
+            key=key,
+            where=np.asarray(where, dtype=np.int64),
+            prompt_len=np.array([st.prompt_len for st in cat], dtype=np.int64),
+            point=np.concatenate([st.point for st in cat]),
+            slot=np.concatenate([st.slot for st in cat]),
+            a=np.concatenate([st.a for st in cat]),
+            b=np.concatenate([st.b for st in cat]),
+            tier=np.concatenate([st.tier for st in cat]),
+            mode=np.concatenate([st.mode for st in cat]),
+            req=np.repeat(np.arange(len(cat)), per_req),
+            listed={int(base[k] + j): v for k, st in enumerate(cat) for j, v in st.listed.items()},
+        )
+        return self._last
+
+    def _lay_out(
+        self,
+        bt: _Batch,
+        req_ids: list[str],
+        offsets: np.ndarray,
+        starts: dict[str, int],
+        n: int,
+    ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Point index -> (indices [n, K], coefficients [n, K, 2]) for the points this
+        step steers; tokens and slots nobody steers stay 0 (row 0 of the table)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        lo = offsets[bt.where]
+        count = offsets[bt.where + 1] - lo
+        first = np.array([starts.get(rid, 0) for rid in bt.key], dtype=np.int64)
+        req, point, slot, a, b = bt.req, bt.point, bt.slot, bt.a, bt.b
+        # Every (entry, token of its request in this step) pair.
+        reps = count[req]
+        pair = np.repeat(np.arange(len(req)), reps)  # pair -> its entry
+        within = np.arange(len(pair)) - np.repeat(np.cumsum(reps) - reps, reps)
+        r = req[pair]
+        row = lo[r] + within
+        pos = first[r] + within
+        keep = _entry_mask(bt.tier[pair], bt.mode[pair], pos, bt.prompt_len[r])
+        for entry, positions in bt.listed.items():
+            sel = pair == entry
+            keep[sel] &= np.isin(pos[sel], positions)
+        pair, row = pair[keep], row[keep]
+        if not len(pair):
+            return {}
+        p = point[pair]
+        # Each (point, row)'s entries take slots 0, 1, ... in order (the front end
+        # admits at most per_token entries per point).
+        order = np.lexsort((pair, row, p))
+        pair, row, p = pair[order], row[order], p[order]
+        key = p * n + row
+        run_start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        k = np.arange(len(key)) - np.repeat(run_start, np.diff(np.r_[run_start, len(key)]))
+        k_max = self.tables.per_token
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for pid in np.unique(p):
+            m = p == pid
+            idx = np.zeros((n, k_max), dtype=np.int64)
+            coef = np.zeros((n, k_max, 2), dtype=np.float32)
+            rr, kk, ee = row[m], k[m], pair[m]
+            idx[rr, kk] = slot[ee]
+            coef[rr, kk, 0] = a[ee]
+            coef[rr, kk, 1] = b[ee]
+            out[int(pid)] = (idx, coef)
+        return out
 
     @property
     def rows_in_use(self) -> int:

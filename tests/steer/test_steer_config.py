@@ -171,3 +171,95 @@ def test_worker_shares_rows_by_digest_and_frees_them():
     assert st.rows_in_use == 0
     st.fill([], np.array([0]), {})
     assert not tables.coef[(1, "post_block")].any()
+
+
+def _reference_fill(reqs, req_ids, offsets, starts, points, per_token, n):
+    """Per token, in plain Python: which (slot, a, b) each point adds, in entry order."""
+    want = {p: [[] for _ in range(n)] for p in points}
+    for i, rid in enumerate(req_ids):
+        if rid not in reqs:
+            continue
+        prompt_len, entries = reqs[rid]
+        for t in range(offsets[i], offsets[i + 1]):
+            pos = starts[rid] + t - offsets[i]
+            for layer, hook, slot, a, b, tier, mode in entries:
+                prompt = pos < prompt_len
+                if (tier == "prefill" and not prompt) or (tier == "decode" and prompt):
+                    continue
+                if (mode == "prompt" and not prompt) or (mode == "generated" and prompt):
+                    continue
+                if mode == "last_prompt" and pos != prompt_len - 1:
+                    continue
+                if isinstance(mode, tuple) and pos not in mode:
+                    continue
+                want[(layer, hook)][t].append((slot, a, b))
+    assert all(len(c) <= per_token for p in points for c in want[p])
+    return want
+
+
+def test_worker_fill_matches_a_per_token_reference():
+    """The vectorized layout equals a plain per-token reading of every entry's tier and
+    positions, over prefill chunks, decode steps and mixed batches."""
+    rng = np.random.default_rng(0)
+    points = [(1, "post_block"), (2, "pre_attn"), (2, "post_block")]
+    k, rows = 3, 64
+    tables = SteerTables(
+        torch.zeros(40, H),
+        {p: torch.zeros(rows, k, dtype=torch.int64) for p in points},
+        {p: torch.zeros(rows, k, 2) for p in points},
+        per_token=k,
+        max_rows=rows,
+    )
+    st = Steerer(tables)
+    modes = ["all", "prompt", "generated", "last_prompt", (1, 4, 9, 12)]
+    tiers = ["base", "prefill", "decode"]
+    new, mine = [], {}
+    for r in range(8):
+        digests = [f"d{r}-{j}" for j in range(2)]
+        entries = []
+        for _ in range(int(rng.integers(0, 4))):
+            layer, hook = points[int(rng.integers(len(points)))]
+            if sum(e[0] == layer and e[1] == hook for e in entries) == k:
+                continue
+            mode = modes[int(rng.integers(len(modes)))]
+            entries.append([
+                layer, hook, digests[int(rng.integers(2))], float(rng.normal()),
+                float(rng.normal()), tiers[int(rng.integers(3))],
+                list(mode) if isinstance(mode, tuple) else mode,
+            ])  # fmt: skip
+        entries.append([9, "post_block", digests[0], 1.0, 0.0, "base", "all"])  # another stage's
+        vectors = {d: np.full(H, 1.0, np.float32).tobytes() for d in digests}
+        new.append((f"r{r}", 6 + r, {"steer": {"vectors": vectors, "entries": entries}}))
+    new.append(("plain", 5, None))
+    st.admit(StepRequests(new, {}, set(), {}))
+    for rid, prompt_len, wire in new:
+        if wire is None:
+            continue
+        slots = {d: st._rows[d][0] for d in wire["steer"]["vectors"]}
+        mine[rid] = (
+            prompt_len,
+            [
+                (e[0], e[1], slots[e[2]], np.float32(e[3]), np.float32(e[4]), e[5],
+                 tuple(e[6]) if isinstance(e[6], list) else e[6])
+                for e in wire["steer"]["entries"] if e[0] != 9
+            ],
+        )  # fmt: skip
+    ids = [rid for rid, _, _ in new]
+    starts = {rid: 0 for rid in ids}
+    for step in range(16):
+        batch = [rid for rid in ids if rng.random() < 0.8] or ids[:1]
+        sizes = [int(rng.integers(1, 6)) if step < 4 else 1 for _ in batch]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        n = int(offsets[-1])
+        st.fill(batch, offsets, dict(starts))
+        want = _reference_fill(mine, batch, offsets, starts, points, k, n)
+        for p in points:
+            idx, coef = tables.index[p][:n], tables.coef[p][:n]
+            for t in range(n):
+                got = [
+                    (int(idx[t, j]), float(coef[t, j, 0]), float(coef[t, j, 1]))
+                    for j in range(k) if idx[t, j] != 0 or coef[t, j].any()
+                ]  # fmt: skip
+                assert got == [(s, float(a), float(b)) for s, a, b in want[p][t]], (step, p, t)
+        for rid, size in zip(batch, sizes, strict=True):
+            starts[rid] += size
