@@ -72,6 +72,7 @@ class _Batch:
     """The steered requests of one batch, their entries concatenated (one element per
     entry); ``req`` maps an entry to its request's place in ``key``."""
 
+    whole: tuple[str, ...]  # the batch's request ids, in order
     key: tuple[str, ...]  # the steered requests' ids, in batch order
     where: np.ndarray  # their places in the batch
     prompt_len: np.ndarray
@@ -113,6 +114,7 @@ class Steerer:
         self._reqs: dict[str, _Request] = {}
         self._dirty: set[tuple[int, str]] = set()
         self._last: _Batch | None = None  # the last batch laid out, reused while unchanged
+        self._steady: tuple | None = None  # the last pure decode step's layout (_steady_key)
         self.skipped = 0  # requests not steered because the table was full
         self._upload = _Upload(tables.table.device)
 
@@ -123,7 +125,7 @@ class Steerer:
             st = self._reqs.pop(rid, None)
             if st is not None:
                 self._release(st.digests)
-                self._last = None
+                self._last = self._steady = None
         for rid, prompt_len, wire in sr.new:
             if rid in self._reqs:  # resumed after preemption
                 continue
@@ -132,7 +134,7 @@ class Steerer:
                 st = self._take(rid, prompt_len, steer)
                 if st is not None:
                     self._reqs[rid] = st
-                    self._last = None
+                    self._last = self._steady = None
 
     def _take(self, rid: str, prompt_len: int, steer: dict) -> _Request | None:
         vectors: dict[str, bytes] = steer["vectors"]
@@ -190,11 +192,18 @@ class Steerer:
         Vectorized over (entry, token) pairs: the host cost of a step is a handful of
         numpy calls whatever the batch, not a Python loop over requests x entries."""
         n = int(offsets[-1]) if len(offsets) else 0
-        active: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        if self._reqs and n:
-            batch = self._batch(req_ids)
-            if batch is not None:
-                active = self._lay_out(batch, req_ids, offsets, starts, n)
+        batch = self._batch(req_ids) if self._reqs and n else None
+        if batch is None:
+            active: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            self._steady = None
+        else:
+            offsets = np.asarray(offsets, dtype=np.int64)
+            first = np.array([starts.get(rid, 0) for rid in batch.key], dtype=np.int64)
+            steady = self._steady_key(batch, offsets, first)
+            if steady is not None and steady == self._steady:
+                return  # the same decode batch as last step: the tables already hold it
+            self._steady = steady
+            active = self._lay_out(batch, offsets, first, n)
         for p, (idx, coef) in active.items():
             point = self.points[p]
             self._upload(self.tables.index[point][:n], torch.from_numpy(idx))
@@ -205,19 +214,34 @@ class Steerer:
             self.tables.coef[point].zero_()
         self._dirty = now
 
+    @staticmethod
+    def _steady_key(bt: _Batch, offsets: np.ndarray, first: np.ndarray) -> tuple | None:
+        """For a pure decode step (one generated token per steered request) of a batch
+        with no listed positions, what its layout depends on: the batch and its rows.
+        Every entry then steers either every generated token or none, so two such steps
+        with the same batch and rows lay out the same tables. None otherwise."""
+        if bt.listed:
+            return None
+        lo = offsets[bt.where]
+        if not (np.all(offsets[bt.where + 1] - lo == 1) and np.all(first >= bt.prompt_len)):
+            return None
+        return bt.whole, offsets.tobytes()
+
     def _batch(self, req_ids: list[str]) -> _Batch | None:
         """The steered requests of this batch, their entries concatenated; kept while
-        the batch's steered requests stay the same (decode steps, mostly)."""
+        the batch stays the same (decode steps, mostly)."""
+        whole = tuple(req_ids)
+        if self._last is not None and self._last.whole == whole:
+            return self._last
         where = [i for i, rid in enumerate(req_ids) if rid in self._reqs]
         if not where:
             return None
         key = tuple(req_ids[i] for i in where)
-        if self._last is not None and self._last.key == key:
-            return self._last
         cat = [self._reqs[rid] for rid in key]
         per_req = np.array([len(st.point) for st in cat], dtype=np.int64)
         base = np.cumsum(per_req) - per_req
         self._last = _Batch(
+            whole=whole,
             key=key,
             where=np.asarray(where, dtype=np.int64),
             prompt_len=np.array([st.prompt_len for st in cat], dtype=np.int64),
@@ -233,19 +257,12 @@ class Steerer:
         return self._last
 
     def _lay_out(
-        self,
-        bt: _Batch,
-        req_ids: list[str],
-        offsets: np.ndarray,
-        starts: dict[str, int],
-        n: int,
+        self, bt: _Batch, offsets: np.ndarray, first: np.ndarray, n: int
     ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Point index -> (indices [n, K], coefficients [n, K, 2]) for the points this
         step steers; tokens and slots nobody steers stay 0 (row 0 of the table)."""
-        offsets = np.asarray(offsets, dtype=np.int64)
         lo = offsets[bt.where]
         count = offsets[bt.where + 1] - lo
-        first = np.array([starts.get(rid, 0) for rid in bt.key], dtype=np.int64)
         req, point, slot, a, b = bt.req, bt.point, bt.slot, bt.a, bt.b
         # Every (entry, token of its request in this step) pair.
         reps = count[req]

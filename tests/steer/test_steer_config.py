@@ -263,3 +263,21 @@ def test_worker_fill_matches_a_per_token_reference():
                 assert got == [(s, float(a), float(b)) for s, a, b in want[p][t]], (step, p, t)
         for rid, size in zip(batch, sizes, strict=True):
             starts[rid] += size
+    # Steady decode: the same batch several steps running (the tables are not rewritten
+    # when nothing changed), then one request leaves and one is decoded alone.
+    steady = [rid for rid in mine if not any(isinstance(e[6], tuple) for e in mine[rid][1])]
+    steady.append("plain")
+    for batch in (steady, steady, steady[::-1], steady, steady[1:], steady[1:], steady[:1]):
+        offsets = np.arange(len(batch) + 1, dtype=np.int64)
+        st.fill(batch, offsets, {rid: max(starts[rid], 40) for rid in batch})
+        want = _reference_fill(
+            mine, batch, offsets, {rid: max(starts[rid], 40) for rid in batch}, points, k,
+            len(batch),
+        )  # fmt: skip
+        for p in points:
+            for t in range(len(batch)):
+                got = [
+                    (int(tables.index[p][t, j]), float(tables.coef[p][t, j, 0]))
+                    for j in range(k) if tables.index[p][t, j] != 0
+                ]  # fmt: skip
+                assert got == [(s, float(a)) for s, a, _ in want[p][t]], (batch, p, t)
