@@ -1,14 +1,63 @@
 """Lightning callbacks of the trainers: SAE and probe checkpoints (each module returns
-its own from ``configure_callbacks``), data-path metrics and the progress bar."""
+its own from ``configure_callbacks``), data-path metrics, the duty-cycle cap and the
+progress bar."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
 
 from trainers.checkpoint import save_probe, save_sae
+
+
+class DutyCycle(pl.Callback):
+    """Keep training steps to at most ``share`` of wall time by resting after each one.
+
+    A trainer on the engine's GPU takes GPU time from generation (on an H100, an SAE
+    training on every token of an 8B model's layer took about 15%). With a lossy policy
+    (``drop_oldest``, ``sample``), capping the trainer's share caps what it costs the
+    engine; what it cannot take in that time is dropped at the publisher, counted. A
+    step's time is measured to the end of its device work (the device is synchronized),
+    so it includes any wait the engine's kernels caused: the cap errs on the engine's side.
+    """
+
+    MAX_REST_S = 5.0  # one slow step never stops the trainer reading for longer
+
+    def __init__(self, share: float) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"--max-duty: expected a share in (0, 1], got {share}")
+        self.share = share
+        self.busy_s = 0.0
+        self.rest_s = 0.0
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        _sync(pl_module)
+        busy = time.perf_counter() - self._t0
+        self.busy_s += busy
+        if self.share < 1.0:
+            rest = min(busy * (1.0 / self.share - 1.0), self.MAX_REST_S)
+            time.sleep(rest)
+            self.rest_s += rest
+
+    @property
+    def duty(self) -> float:
+        """The share of time spent in steps so far (steps over steps plus rests)."""
+        total = self.busy_s + self.rest_s
+        return self.busy_s / total if total else 0.0
+
+
+def _sync(module: pl.LightningModule) -> None:
+    import torch
+
+    if module.device.type == "cuda":
+        torch.cuda.synchronize(module.device)
 
 
 class MetricsProgressBar(RichProgressBar):

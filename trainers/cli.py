@@ -78,6 +78,14 @@ def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser
     t.add_argument("--checkpoint-every", type=int, default=1000, help="optimizer steps")
     t.add_argument("--log-every", type=int, default=10, help="steps between logged metrics")
     t.add_argument(
+        "--max-duty",
+        type=float,
+        default=1.0,
+        help="the most of wall time spent in training steps, resting after each (default "
+        "1: never rests); on the engine's GPU, with a lossy --policy, it caps what training "
+        "costs generation, and what the trainer cannot take is dropped and counted",
+    )
+    t.add_argument(
         "--wandb-project",
         default=os.environ.get("WANDB_PROJECT", "actbus"),
         help="W&B project (default $WANDB_PROJECT or actbus); group: $WANDB_RUN_GROUP",
@@ -163,7 +171,7 @@ def _models(model: type, opts: argparse.Namespace, sub: SubscriberOptions, d_in:
 def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) -> dict:
     import lightning.pytorch as pl
 
-    from trainers.callbacks import DataStats, MetricsProgressBar
+    from trainers.callbacks import DataStats, DutyCycle, MetricsProgressBar
     from trainers.data import ActivationDataModule
     from trainers.wandb_log import make_logger
 
@@ -201,7 +209,14 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         def on_train_start(self, trainer, pl_module) -> None:
             _on_signals(_stop)
 
-    callbacks: list = [DataStats(dm, opts.log_every), StopOnSignal()]  # + the module's own
+    duty = DutyCycle(opts.max_duty)
+    if opts.max_duty < 1.0 and data_cfg.policy == "block":
+        log.warning(
+            "--max-duty %g with --policy block: the engine waits while the trainer rests; "
+            "use a lossy policy (drop_oldest) to cap what training costs generation",
+            opts.max_duty,
+        )
+    callbacks: list = [DataStats(dm, opts.log_every), StopOnSignal(), duty]  # + the module's
     if not opts.no_progress:
         callbacks.append(MetricsProgressBar())
     devices: Any = int(opts.devices) if str(opts.devices).isdigit() else opts.devices
@@ -226,6 +241,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         "rank": trainer.global_rank,
         "steps": trainer.global_step,
         **module.fit_summary(),
+        "duty": round(duty.duty, 4),
         "data": dm.stats(),
         "wandb_dir": str(out / "wandb"),
     }
@@ -271,6 +287,8 @@ def _parse(
     sub = SubscriberOptions.from_args(opts, parser)
     if (sub.connect is None) == (opts.run_dir is None):
         parser.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
+    if not 0.0 < opts.max_duty <= 1.0:
+        parser.error(f"--max-duty: expected a share of time in (0, 1], got {opts.max_duty}")
     try:
         configs, data_cfg = build(opts, sub, _d_in(opts, sub))
     except (ValueError, TimeoutError, FileNotFoundError) as e:
