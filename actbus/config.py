@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from actbus.bus.addresses import check_address
+from actbus.bus.endpoints import RANK_EXAMPLE, for_rank, has_rank
 from actbus.bus.security import check_server_keys
 from actbus.errors import ConfigError
 from actbus.steer.config import SteerConfig
@@ -29,7 +30,9 @@ class CaptureConfig:
     """What to capture and where to publish it."""
 
     publish: str = DEFAULT_ADDRESS
-    """ZeroMQ address the publisher binds: ``ipc:///path`` or ``tcp://127.0.0.1:PORT``."""
+    """ZeroMQ address the publisher binds: ``ipc:///path`` or ``tcp://127.0.0.1:PORT``.
+    Under data parallelism a template: ``{dp_rank}`` or ``{BASE+dp_rank}`` is the rank
+    of the engine that binds it (``publish_address``)."""
     layers: tuple[int, ...] = ()
     """0-based decoder layer indices; ``"all"`` in the input means every layer."""
     hooks: tuple[str, ...] = ("post_block",)
@@ -95,12 +98,14 @@ class CaptureConfig:
         if keys:
             check_server_keys(**keys)
             kw.update({k: os.path.abspath(v) for k, v in keys.items()})
-        kw["publish"] = check_address(
-            raw.get("publish", DEFAULT_ADDRESS),
+        publish = raw.get("publish", DEFAULT_ADDRESS)
+        check_address(  # rank 0's address stands for the others (check_data_parallel)
+            for_rank(publish, 0) if isinstance(publish, str) else publish,
             field_name="actbus.publish",
             curve=bool(keys),
             insecure_allow_any_interface=insecure,
         )
+        kw["publish"] = publish
         if "layers" not in raw:
             raise ConfigError("actbus.layers: required; give a list such as [1, 3] or 'all'")
         layers = raw["layers"]
@@ -147,11 +152,52 @@ class CaptureConfig:
             kw["steer"] = SteerConfig.from_dict(raw["steer"])
         return cls(**kw)
 
+    def publish_address(self, dp_rank: int = 0) -> str:
+        """The address the publisher of data-parallel rank ``dp_rank`` binds."""
+        return for_rank(self.publish, dp_rank)
+
+    def check_data_parallel(self, size: int) -> list[str]:
+        """The addresses of ranks ``0 .. size-1``, each checked as a bind address;
+        refuses (naming ``actbus.publish``) a template on which two ranks would bind
+        one address: their streams would be one socket's, whoever bound it last."""
+        if size > 1 and not has_rank(self.publish):
+            raise ConfigError(
+                f"actbus.publish={self.publish!r}: data_parallel_size={size}, and every rank "
+                f"would bind this one address; put the rank in it, e.g. {RANK_EXAMPLE}, and "
+                "subscribe to all of them (--connect with a range, docs/deployment.md)"
+            )
+        seen: dict[str, int] = {}
+        out = []
+        for rank in range(size):
+            addr = check_address(
+                self.publish_address(rank),
+                field_name=f"actbus.publish (data-parallel rank {rank})",
+                curve=self.server_secret_key is not None,
+                insecure_allow_any_interface=self.insecure_allow_any_interface,
+            )
+            key = _bind_key(addr)
+            if key in seen:
+                raise ConfigError(
+                    f"actbus.publish={self.publish!r}: data-parallel ranks {seen[key]} and "
+                    f"{rank} would both bind {addr}; make the rank part of the address itself, "
+                    f"e.g. {RANK_EXAMPLE}"
+                )
+            seen[key] = rank
+            out.append(addr)
+        return out
+
     def resolve_layers(self, num_layers: int, model: str) -> tuple[int, ...]:
         """The layer indices for a model with ``num_layers`` decoder layers."""
         if self.all_layers:
             return tuple(range(num_layers))
         return parse_layers(self.layers, "actbus.layers", num_layers=num_layers, model=model)
+
+
+def _bind_key(addr: str) -> str:
+    """What two binds share when they clash: an ipc file by its normalized path."""
+    if addr.startswith("ipc://") and not addr.startswith("ipc://@"):
+        return "ipc://" + os.path.normpath(os.path.abspath(addr[len("ipc://") :]))
+    return addr
 
 
 def check_request_tags(raw: Any, where: str) -> dict[str, Any]:

@@ -126,9 +126,10 @@ def main(argv: list[str]) -> int:
     if len(out.publishers) > 1:  # fan-in: each publisher's own counters
         for addr, row in out.publishers.items():
             logging.getLogger("actbus").info(
-                "publisher %s (run %s): received=%d missed=%d lost=%d rejected=%d",
+                "publisher %s (run %s, dp rank %s): received=%d missed=%d lost=%d rejected=%d",
                 addr,
                 row.get("publisher_id"),
+                row.get("dp_rank"),
                 row["received"],
                 row["missed"],
                 row["lost"],

@@ -11,6 +11,10 @@ and when it has exited the subscribers are told the stream ended
 (``actbus.bus.farewell``). vLLM kills its engine processes at shutdown, so the
 capture worker's publisher cannot say so itself; without END, trainers and
 ``--exit-on-end`` consumers would wait forever.
+
+Under data parallelism (``--data-parallel-size N``) each rank publishes on its address
+of the ``--publish`` template (``{dp_rank}``); ``data_parallel`` reads, with vLLM's own
+argument parser, which ranks this server runs, so the END goes to each of them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import subprocess
 import sys
 from typing import Any
 
+from actbus.bus.endpoints import connect_spec
 from actbus.config import REQUESTS, CaptureConfig
 from actbus.errors import ConfigError
 from actbus.flags import HelpFormatter
@@ -64,7 +69,8 @@ def serve_command(argv: list[str]) -> list[str]:
         cfg["publish"] = args.publish
     if args.positions:
         cfg["positions"] = args.positions
-    CaptureConfig.from_dict(cfg)  # fail here, before the engine starts
+    # Fail here, before the engine starts (two ranks on one address, too).
+    CaptureConfig.from_dict(cfg).check_data_parallel(data_parallel(vllm_args)[0])
     if any(a == "--additional-config" or a.startswith("--additional-config=") for a in vllm_args):
         raise ConfigError("--additional-config: actbus serve writes it; use --actbus-config")
     # With steering on: the endpoints for named vectors and global steering
@@ -81,6 +87,33 @@ def serve_command(argv: list[str]) -> list[str]:
         *steer,
         *vllm_args,
     ]
+
+
+def data_parallel(vllm_args: list[str]) -> tuple[int, list[int]]:
+    """(data-parallel size, the ranks whose engines this server runs), read by vLLM's
+    own argument parser: external load balancing (``--data-parallel-rank``) runs one
+    rank, a node of a multi-node deployment (``--data-parallel-start-rank``) its
+    ``--data-parallel-size-local`` ranks from there, one node all of them. vLLM is
+    imported only when an argument can set data parallelism (``-dp*``,
+    ``--data-parallel-*``, ``--config``)."""
+    if not any(a.startswith(("-dp", "--data-parallel", "--config")) for a in vllm_args):
+        return 1, [0]
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser(add_help=False)
+    EngineArgs.add_cli_args(p)
+    try:
+        a, _ = p.parse_known_args(vllm_args)
+    except SystemExit:
+        raise ConfigError(
+            "--data-parallel-*: vLLM could not read them (see vllm serve -h)"
+        ) from None
+    size = max(1, int(a.data_parallel_size or 1))
+    if a.data_parallel_rank is not None:
+        return size, [int(a.data_parallel_rank)]
+    start = int(a.data_parallel_start_rank or 0)
+    return size, list(range(start, start + int(a.data_parallel_size_local or size - start)))
 
 
 def _int(text: str, flag: str) -> int:
@@ -109,10 +142,11 @@ def _own_group() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def supervise(cmd: list[str], cfg: CaptureConfig) -> int:
+def supervise(cmd: list[str], cfg: CaptureConfig, ranks: list[int] | None = None) -> int:
     """Run the server ``cmd`` until it exits, passing signals on; then END to the
-    subscribers of its publisher. The server's exit status."""
-    from actbus.bus.farewell import announce_end
+    subscribers of its publishers (one per data-parallel rank in ``ranks``). The
+    server's exit status."""
+    from actbus.bus.farewell import announce_end_all
 
     child = subprocess.Popen(cmd, preexec_fn=_own_group)  # no threads yet: preexec_fn is safe
 
@@ -126,16 +160,17 @@ def supervise(cmd: list[str], cfg: CaptureConfig) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    told = announce_end(
-        cfg.publish,
+    ranks = ranks or [0]
+    told = announce_end_all(
+        [cfg.publish_address(r) for r in ranks],
         reason="the server stopped",
         server_secret_key=cfg.server_secret_key,
         authorized_keys=cfg.authorized_keys,
         insecure_allow_any_interface=cfg.insecure_allow_any_interface,
     )
     print(
-        f"\nactbus serve: the server exited ({rc}); told {told} subscriber(s) at {cfg.publish} "
-        "the stream ended",
+        f"\nactbus serve: the server exited ({rc}); told {told} subscriber(s) at "
+        f"{connect_spec(cfg.publish, ranks)} the stream ended",
         file=sys.stderr,
         flush=True,
     )
@@ -147,15 +182,18 @@ def main(argv: list[str]) -> int:
     try:
         cmd = serve_command(argv)
         cfg = capture_of(cmd)
+        size, ranks = data_parallel(cmd)
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"actbus serve: {e}", file=sys.stderr)
         return 2
     layers = "all layers" if cfg.all_layers else f"layers {list(cfg.layers)}"
+    where = connect_spec(cfg.publish, ranks)
+    engines = "the engine" if size == 1 else f"data-parallel ranks {ranks} of {size}"
     print(
-        f"actbus serve: the engine will capture {layers}, hooks {list(cfg.hooks)} "
-        f"({cfg.requests} requests) and publish on {cfg.publish}; subscribe with "
-        f"actbus run NAME --connect {cfg.publish}",
+        f"actbus serve: {engines} will capture {layers}, hooks {list(cfg.hooks)} "
+        f"({cfg.requests} requests) and publish on {where}; subscribe with "
+        f"actbus run NAME --connect '{where}'",
         file=sys.stderr,
         flush=True,
     )
-    return supervise(cmd, cfg)
+    return supervise(cmd, cfg, ranks)

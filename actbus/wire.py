@@ -66,6 +66,8 @@ MAX_INT64 = (1 << 63) - 1
 MAX_MODEL_CHARS = 4096
 MAX_REQUEST_ID_CHARS = 4096
 MAX_REASON_CHARS = 64
+MAX_PUBLISHER_ID_CHARS = 64
+"""A publisher's run id (``Publisher.id`` is 32 hex digits)."""
 MAX_REQUESTS = 1 << 16
 """Requests in one message's row index, and request ends in one header."""
 MAX_TAG_CHARS = 4096
@@ -244,6 +246,21 @@ class RowIndex:
         if len(off) and (off[0] != 0 or bool((off[1:] < off[:-1]).any())):
             raise WireError("row index: offsets must start at 0 and never decrease", "offsets")
         return rows
+
+
+def publisher_identity(welcome: dict[str, Any]) -> tuple[str | None, int | None]:
+    """Who a WELCOME says its publisher is: its run (``publisher_id``, new at each
+    start) and its data-parallel rank (``dp_rank``; absent before DP support, and from
+    publishers that are no engine), each checked against its bound. The subscriber puts
+    both on every batch and event it yields (``Source``), so the request ids of
+    different ranks and runs are never confused."""
+    pid = welcome.get("publisher_id")
+    if pid is not None:
+        _str(pid, "publisher_id", MAX_PUBLISHER_ID_CHARS)
+    rank = welcome.get("dp_rank")
+    if rank is not None:
+        _int(rank, "dp_rank", 0, MAX_INT32)
+    return pid, rank
 
 
 def _pack_ints(a: np.ndarray) -> bytes:

@@ -76,6 +76,9 @@ class Monitor(Consumer):
         self._pending: list[Batch] = []
         self._pending_bytes = 0
         self.reports = 0
+        self.publishers: dict[str, dict[str, Any]] = {}
+        """What this dashboard received from each publisher (by address): its run,
+        data-parallel rank, messages, rows and last step; under fan-in a panel each."""
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -127,9 +130,22 @@ class Monitor(Consumer):
         # where one per message cost tens of them per message (see ActivationStats.add).
         self._pending.append(batch)
         self._pending_bytes += batch.header.nbytes
+        self._count_publisher(batch)
         if self._pending_bytes >= MAX_PENDING_BYTES:
             self.digest()
         self._maybe_report()
+
+    def _count_publisher(self, batch: Batch) -> None:
+        src = batch.source
+        if src is None:
+            return
+        p = self.publishers.get(src.address)
+        if p is None or p["publisher_id"] != src.publisher_id:  # new, or a new run
+            p = self.publishers[src.address] = {"messages": 0, "rows": 0, "last_step": -1}
+        p["publisher_id"], p["dp_rank"] = src.publisher_id, src.dp_rank
+        p["messages"] += 1
+        p["rows"] += batch.header.shape[0]
+        p["last_step"] = max(p["last_step"], batch.step)
 
     def digest(self) -> None:
         """Fold the batches received since the last digest into the statistics.
@@ -206,6 +222,7 @@ class Monitor(Consumer):
                 "digest_errors": self.digest_errors,
             },
             "acts": acts,
+            "publishers": {a: dict(v) for a, v in self.publishers.items()},
         }
 
     @abstractmethod

@@ -102,6 +102,11 @@ def flatten(snap: dict[str, Any]) -> dict[str, Any]:
         if "norm_hist" in t:
             h = t["norm_hist"]
             row[f"{base}/norm_hist"] = (np.asarray(h["counts"]), np.asarray(h["edges"]))
+    pubs = snap.get("publishers") or {}
+    for addr, v in pubs.items() if len(pubs) > 1 else ():  # fan-in: a panel each
+        name = f"dp{v['dp_rank']}" if v.get("dp_rank") is not None else _name(addr)
+        for k in ("messages", "rows", "last_step"):
+            row[f"publishers/{name}/{k}"] = v[k]
     for label, per in (acts.get("tags") or {}).items():
         for key, v in per.items():
             layer, hook = key.split("/", 1)

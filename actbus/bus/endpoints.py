@@ -12,6 +12,13 @@ Three spellings, combinable where it makes sense:
   changes, so a fleet that scales up or down needs no restart of its subscribers.
 
 Every address is checked as ``check_address`` checks it (errors name ``--connect``).
+
+A publisher's side of the same grammar is its data-parallel template
+(``actbus.publish``): ``{dp_rank}`` or ``{BASE+dp_rank}`` in place of the range, filled
+with the rank of the engine that binds it (``for_rank``). So ``ipc:///tmp/actbus-{dp_rank}.sock``
+on four ranks is read with ``ipc:///tmp/actbus-{0..3}.sock``, and
+``tcp://0.0.0.0:{5555+dp_rank}`` with ``tcp://HOST:{5555..5558}`` (``connect_spec``
+writes that spelling). Both sides find their one ``{...}`` with ``_braces``.
 """
 
 from __future__ import annotations
@@ -28,30 +35,101 @@ from actbus.errors import ConfigError
 log = logging.getLogger("actbus.endpoints")
 MAX_ENDPOINTS = 1024
 """More publishers than this in one spec is a typo (a range of ports, say)."""
-_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_BRACES = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"(\d+)\.\.(\d+)")
+_RANK = re.compile(r"(?:(\d+)\+)?dp_rank")
+RANGE_EXAMPLE = "ipc:///tmp/actbus-{0..3}.sock"
+RANK_EXAMPLE = "ipc:///tmp/actbus-{dp_rank}.sock or tcp://127.0.0.1:{5555+dp_rank}"
+
+
+def _braces(item: str, field_name: str, example: str) -> tuple[str, str, str] | None:
+    """``item`` split around its one ``{...}`` as (before, inside, after); None: none."""
+    found = list(_BRACES.finditer(item))
+    if len(found) > 1:
+        raise ConfigError(
+            f"{field_name}={item!r}: one {{A..B}} range or {{dp_rank}} per address, not several"
+        )
+    rest = item if not found else item[: found[0].start()] + item[found[0].end() :]
+    if "{" in rest or "}" in rest:
+        raise ConfigError(f"{field_name}={item!r}: an unmatched brace; write e.g. {example}")
+    if not found:
+        return None
+    m = found[0]
+    return item[: m.start()], m.group(1), item[m.end() :]
 
 
 def expand(item: str, *, field_name: str = "--connect") -> list[str]:
     """One address, or the addresses of its rank range, each checked."""
-    ranges = _RANGE.findall(item)
-    if len(ranges) > 1:
-        raise ConfigError(f"{field_name}={item!r}: one {{A..B}} range per address, not several")
-    if not ranges:
-        if "{" in item or "}" in item:
-            raise ConfigError(
-                f"{field_name}={item!r}: a rank range is written {{FIRST..LAST}}, "
-                "e.g. ipc:///tmp/actbus-{0..3}.sock"
-            )
+    parts = _braces(item, field_name, RANGE_EXAMPLE)
+    if parts is None:
         return [check_address(item, field_name=field_name, allow_remote=True)]
-    lo, hi = (int(x) for x in ranges[0])
+    before, inside, after = parts
+    m = _RANGE.fullmatch(inside)
+    if m is None:
+        hint = (
+            " ({dp_rank} is the publisher's template; a subscriber names the ranks it reads)"
+            if _RANK.fullmatch(inside)
+            else ""
+        )
+        raise ConfigError(
+            f"{field_name}={item!r}: a rank range is written {{FIRST..LAST}}, "
+            f"e.g. {RANGE_EXAMPLE}{hint}"
+        )
+    lo, hi = (int(x) for x in m.groups())
     if hi < lo:
         raise ConfigError(f"{field_name}={item!r}: the range {{{lo}..{hi}}} runs backwards")
     if hi - lo + 1 > MAX_ENDPOINTS:
         raise ConfigError(f"{field_name}={item!r}: at most {MAX_ENDPOINTS} publishers")
     return [
-        check_address(_RANGE.sub(str(i), item), field_name=field_name, allow_remote=True)
+        check_address(f"{before}{i}{after}", field_name=field_name, allow_remote=True)
         for i in range(lo, hi + 1)
     ]
+
+
+def _rank_part(template: str, field_name: str) -> tuple[str, int, str] | None:
+    """(before, base, after) of a template's ``{BASE+dp_rank}``; None: no rank in it."""
+    parts = _braces(template, field_name, RANK_EXAMPLE)
+    if parts is None:
+        return None
+    before, inside, after = parts
+    m = _RANK.fullmatch(inside)
+    if m is None:
+        hint = " (a range is for subscribers' --connect)" if _RANGE.fullmatch(inside) else ""
+        raise ConfigError(
+            f"{field_name}={template!r}: a data-parallel template is written {{dp_rank}} or "
+            f"{{BASE+dp_rank}}, e.g. {RANK_EXAMPLE}{hint}"
+        )
+    return before, int(m.group(1) or 0), after
+
+
+def has_rank(template: str, field_name: str = "actbus.publish") -> bool:
+    """Whether a publisher's address template differs by data-parallel rank."""
+    return _rank_part(template, field_name) is not None
+
+
+def for_rank(template: str, dp_rank: int, field_name: str = "actbus.publish") -> str:
+    """The address the publisher of data-parallel rank ``dp_rank`` binds (unchecked:
+    the caller checks it as a bind address)."""
+    parts = _rank_part(template, field_name)
+    if parts is None:
+        return template
+    before, base, after = parts
+    return f"{before}{base + dp_rank}{after}"
+
+
+def connect_spec(template: str, ranks: list[int], field_name: str = "actbus.publish") -> str:
+    """The ``--connect`` that reads the publishers of ``ranks`` (a range when they are
+    consecutive): what a subscriber is told to use."""
+    parts = _rank_part(template, field_name)
+    if parts is None or not ranks:
+        return template
+    before, base, after = parts
+    lo, hi = min(ranks), max(ranks)
+    if lo == hi:
+        return f"{before}{base + lo}{after}"
+    if sorted(ranks) == list(range(lo, hi + 1)):
+        return f"{before}{{{base + lo}..{base + hi}}}{after}"
+    return ",".join(f"{before}{base + r}{after}" for r in sorted(ranks))
 
 
 def _unique(addresses: list[str], field_name: str, where: str) -> list[str]:

@@ -136,13 +136,21 @@ class FanIn:
             elif isinstance(out, Event) and out.kind == "end":
                 return
 
-    def wait_welcome(self, timeout: float) -> dict[str, Any]:
-        """Block until some publisher accepted the subscription (or raise)."""
+    def wait_welcome(self, timeout: float, *, every: bool = False) -> dict[str, Any]:
+        """Block until some publisher (``every``: each one listed) accepted the
+        subscription, or raise naming those that did not answer. Events read meanwhile
+        are not handed on: ``every`` is for a consumer that needs all its publishers
+        before anything is routed to it (the front end's return path)."""
         deadline = time.monotonic() + timeout
-        while self.welcome is None:
+        while self.welcome is None or (
+            every and any(s.welcome is None for s in self.publishers.values())
+        ):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no publisher answered at {self.address} within {timeout}s")
+                silent = [a for a, s in self.publishers.items() if s.welcome is None]
+                raise TimeoutError(
+                    f"no publisher answered at {', '.join(silent)} within {timeout}s"
+                )
             self.recv(timeout=left)
         return self.welcome
 
@@ -183,6 +191,7 @@ class FanIn:
             st = s.stats
             row = {f.name: getattr(st, f.name) for f in fields(st) if f.name != "publisher_view"}
             row["publisher_id"] = s.publisher_id
+            row["dp_rank"] = s.source.dp_rank
             row["connected"] = s.welcome is not None
             row["ended"] = addr in self._ended
             dropped = st.publisher_view.get("dropped", {})
@@ -254,4 +263,5 @@ def per_publisher(sub: Subscriber | FanIn) -> dict[str, dict[str, Any]]:
     st = sub.stats
     row = {f.name: getattr(st, f.name) for f in fields(st) if f.name != "publisher_view"}
     row["publisher_id"] = sub.publisher_id
+    row["dp_rank"] = sub.source.dp_rank
     return {sub.address: row}

@@ -3,6 +3,9 @@
 The client is an ordinary subscriber whose subscription wants nothing (no layers),
 so it receives no data and, holding nothing, never holds the stream back; it asks
 for the counters with a STATS control message and renders the reply with rich.
+Under fan-in (``--connect A,B``, a range, ``@FILE``) it asks every publisher and shows
+each one's counters under its address, run and data-parallel rank; one that does
+not answer is named, and the others are still shown.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console, Group
@@ -17,6 +21,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from actbus.bus.fanin import FanIn
 from actbus.bus.options import SubscriberOptions
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Event, Subscriber
@@ -53,6 +58,37 @@ def request(sub: Subscriber, timeout: float) -> dict[str, Any]:
         if isinstance(out, Event) and out.kind == "stats":
             return out.body
     raise TimeoutError(f"no stats from {sub.address} within {timeout}s")
+
+
+def request_all(sub: FanIn, timeout: float) -> dict[str, dict[str, Any]]:
+    """One snapshot of each publisher's counters, by address (with its ``publisher_id``
+    and ``dp_rank``); a publisher that does not answer within ``timeout`` is left out."""
+    sub.request_stats()
+    out: dict[str, dict[str, Any]] = {}
+    want = {a for a, s in sub.publishers.items() if s.welcome is not None}
+    deadline = time.monotonic() + timeout
+    while want - set(out) and (left := deadline - time.monotonic()) > 0:
+        ev = sub.recv(timeout=left)
+        if isinstance(ev, Event) and ev.kind == "stats" and ev.source is not None:
+            src = ev.source
+            out[src.address] = {
+                **ev.body,
+                "publisher_id": src.publisher_id,
+                "dp_rank": src.dp_rank,
+            }
+    return {a: out[a] for a in sub.publishers if a in out}
+
+
+def render_all(snaps: dict[str, dict[str, Any]], silent: list[str]) -> Group:
+    """Each publisher's counters under a line naming it; those that did not answer."""
+    parts: list[Any] = []
+    for addr, snap in snaps.items():
+        rank = "" if snap.get("dp_rank") is None else f"  dp rank {snap['dp_rank']}"
+        parts.append(Text(f"publisher {addr}  run {snap.get('publisher_id')}{rank}", "bold"))
+        parts.append(render(snap))
+    for addr in silent:
+        parts.append(Text(f"publisher {addr}: no answer", "red"))
+    return Group(*parts)
 
 
 def render(stats: dict[str, Any]) -> Group:
@@ -107,15 +143,15 @@ def render(stats: dict[str, Any]) -> Group:
 
 
 def main(argv: list[str]) -> int:
-    """the publisher's counters: a live table (--once: one)"""
+    """the publisher's counters: a live table (--once: one); per publisher under fan-in"""
     p = parser()
     args = p.parse_args(argv)
     opts = SubscriberOptions.from_args(args, p)
-    if opts.endpoints.fan_in:
-        p.error("--connect: actbus stats reads one publisher's counters; give one address")
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
         console = Console(width=200)
+    if opts.endpoints.fan_in:
+        return _main_fanin(args, opts, console)
     with Subscriber(opts.connect, stats_subscription(), keepalive=False, **opts.keys) as sub:
         try:
             sub.wait_welcome(args.timeout)
@@ -123,19 +159,53 @@ def main(argv: list[str]) -> int:
         except TimeoutError as e:
             console.print(f"actbus stats: {e}", style="red")
             return 1
-        if args.json:
-            print(json.dumps(snap, sort_keys=True))
-            return 0
-        if args.once:
-            console.print(render(snap))
-            return 0
-        with Live(render(snap), console=console, auto_refresh=False) as live:
-            try:
-                while True:
-                    time.sleep(args.interval)
-                    live.update(render(request(sub, args.timeout)), refresh=True)
-            except KeyboardInterrupt:
-                return 0
-            except TimeoutError as e:
+        return _show(args, console, snap, lambda: request(sub, args.timeout), render)
+
+
+def _main_fanin(args: argparse.Namespace, opts: SubscriberOptions, console: Console) -> int:
+    """Every publisher's counters: ``--json`` gives ``{"publishers": {ADDR: counters}}``."""
+    with FanIn(opts.endpoints, stats_subscription(), keepalive=False, **opts.keys) as sub:
+        try:
+            sub.wait_welcome(args.timeout, every=True)
+        except TimeoutError as e:
+            if sub.welcome is None:
                 console.print(f"actbus stats: {e}", style="red")
                 return 1
+            console.print(f"actbus stats: {e}; showing the others", style="yellow")
+
+        def snapshot() -> dict[str, Any]:
+            snaps = request_all(sub, args.timeout)
+            return {"publishers": snaps, "silent": [a for a in sub.publishers if a not in snaps]}
+
+        return _show(
+            args,
+            console,
+            snapshot(),
+            snapshot,
+            lambda snap: render_all(snap["publishers"], snap["silent"]),
+        )
+
+
+def _show(
+    args: argparse.Namespace,
+    console: Console,
+    snap: dict[str, Any],
+    again: Callable[[], dict[str, Any]],
+    draw: Callable[[dict[str, Any]], Group],
+) -> int:
+    if args.json:
+        print(json.dumps(snap, sort_keys=True))
+        return 0
+    if args.once:
+        console.print(draw(snap))
+        return 0
+    with Live(draw(snap), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(args.interval)
+                live.update(draw(again()), refresh=True)
+        except KeyboardInterrupt:
+            return 0
+        except TimeoutError as e:
+            console.print(f"actbus stats: {e}", style="red")
+            return 1

@@ -55,6 +55,7 @@ from actbus.wire import (
     WireError,
     frame_to_tensor,
     pack_map,
+    publisher_identity,
     unpack_map,
     unpack_seq,
 )
@@ -94,14 +95,18 @@ def check_taps(
 
 @dataclass(frozen=True)
 class Source:
-    """Which publisher a batch or event came from: its address and its run
-    (``publisher_id``, new at each start, so a restarted publisher's run is told apart)."""
+    """Which publisher a batch or event came from: its address, its run
+    (``publisher_id``, new at each start, so a restarted publisher's run is told apart)
+    and, for an engine under data parallelism, its rank (``dp_rank``). Request ids are
+    unique per source, not across sources."""
 
     address: str
     publisher_id: str | None = None
+    dp_rank: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.address}#{self.publisher_id}" if self.publisher_id else self.address
+        out = f"{self.address}#{self.publisher_id}" if self.publisher_id else self.address
+        return out if self.dp_rank is None else f"{out} (dp rank {self.dp_rank})"
 
 
 @dataclass
@@ -278,8 +283,9 @@ class Subscriber:
             and not beat.get("queued")
         )
 
-    def wait_welcome(self, timeout: float) -> dict[str, Any]:
-        """Block until the publisher accepted the subscription (or raise)."""
+    def wait_welcome(self, timeout: float, *, every: bool = False) -> dict[str, Any]:
+        """Block until the publisher accepted the subscription (or raise); ``every``
+        is ``FanIn``'s (here there is one publisher)."""
         deadline = time.monotonic() + timeout
         while self.welcome is None:
             left = deadline - time.monotonic()
@@ -457,8 +463,9 @@ class Subscriber:
                 self._skip_to(seq)
             return Event("heartbeat", body, self.source)
         if tag == WELCOME:
+            pid, dp_rank = publisher_identity(body)
             next_seq = int(body.get("next_seq", 0))
-            new_stream = body.get("publisher_id") != self._publisher_id
+            new_stream = pid != self._publisher_id
             # Another answer to HELLOs queued while we waited: the same subscription.
             repeat = self.welcome is not None and not new_stream
             if not repeat:
@@ -467,11 +474,8 @@ class Subscriber:
             # A new stream, or the publisher forgot us (dropped, then let in again) and
             # numbers afresh: it refuses acknowledgements beyond what it sent.
             if new_stream or next_seq < self._next_seq:
-                self._publisher_id = body.get("publisher_id")
-                pid = self._publisher_id
-                self.source = Source(
-                    self.address, capped_text(str(pid)) if pid is not None else None
-                )
+                self._publisher_id = pid
+                self.source = Source(self.address, pid, dp_rank)
                 self._next_seq = next_seq
                 self._receipt = None
             else:

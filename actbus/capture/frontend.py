@@ -86,7 +86,9 @@ def _farewell(vllm_config: Any) -> None:
     """END for the subscribers of an engine whose shutdown killed its workers before
     their publisher could say it (vLLM 0.26 stops its engine core with SIGTERM and
     no grace): trainers and ``--exit-on-end`` consumers would wait forever. A
-    publisher that ended cleanly removed its ``ipc://`` socket file: nothing to do."""
+    publisher that ended cleanly removed its ``ipc://`` socket file: nothing to do.
+    Under data parallelism, for each rank whose engine core runs on this node (those
+    of other nodes are their own node's to end)."""
     if vllm_config is None:
         return
     try:
@@ -98,13 +100,12 @@ def _farewell(vllm_config: Any) -> None:
     if checked is None or not checked[0].publish:
         return
     cfg = checked[0]
-    path = cfg.publish.removeprefix("ipc://")
-    if path != cfg.publish and not path.startswith("@") and not os.path.exists(path):
-        return
-    from actbus.bus.farewell import announce_end
+    from actbus.bus.farewell import announce_end_all
+    from actbus.capture.dataparallel import of_config
 
-    told = announce_end(
-        cfg.publish,
+    addresses = [cfg.publish_address(r) for r in of_config(vllm_config).local]
+    told = announce_end_all(
+        [a for a in addresses if not _cleanly_gone(a)],
         reason="the engine stopped",
         server_secret_key=cfg.server_secret_key,
         authorized_keys=cfg.authorized_keys,
@@ -112,6 +113,12 @@ def _farewell(vllm_config: Any) -> None:
     )
     if told:
         log.info("actbus: the engine stopped before its publisher; told %d subscribers", told)
+
+
+def _cleanly_gone(address: str) -> bool:
+    """An ``ipc://`` publisher that ended cleanly removed its socket file."""
+    path = address.removeprefix("ipc://")
+    return path != address and not path.startswith("@") and not os.path.exists(path)
 
 
 class _Frontend:
@@ -126,6 +133,9 @@ class _Frontend:
             return
         cfg, layers = checked
         self.cfg = cfg
+        from actbus.capture.dataparallel import of_config
+
+        self.dp = of_config(vllm_config)
         self.requests = cfg.requests
         self.num_layers = _num_layers(vllm_config.model_config)
         self.base = Selection(layers, cfg.hooks, cfg.positions, cfg.tags)
@@ -252,7 +262,7 @@ def _returns(fe: _Frontend):
             "extra_args.actbus.return: this vLLM's output processor is not supported for "
             "returning activations; subscribe to the bus instead"
         )
-    return ReturnCollector.for_config(fe.cfg)
+    return ReturnCollector.for_config(fe.cfg, fe.dp)
 
 
 def _wrap_completion_output(orig):

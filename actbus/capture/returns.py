@@ -26,8 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from actbus.bus.endpoints import Endpoints
+from actbus.bus.fanin import subscribe
 from actbus.bus.protocol import Subscription
-from actbus.bus.subscriber import Batch, Subscriber
+from actbus.bus.subscriber import Batch
+from actbus.capture.dataparallel import DataParallel
 from actbus.capture.selection import Selection
 from actbus.errors import ConfigError
 from actbus.wire import DTYPES
@@ -88,23 +91,30 @@ class _Pending:
 
 
 class ReturnCollector:
-    """The front end's subscriber for returned activations, shared by its requests."""
+    """The front end's subscriber for returned activations, shared by its requests.
 
-    def __init__(self, address: str) -> None:
-        self.address = address
+    Under data parallelism the front end's requests go to several engine cores, each
+    with its publisher: it reads all of them (fan-in). A request's rows come from the
+    one rank that ran it, and request ids are the front end's own, unique across its
+    ranks, so rows are matched by id alone."""
+
+    def __init__(self, addresses: str | list[str]) -> None:
+        """``addresses``: the publisher, or those of the front end's ranks."""
+        addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.address = ",".join(addresses)
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._cond = threading.Condition()
-        self._sub = Subscriber(
-            address,
+        self._sub = subscribe(
+            Endpoints(self.address, tuple(addresses)),
             Subscription(policy="block", returned_only=True, name="actbus-return"),
             keepalive=False,
         )
         try:  # rows routed before the subscription is in place would never come
-            self._sub.wait_welcome(RETURN_TIMEOUT_S)
+            self._sub.wait_welcome(RETURN_TIMEOUT_S, every=True)
         except (TimeoutError, RuntimeError) as e:
             self._sub.close()
             raise ConfigError(
-                f"extra_args.actbus.return: the publisher at {address} did not answer ({e})"
+                f"extra_args.actbus.return: the publisher at {self.address} did not answer ({e})"
             ) from None
         self._forgot_at = time.monotonic()
         self._stop = threading.Event()
@@ -112,22 +122,29 @@ class ReturnCollector:
         self._thread.start()
 
     @classmethod
-    def for_config(cls, cfg: Any) -> ReturnCollector:
-        """One per publish address in this process."""
-        addr = cfg.publish
+    def for_config(cls, cfg: Any, dp: DataParallel | None = None) -> ReturnCollector:
+        """One per set of publishers in this process: those of the data-parallel
+        ranks this front end sends requests to (``dp``; default: rank 0 alone)."""
         if cfg.server_secret_key:
             raise ConfigError(
                 "extra_args.actbus.return: the publisher uses CURVE keys, which the front end "
                 "does not hold; return activations with an ipc:// or loopback publish address, "
                 "or subscribe to the bus instead"
             )
-        host, _, port = addr.removeprefix("tcp://").rpartition(":")
-        if addr.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]"):
-            addr = f"tcp://127.0.0.1:{port}"  # a wildcard bind: reach it on loopback
+        if dp is not None and dp.remote:
+            raise ConfigError(
+                f"extra_args.actbus.return: this front end sends requests to data-parallel "
+                f"ranks {list(dp.remote)} on other nodes, whose publishers it cannot reach; "
+                "run each node's ranks behind a front end of its own "
+                "(--data-parallel-hybrid-lb or external load balancing), or subscribe to "
+                "the bus instead"
+            )
+        addrs = [_reachable(cfg.publish_address(r)) for r in (dp.served if dp else (0,))]
+        key = ",".join(addrs)
         with _LOCK:
-            if addr not in _COLLECTORS:
-                _COLLECTORS[addr] = cls(addr)
-            return _COLLECTORS[addr]
+            if key not in _COLLECTORS:
+                _COLLECTORS[key] = cls(addrs)
+            return _COLLECTORS[key]
 
     # ------------------------------------------------------------- front end side
     def expect(self, caller_id: str, n: int, sel: Selection, prompt_len: int) -> None:
@@ -267,6 +284,14 @@ class ReturnCollector:
             live = {k[0] for k in self._pending}
             for caller_id in {k[0] for k in stale} - live:
                 _OWNER.pop(caller_id, None)
+
+
+def _reachable(addr: str) -> str:
+    """A bind address as this host connects to it (a wildcard bind: on loopback)."""
+    host, _, port = addr.removeprefix("tcp://").rpartition(":")
+    if addr.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]"):
+        return f"tcp://127.0.0.1:{port}"
+    return addr
 
 
 def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:

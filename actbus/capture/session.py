@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from actbus.capture import dataparallel
 from actbus.capture.internals import (
     STEER_METHODS,
     require,
@@ -74,9 +75,12 @@ def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
         raise ConfigError(
             f"actbus: pipeline_parallel_size={pc.pipeline_parallel_size} across hosts "
             f"(nnodes={getattr(pc, 'nnodes', 1)}, backend {backend or 'default'}) is not "
-            "supported: stages forward their rows to the first stage over ipc://; run the "
-            "pipeline on one host with the default multiprocessing backend"
+            "supported: stages forward their rows to the first stage over a local ipc:// "
+            "socket, which another host cannot reach, and vLLM tells a stage no address of "
+            "the first stage's host to connect to over tcp; run the pipeline on one host "
+            "with the default multiprocessing backend (docs/deployment.md)"
         )
+    cfg.check_data_parallel(dataparallel.front_size(vllm_config))
     return cfg, cfg.resolve_layers(_num_layers(mc), mc.model)
 
 
@@ -90,7 +94,11 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     if cfg.steer is not None:  # named vectors load and global entries resolve, or fail now
         mc = vllm_config.model_config
         SteerFrontend(cfg.steer, num_layers=_num_layers(mc), hidden_size=mc.get_hidden_size())
-    vllm_config.additional_config["actbus"]["_graph_version"] = GRAPH_VERSION
+    raw = vllm_config.additional_config["actbus"]
+    raw["_graph_version"] = GRAPH_VERSION
+    # A dense model's engine cores are each made to look like DP=1: the workers learn
+    # the size from here, and their rank from vLLM (dataparallel.worker_rank).
+    raw[dataparallel.SIZE_KEY] = dataparallel.front_size(vllm_config)
     return cfg
 
 
@@ -134,7 +142,8 @@ def attach_capture(
             device=device,
         )
     )
-    return CaptureWorker(cfg, taps, name, engine=engine, layers=layers, stage=stage)
+    dp = (dataparallel.worker_rank(vllm_config), dataparallel.front_size(vllm_config))
+    return CaptureWorker(cfg, taps, name, engine=engine, layers=layers, stage=stage, dp=dp)
 
 
 def attach_steering(

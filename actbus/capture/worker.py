@@ -113,10 +113,13 @@ class CaptureWorker:
         *,
         layers: tuple[int, ...] | None = None,
         stage: tuple[int, int] = (0, 1),
+        dp: tuple[int, int] = (0, 1),
     ) -> None:
         """``layers``: every layer captured, on all pipeline stages (default: the
         taps'); ``stage``: (pipeline rank, pipeline size). The first stage publishes,
-        the others forward their taps' messages to it."""
+        the others forward their taps' messages to it. ``dp``: (data-parallel rank,
+        size): the rank picks the address from ``cfg.publish`` and is part of the
+        publisher's identity in its WELCOME."""
         self.cfg = cfg
         self.taps = taps
         self.model_name = model_name
@@ -132,13 +135,14 @@ class CaptureWorker:
         """Why capture stopped (an invariant broke), or None while it runs."""
         self.invariant_failures = 0
         self.publisher: Outlet
+        address = cfg.publish_address(dp[0])
         if stage[0] > 0:
-            self.publisher = StageForwarder(stage_address(cfg.publish))
+            self.publisher = StageForwarder(stage_address(address))
             atexit.register(self.close)  # flushes what is still queued for the first stage
             log.info("actbus: pipeline stage %d forwards layers %s", stage[0], taps.keys)
             return
         self.publisher = Publisher(
-            cfg.publish,
+            address,
             info={
                 "model": model_name,
                 "hidden_size": taps.hidden_size,
@@ -148,6 +152,8 @@ class CaptureWorker:
                 "requests": cfg.requests,
                 "engine": engine or {},
                 "pipeline_stages": stage[1],
+                "dp_rank": dp[0],
+                "dp_size": dp[1],
             },
             queue_bytes=cfg.queue_mb << 20,
             heartbeat_s=cfg.heartbeat_s,
@@ -159,7 +165,7 @@ class CaptureWorker:
             max_subscribers=cfg.max_subscribers,
         )
         if stage[1] > 1:
-            self._stages = StageCollector(self.publisher, stage_address(cfg.publish))
+            self._stages = StageCollector(self.publisher, stage_address(address))
         atexit.register(self.close)
         _serving_log.info(
             "actbus: capturing layers %s hooks %s of %s (hidden size %d), publishing on %s",
@@ -167,7 +173,7 @@ class CaptureWorker:
             list(cfg.hooks),
             model_name,
             taps.hidden_size,
-            cfg.publish,
+            address if dp[1] == 1 else f"{address} (data-parallel rank {dp[0]} of {dp[1]})",
         )
 
     # ------------------------------------------------------------------ requests

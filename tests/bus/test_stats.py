@@ -184,3 +184,35 @@ def test_group_and_match_flags_reach_the_publisher(match, publisher, address, tm
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_stats_of_several_publishers_are_shown_per_publisher(tmp_path):
+    """Fan-in: each publisher's own counters, under its address, run and DP rank; one
+    that never answers is named, and the others are still shown."""
+    addrs = [f"ipc://{tmp_path}/rank-{r}.sock" for r in range(3)]
+    pubs = [
+        Publisher(a, info={"model": "t", "dp_rank": r}, heartbeat_s=0.1)
+        for r, a in enumerate(addrs[:2])  # rank 2 never starts
+    ]
+    try:
+        for k, pub in enumerate(pubs):
+            for i in range(3 + k):
+                pub.publish(*message(i))
+        spec = f"ipc://{tmp_path}/rank-{{0..2}}.sock"
+        out = _cli("stats", "--connect", spec, "--json", "--timeout", "5")
+        assert out.returncode == 0, out.stderr
+        snap = json.loads(out.stdout.strip().splitlines()[-1])
+        assert snap["silent"] == [addrs[2]]
+        assert list(snap["publishers"]) == addrs[:2]
+        for k, pub in enumerate(pubs):
+            mine = snap["publishers"][addrs[k]]
+            assert (mine["publisher_id"], mine["dp_rank"]) == (pub.id, k)
+            assert mine["published"] == 3 + k
+        table = _cli("stats", "--connect", spec, "--once", "--timeout", "5")
+        assert table.returncode == 0, table.stderr
+        for k, pub in enumerate(pubs):
+            assert f"publisher {addrs[k]}  run {pub.id}  dp rank {k}" in table.stdout
+        assert f"publisher {addrs[2]}: no answer" in table.stdout
+    finally:
+        for pub in pubs:
+            pub.close(timeout=2)

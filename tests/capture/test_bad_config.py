@@ -50,7 +50,10 @@ def test_pipeline_across_hosts_is_refused(tiny_models):
     """Stages forward to the first stage over ipc://, so every stage must share a host."""
     from vllm import LLM
 
-    with pytest.raises(ValueError, match=r"actbus: pipeline_parallel_size=2 across hosts"):
+    with pytest.raises(
+        ValueError,
+        match=r"actbus: pipeline_parallel_size=2 across hosts.*another host cannot reach",
+    ):
         LLM(
             str(tiny_models["llama"]),
             dtype="float32",
@@ -59,6 +62,24 @@ def test_pipeline_across_hosts_is_refused(tiny_models):
             nnodes=2,
             additional_config={"actbus": {"layers": [1]}},
         )
+
+
+def test_two_data_parallel_ranks_on_one_address_are_refused(tiny_models, tmp_path):
+    """Refused where vLLM builds the engine config, before any engine core starts."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(publish: str):
+        return EngineArgs(
+            str(tiny_models["llama"]),
+            dtype="float32",
+            data_parallel_size=2,
+            additional_config={"actbus": {"layers": [1], "publish": publish}},
+        ).create_engine_config()
+
+    with pytest.raises(ValueError, match=r"actbus\.publish=.*data_parallel_size=2.*dp_rank"):
+        config(f"ipc://{tmp_path}/one.sock")
+    ok = config(f"ipc://{tmp_path}/actbus-{{dp_rank}}.sock")
+    assert ok.additional_config["actbus"]["_dp_size"] == 2  # what the workers learn it from
 
 
 def test_openai_server_exits_naming_the_field(tiny_models):

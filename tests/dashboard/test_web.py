@@ -206,8 +206,8 @@ def test_tokens_per_s_comes_from_the_engines_count_when_the_publisher_has_one(tm
 class SyntheticPublisher:
     """A real publisher fed by a thread: two taps, two tagged requests a step."""
 
-    def __init__(self, address: str, hz: float = 100.0) -> None:
-        self.pub = Publisher(address, info={"model": "synthetic"}, heartbeat_s=0.1)
+    def __init__(self, address: str, hz: float = 100.0, **info) -> None:
+        self.pub = Publisher(address, info={"model": "synthetic", **info}, heartbeat_s=0.1)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(hz,), daemon=True)
         self.thread.start()
@@ -362,3 +362,40 @@ def test_dashboard_flags_are_checked_by_name(flags, message, tmp_path):
         cwd=ROOT,
     )
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_under_fan_in_each_publisher_has_its_row_on_the_page_and_in_wandb(tmp_path):
+    """Two data-parallel ranks' publishers into one dashboard: the snapshot the page
+    renders has a row per publisher (rank, run, what came from it), and W&B's row a
+    panel per rank."""
+    from consumers.wandb_dash import flatten
+
+    pubs = [
+        SyntheticPublisher(f"ipc://{tmp_path}/rank-{r}.sock", hz=20.0, dp_rank=r) for r in (0, 1)
+    ]
+    dash = DashboardProc(
+        f"ipc://{tmp_path}/rank-{{0..1}}.sock", tmp_path / "dash.log", "--interval", "0.3"
+    )
+    try:
+
+        def both() -> dict | None:
+            snap = dash.snapshot()
+            rows = snap.get("publishers") or {}
+            return snap if len(rows) == 2 and all(v["messages"] for v in rows.values()) else None
+
+        snap = wait_for(both, 60, "messages from both publishers")
+        for r, pub in enumerate(pubs):
+            mine = snap["publishers"][f"ipc://{tmp_path}/rank-{r}.sock"]
+            assert (mine["dp_rank"], mine["publisher_id"]) == (r, pub.pub.id)
+            assert mine["rows"] == 6 * mine["messages"] and mine["last_step"] >= 0
+        row = flatten(snap)
+        assert {k for k in row if k.startswith("publishers/")} == {
+            f"publishers/dp{r}/{k}" for r in (0, 1) for k in ("messages", "rows", "last_step")
+        }
+        page = urllib.request.urlopen(dash.url + "static/app.js", timeout=10).read().decode()
+        assert "data-publisher" in page
+    finally:
+        rc = dash.stop()
+        for pub in pubs:
+            pub.close()
+    assert rc == 0, (tmp_path / "dash.log").read_text()

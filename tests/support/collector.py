@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from actbus.bus.fanin import subscribe
 from actbus.bus.protocol import Subscription
-from actbus.bus.subscriber import Batch, Subscriber
+from actbus.bus.subscriber import Batch, Source
 
 
 @dataclass
@@ -38,12 +39,16 @@ class RequestRows:
 
 
 class Collector:
-    """Subscribe in a thread; ``rows[(request, sample, layer, hook)]`` fills up."""
+    """Subscribe in a thread; ``rows[(request, sample, layer, hook)]`` fills up.
+
+    ``address`` is a ``--connect`` spec: several publishers (data-parallel ranks) are
+    read as one stream, and ``sources[(request, sample)]`` says which sent its rows."""
 
     def __init__(self, address: str, subscription: Subscription | None = None) -> None:
-        self.sub = Subscriber(address, subscription or Subscription(window=1024))
-        self.sub.wait_welcome(60)
+        self.sub = subscribe(address, subscription or Subscription(window=1024))
+        self.sub.wait_welcome(60, every=True)
         self.rows: dict[tuple[str, int, int, str], RequestRows] = defaultdict(RequestRows)
+        self.sources: dict[tuple[str, int], set[Source]] = defaultdict(set)
         self.tags: dict[tuple[str, int], dict] = {}
         self.ended: dict[tuple[str, int], str] = {}
         self.messages = 0
@@ -77,6 +82,7 @@ class Collector:
                 r.acts.append(b.tensor[lo:hi].clone())
                 r.steps.extend([h.step] * (hi - lo))
                 self.tags[(rid, sidx)] = ri.request_tags(i)
+                self.sources[(rid, sidx)].add(b.source)
 
     def wait(self, predicate, timeout: float = 60.0, what: str = "rows") -> None:
         deadline = time.monotonic() + timeout

@@ -95,6 +95,15 @@ function render(s) {
     ["me-nonfinite", "rows with NaN/Inf (left out)", fmt(acts.nonfinite_rows || 0)],
   ]);
   if (acts.nonfinite_rows) $("#me-nonfinite").classList.add("bad");
+  // Fan-in: what came from each publisher (engine, DP rank, run).
+  const pubs = Object.entries(s.publishers || {}), ptab = $("#publishers");
+  ptab.hidden = pubs.length < 2;
+  ptab.querySelector("tbody").replaceChildren(...pubs.map(([addr, p]) => {
+    const tr = el("tr", { "data-publisher": addr });
+    tr.append(el("td", {}, addr), el("td", {}, fmt(p.dp_rank)), el("td", {}, (p.publisher_id || "-").slice(0, 8)),
+      el("td", {}, fmt(p.messages)), el("td", {}, fmt(p.rows)), el("td", {}, fmt(p.last_step)));
+    return tr;
+  }));
   const taps = acts.taps || {}, tbody = $("#taps tbody"); tbody.replaceChildren();
   for (const [key, t] of Object.entries(taps)) {
     (normHistory[key] = normHistory[key] || []).push(t.norm_mean || 0);
