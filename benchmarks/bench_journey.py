@@ -10,7 +10,10 @@ engine), with vLLM's defaults (torch.compile, CUDA graphs) and the same
             GPU: ``actbus run sae`` (topk, 16x, k=64, bf16-mixed, policy block),
             ``actbus run wandb`` (offline) and ``actbus run fs-sink`` storing a reduced
             copy (every 64th step, int8)
-    drop    the same, the trainer's policy drop_oldest
+    drop    the same, the trainer's policy drop_oldest and ``--max-duty DROP_DUTY``
+            (default 0.05): it rests after each step so that it spends at most that share
+            of its time in steps, and what it cannot take is dropped and counted (without
+            the cap an SAE that keeps up takes as much GPU time as under block)
 
 The consumers start once the engine is up and its warm-up done, and the generation
 starts once all of them subscribed; the engine's shutdown sends END, and the trainer
@@ -203,6 +206,8 @@ def _consumers(
         "--out", str(work / "saes"), "--summary", str(work / "sae.json"), "--no-progress",
         *device,
     ]  # fmt: skip
+    if policy != "block" and args.drop_duty < 1.0:
+        sae += ["--max-duty", str(args.drop_duty)]
     sink = [
         sys.executable, "-m", "actbus.cli", "run", "fs-sink", "--connect", address,
         "--out", str(work / "run"), "--layers", str(args.layer), "--hooks", "post_block",
@@ -346,6 +351,7 @@ def _collect(
     train_s = stats.get("last_step_at", 0.0) - stats.get("first_step_at", 0.0)
     out["trainer"] = {
         "steps": summary["steps"],
+        "duty": summary.get("duty"),
         "rows_received": int(data.get("rows_in", 0)),
         "tokens_trained": trained,
         "missed": int(data.get("bus/missed", 0)),
@@ -402,6 +408,7 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
         "layer": args.layer,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "queue_mb": args.queue_mb,
+        "drop_duty": args.drop_duty,
         "sink": " ".join(sink_flags(args)),
         "wandb": "offline" if has_wandb() else "skipped: not installed",
     }
@@ -427,6 +434,7 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
         s[f"publisher_dropped_{name}"] = t["publisher_dropped"]
         s[f"overflow_{name}"] = t["overflow"]
         s[f"trainer_steps_{name}"] = t["steps"]
+        s[f"trainer_duty_{name}"] = t["duty"]
         s[f"trainer_tok_per_s_{name}"] = t["tok_per_s"]
         s[f"trainer_train_s_{name}"] = t["train_s"]
         s[f"trainer_after_generation_s_{name}"] = t["after_generation_s"]
@@ -467,6 +475,12 @@ def main() -> int:
         "--sink-every", type=int, default=None, help="the fs sink keeps every N-th step: 64 (4)"
     )
     ap.add_argument("--queue-mb", type=int, default=1024, help="the publisher's queue_mb")
+    ap.add_argument(
+        "--drop-duty",
+        type=float,
+        default=0.05,
+        help="the drop arm's trainer --max-duty (1: no cap, it trains as much as it keeps up with)",
+    )
     ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, in order")
     ap.add_argument("--work", default=None, help="keep every arm's files here (default: a temp)")
     ap.add_argument("--subscribe-timeout", type=float, default=300.0)
