@@ -52,7 +52,6 @@ CAPACITY_GUESS = 256
 """Generated tokens to make room for when a request sets no ``max_tokens``,"""
 CAPACITY_CAP = 4096
 """and room for at most this many beyond its prompt at first (buffers grow past it)."""
-_NO_META = np.zeros((2, 0), dtype=np.int64)
 
 
 @dataclass
@@ -127,7 +126,12 @@ class ReturnCollector:
             ) from None
         self._forgot_at = time.monotonic()
         self._plan_of: RowIndex | None = None  # the row index _plan was made from
-        self._plan: tuple[list[tuple[tuple[str, int], int, int]], np.ndarray] = ([], _NO_META)
+        # Per request: (key, first row, end row); every row's position and token id.
+        self._plan: tuple[list[tuple[tuple[str, int], int, int]], list[int], list[int]] = (
+            [],
+            [],
+            [],
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="actbus-return", daemon=True)
         self._thread.start()
@@ -280,9 +284,10 @@ class ReturnCollector:
             keys = zip(ids, rows.sample_index or [0] * len(ids), strict=True)
             self._plan = (
                 list(zip(keys, offsets, offsets[1:], strict=False)),  # offsets: one more
-                np.stack([rows.positions, rows.token_ids]),
+                rows.positions.tolist(),
+                rows.token_ids.tolist(),
             )
-        spans, meta = self._plan
+        spans, positions, token_ids = self._plan
         data = b.tensor.view(torch.uint8).numpy() if b.tensor.numel() else None
         dtype, width = DTYPES[b.header.dtype], b.header.shape[1]
         with self._cond:
@@ -294,7 +299,10 @@ class ReturnCollector:
                 t = p.taps.get(tap)
                 if t is None:
                     t = p.taps[tap] = TapRows(data.shape[1], dtype, width, p.capacity)
-                t.append(meta[:, lo:hi], data[lo:hi])
+                if hi - lo == 1:
+                    t.append_one(positions[lo], token_ids[lo], data[lo])
+                else:
+                    t.append(rows.positions[lo:hi], rows.token_ids[lo:hi], data[lo:hi])
             now = time.monotonic()
             for end in b.header.ended:
                 p = pending.get((end.request_id, end.sample_index))

@@ -11,11 +11,16 @@ from actbus.capture.rowbuffer import TapRows
 WIDTH = 3
 
 
-def _piece(positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _piece(positions: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows whose values name their position (bf16 holds these integers exactly)."""
     pos = np.asarray(positions, dtype=np.int64)
     rows = torch.tensor([[float(p)] * WIDTH for p in positions], dtype=torch.bfloat16)
-    return np.stack([pos, pos + 100]), rows.view(torch.uint8).numpy()
+    return pos, pos + 100, rows.view(torch.uint8).numpy()
+
+
+def _one(t: TapRows, position: int) -> None:
+    _, tok, rows = _piece([position])
+    t.append_one(position, int(tok[0]), rows[0])
 
 
 def _rows(t: TapRows, lo: int, hi: int) -> list[int]:
@@ -31,7 +36,7 @@ def test_rows_grow_past_their_capacity_and_earlier_views_keep_their_rows():
     t.append(*_piece(list(range(10))))
     first = t.view(0, 10)
     for p in range(10, 60):
-        t.append(*_piece([p]))
+        _one(t, p)
     assert _rows(t, 0, 60) == list(range(60))
     assert first[0].tolist() == list(range(10)) and first[2][:, 0].tolist() == list(range(10))
     assert t.below(30) == 30 and t.pending_below(1000) == 60
@@ -43,6 +48,9 @@ def test_a_piece_out_of_order_is_sorted_in_without_touching_views_handed_out():
     before = t.view(0, 5)
     t.append(*_piece([4, 3]))  # late, and reversed within itself
     assert _rows(t, 0, 7) == [0, 1, 2, 3, 4, 5, 6]
+    _one(t, 8)
+    _one(t, 7)  # a late single row
+    assert _rows(t, 0, 9) == list(range(9))
     assert before[0].tolist() == [0, 1, 2, 5, 6]
     assert before[2][:, 0].tolist() == [0, 1, 2, 5, 6]
 
