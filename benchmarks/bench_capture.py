@@ -19,34 +19,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from actbus.cli import consumer_command
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROOT = Path(__file__).resolve().parents[1]
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
+from benchmarks.engine_arms import (
+    LLAMA3_8B,
+    RESULT,
+    make_llm,
+    model,
+    random_prompts,
+    run_arms,
+    start_bus_subscriber,
+    stop_bus_subscriber,
+    warm_up,
+)
+
+__all__ = ["LLAMA3_8B"]  # bench_journey takes the model shape from here
 CONFIGS = {
     "plain": None,
     "none": None,
@@ -58,50 +50,22 @@ CONFIGS = {
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """One configuration, in this process: start the engine, generate, time it."""
-    model_dir = Path(tempfile.mkdtemp(prefix="bench-8b-"))
-    (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    model_dir, config = model(tiny=False)
     extra: dict = {}
     sub = None
     if CONFIGS[name] is not None:
         layers, policy = CONFIGS[name]
         address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
         extra = {"actbus": {"publish": address, "layers": layers, "queue_mb": 4096}}
-        sub = subprocess.Popen(
-            consumer_command("null", address, "--policy", policy, "--log-level", "WARNING"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-    import random
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+        sub = start_bus_subscriber(address, policy)
+    from vllm import SamplingParams
 
     t0 = time.monotonic()
-    llm = LLM(
-        str(model_dir),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=args.input + args.output + 8,
-        max_num_batched_tokens=8192,
-        enable_prefix_caching=False,
-        seed=0,
-        additional_config=extra,
-    )
+    llm = make_llm(model_dir, tiny=False, input_len=args.input, output_len=args.output, extra=extra)
     start_s = time.monotonic() - t0
-    rng = random.Random(0)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[rng.randrange(1000, 120000) for _ in range(args.input)])
-        for _ in range(args.prompts)
-    ]
+    prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
     sp = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
-    llm.generate(
-        prompts[:16],
-        SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
-        use_tqdm=False,
-    )  # warm-up
+    warm_up(llm, prompts)
     t0 = time.monotonic()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     gen_s = time.monotonic() - t0
@@ -115,13 +79,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     }
     llm.llm_engine.engine_core.shutdown()
     if sub is not None:
-        time.sleep(2.0)
-        sub.terminate()
-        out, err = sub.communicate(timeout=30)
-        stats = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
-        if not stats.get("messages"):  # a run without its subscriber measures nothing
-            raise SystemExit(f"{name}: the subscriber received nothing:\n{err[-3000:]}")
-        result["subscriber"] = stats
+        result["subscriber"] = stop_bus_subscriber(name, sub)
     return result
 
 
@@ -134,32 +92,16 @@ def main() -> int:
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+        print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
-    results = {}
-    for name in args.configs.split(","):
-        env = dict(os.environ)
-        if name == "plain":
-            env["VLLM_PLUGINS"] = "no-plugin"  # load no general plugin at all
-        cmd = [
-            sys.executable,
-            __file__,
-            "--one",
-            name,
-            "--prompts",
-            str(args.prompts),
-            "--input",
-            str(args.input),
-            "--output",
-            str(args.output),
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
-            raise SystemExit(f"configuration {name} failed")
-        results[name] = json.loads(line[-1][len("RESULT ") :])
-        print(f"  {name:16s} {results[name]['tok_per_s']:>10.1f} tok/s", flush=True)
+    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
+    argv += ["--output", str(args.output)]
+    results = run_arms(
+        __file__,
+        args.configs.split(","),
+        argv,
+        lambda name: "no-plugin" if name == "plain" else None,  # plain: no plugin at all
+    )
     base = results.get("plain", {}).get("tok_per_s")
     print(f"\n{'config':16s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}  subscriber")
     summary: dict = {}

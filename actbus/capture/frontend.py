@@ -239,7 +239,9 @@ def _wrap_process_inputs(orig):
         wire["n"] = int(getattr(sp, "n", 1) or 1)
         if sel.returns:
             try:
-                _returns(fe).expect(wire["caller_id"], wire["n"], sel, _prompt_len(request))
+                _returns(fe).expect(
+                    wire["caller_id"], wire["n"], sel, _prompt_len(request), sp.max_tokens
+                )
             except ConfigError as e:
                 raise _client_error(e) from None
         # The engine owns this copy; the caller's params are never mutated.

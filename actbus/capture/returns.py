@@ -7,6 +7,15 @@ that asked (``Subscription.returned_only``), and attaches what has arrived to ea
 output of such a request as ``CompletionOutput.activations``. So the data takes
 the same path, with the same exactness, as what any other subscriber gets.
 
+The front end's own work is kept off vLLM's output processing, with which it shares
+the GIL. The subscriber's thread copies each message's rows, request by request,
+straight into per-request buffers sized from the request's token budget
+(``actbus.capture.rowbuffer``), with the message's row index unpacked once for all
+of its requests and taps. Making an output then costs a few views of those buffers,
+whatever the request's length: no chunks concatenated, no copies handed out, and the
+lock the receiving thread needs is held for microseconds. Tensors are views, shared
+between a request's CUMULATIVE outputs: clone one before writing to it in place.
+
 Every output covers positions ``0 .. prompt_len + n_generated - 2``, the tokens
 the model has been fed so far. A streamed (partial) output carries the rows that
 have arrived, a prefix of those; the final output waits, bounded by
@@ -31,9 +40,10 @@ from actbus.bus.fanin import subscribe
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch
 from actbus.capture.dataparallel import DataParallel
+from actbus.capture.rowbuffer import TapRows
 from actbus.capture.selection import Selection
 from actbus.errors import ConfigError
-from actbus.wire import DTYPES
+from actbus.wire import DTYPES, RowIndex
 
 log = logging.getLogger("actbus.returns")
 RETURN_TIMEOUT_S = 30.0
@@ -41,6 +51,10 @@ RETURN_TIMEOUT_S = 30.0
 FORGET_AFTER_S = 120.0
 # and one that never reached the engine (so no end ever comes) after this.
 FORGET_UNENDED_S = 24 * 3600.0
+CAPACITY_GUESS = 256
+"""Generated tokens to make room for when a request sets no ``max_tokens``,"""
+CAPACITY_CAP = 4096
+"""and room for at most this many beyond its prompt at first (buffers grow past it)."""
 
 
 @dataclass
@@ -77,17 +91,21 @@ class Activations:
 class _Pending:
     sel: Selection
     prompt_len: int
-    chunks: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = field(
-        default_factory=dict
-    )  # per tap: (positions, token ids, rows) as they arrive
+    capacity: int
+    """Rows per tap to make room for at first: what the request's token budget implies."""
+    taps: dict[tuple[int, str], TapRows] = field(default_factory=dict)
     ended: str | None = None
     ended_at: float = 0.0
     ended_taps: set[tuple[int, str]] = field(default_factory=set)
     """Taps whose stream carried the request's end: all of its rows there have come."""
     created: float = field(default_factory=time.monotonic)
-    delivered: int = 0  # rows already handed out in DELTA outputs
-    pruned: dict[tuple[int, str], int] = field(default_factory=dict)
-    """Per tap: rows a DELTA output handed out and that were then let go (arrived)."""
+
+    @property
+    def chunks(self) -> dict[tuple[int, str], list[tuple[torch.Tensor, ...]]]:
+        """Per tap, the rows held and not handed out yet: (positions, token ids, rows)."""
+        return {
+            k: [t.view(t.start, t.end)] if t.end > t.start else [] for k, t in self.taps.items()
+        }
 
 
 class ReturnCollector:
@@ -117,6 +135,13 @@ class ReturnCollector:
                 f"extra_args.actbus.return: the publisher at {self.address} did not answer ({e})"
             ) from None
         self._forgot_at = time.monotonic()
+        self._plan_of: RowIndex | None = None  # the row index _plan was made from
+        # Per request: (key, first row, end row); every row's position and token id.
+        self._plan: tuple[list[tuple[tuple[str, int], int, int]], list[int], list[int]] = (
+            [],
+            [],
+            [],
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="actbus-return", daemon=True)
         self._thread.start()
@@ -147,10 +172,22 @@ class ReturnCollector:
             return _COLLECTORS[key]
 
     # ------------------------------------------------------------- front end side
-    def expect(self, caller_id: str, n: int, sel: Selection, prompt_len: int) -> None:
+    def expect(
+        self,
+        caller_id: str,
+        n: int,
+        sel: Selection,
+        prompt_len: int,
+        max_tokens: int | None = None,
+    ) -> None:
+        """Register a request's ``n`` samples before it is queued; ``max_tokens`` (its
+        token budget) sizes their buffers, so most never grow."""
+        budget = prompt_len + (max_tokens if max_tokens else CAPACITY_GUESS) - 1
+        rows = _expected_rows(sel, prompt_len, min(budget, prompt_len + CAPACITY_CAP))
+        capacity = 1 if rows is None else rows
         with self._cond:
             for i in range(n):
-                self._pending[(caller_id, i)] = _Pending(sel, prompt_len)
+                self._pending[(caller_id, i)] = _Pending(sel, prompt_len, capacity)
             _OWNER.update({caller_id: self})
 
     def take(
@@ -163,19 +200,21 @@ class ReturnCollector:
         delta: bool,
         ends_follow: bool = True,
     ) -> Activations | None:
-        """The rows for an output with ``num_generated`` tokens so far.
+        """The rows for an output with ``num_generated`` tokens so far: views of the
+        request's buffers, made in constant time under the lock (the receiving thread
+        is never held up by an output being made).
 
         ``ends_follow`` is False when the front end itself ended the request (an
         abort, a stop string): the engine learns of it only after this output is
         made, so the request's end cannot come first and is not waited for.
         """
         key = (caller_id, index)
-        limit = None
         with self._cond:
             p = self._pending.get(key)
             if p is None:
                 return None
             limit = p.prompt_len + num_generated - 1  # positions fed so far
+            want = wait = None
             if final:
                 want = _expected_rows(p.sel, p.prompt_len, limit)
                 wait = RETURN_TIMEOUT_S if (want is not None or ends_follow) else 0.0
@@ -188,25 +227,32 @@ class ReturnCollector:
                 self._pending.pop(key, None)
                 if not any(k[0] == caller_id for k in self._pending):
                     _OWNER.pop(caller_id, None)
-            acts = _assemble(p, limit, self._empty_rows())
+            acts = self._hand_out(p, limit, delta)
             if final:
                 acts.complete = self._arrived(p, limit, want)
-                if not acts.complete and wait:
-                    log.warning(
-                        "actbus: request %s sample %d: %d of %s rows arrived within %.0f s",
-                        caller_id, index, len(acts.positions), want, RETURN_TIMEOUT_S,
-                    )  # fmt: skip
+        if final and not acts.complete and wait:
+            log.warning(
+                "actbus: request %s sample %d: %d of %s rows arrived within %.0f s",
+                caller_id, index, len(acts.positions), want, RETURN_TIMEOUT_S,
+            )  # fmt: skip
+        return acts
+
+    def _hand_out(self, p: _Pending, limit: int, delta: bool) -> Activations:
+        """Rows below ``limit`` present at every tap, in position order: those not
+        handed out yet (DELTA, which marks them handed out) or all (CUMULATIVE)."""
+        taps = [p.taps.get(k) for k in p.sel.keys]
+        n = min((t.pending_below(limit) if t else 0) for t in taps) if taps else 0
+        tensors = {}
+        positions = token_ids = _NO_IDS
+        for k, t in zip(p.sel.keys, taps, strict=True):
+            if t is None:
+                tensors[k] = self._empty_rows()
+                continue
+            # CUMULATIVE outputs never move ``start``: it stays 0, and they get all rows.
+            positions, token_ids, tensors[k] = t.view(t.start, t.start + n)
             if delta:
-                start, p.delivered = p.delivered, len(acts.positions)
-                acts = Activations(
-                    acts.positions[start:],
-                    acts.token_ids[start:],
-                    {k: t[start:] for k, t in acts.tensors.items()},
-                    acts.complete,
-                )
-                if not final and len(acts.positions):
-                    _prune(p, int(acts.positions[-1]))
-            return acts
+                t.start += n
+        return Activations(positions, token_ids, tensors, complete=False)
 
     def _empty_rows(self) -> torch.Tensor:
         info = self._sub.welcome or {}
@@ -218,16 +264,13 @@ class ReturnCollector:
         """Every tap has its rows: as many as expected, or the request's end came on
         that tap's stream (messages of one tap arrive in order; ``last`` rows come
         with the end)."""
-        return all(
-            k in p.ended_taps
-            or (
-                want is not None
-                and p.pruned.get(k, 0)
-                + sum(int((pos < limit).sum()) for pos, _, _ in p.chunks.get(k, ()))
-                >= want
-            )
-            for k in p.sel.keys
-        )
+        for k in p.sel.keys:
+            if k in p.ended_taps:
+                continue
+            t = p.taps.get(k)
+            if want is None or (t.below(limit) if t else 0) < want:
+                return False
+        return True
 
     def close(self) -> None:
         self._stop.set()
@@ -248,21 +291,40 @@ class ReturnCollector:
             self._forget_stale()
 
     def _add(self, b: Batch) -> None:
-        rows, key = b.header.rows, (b.layer, b.hook)
+        """Copy each pending request's rows into its buffers; one message's work is
+        one pass over its requests, with the index decoded once per step."""
+        rows, tap = b.header.rows, (b.layer, b.hook)
+        if rows is not self._plan_of:  # the taps of one step share one row index
+            self._plan_of = rows
+            offsets = rows.offsets.tolist()
+            ids = rows.request_ids
+            keys = zip(ids, rows.sample_index or [0] * len(ids), strict=True)
+            self._plan = (
+                list(zip(keys, offsets, offsets[1:], strict=False)),  # offsets: one more
+                rows.positions.tolist(),
+                rows.token_ids.tolist(),
+            )
+        spans, positions, token_ids = self._plan
+        data = b.tensor.view(torch.uint8).numpy() if b.tensor.numel() else None
+        dtype, width = DTYPES[b.header.dtype], b.header.shape[1]
         with self._cond:
-            for i, rid in enumerate(rows.request_ids):
-                p = self._pending.get((rid, rows.request_sample_index(i)))
-                if p is None:
+            pending = self._pending
+            for key, lo, hi in spans if data is not None else ():
+                p = pending.get(key)
+                if p is None or lo == hi:
                     continue  # another front end's request, or one already collected
-                lo, hi = int(rows.offsets[i]), int(rows.offsets[i + 1])
-                p.chunks.setdefault(key, []).append(
-                    (rows.positions[lo:hi], rows.token_ids[lo:hi], b.tensor[lo:hi])
-                )
+                t = p.taps.get(tap)
+                if t is None:
+                    t = p.taps[tap] = TapRows(data.shape[1], dtype, width, p.capacity)
+                if hi - lo == 1:
+                    t.append_one(positions[lo], token_ids[lo], data[lo])
+                else:
+                    t.append(rows.positions[lo:hi], rows.token_ids[lo:hi], data[lo:hi])
             now = time.monotonic()
             for end in b.header.ended:
-                p = self._pending.get((end.request_id, end.sample_index))
+                p = pending.get((end.request_id, end.sample_index))
                 if p is not None:
-                    p.ended_taps.add(key)
+                    p.ended_taps.add(tap)
                     if p.ended is None:
                         p.ended, p.ended_at = end.reason, now
             self._cond.notify_all()
@@ -303,61 +365,7 @@ def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
     return limit if mask is None else int(mask.sum())
 
 
-def _joined(
-    chunks: list[tuple[np.ndarray, np.ndarray, torch.Tensor]],
-) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
-    """One tap's chunks as one (positions, token ids, rows); rows None when empty."""
-    if not chunks:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), None
-    return (
-        np.concatenate([c[0] for c in chunks]),
-        np.concatenate([c[1] for c in chunks]),
-        torch.cat([c[2] for c in chunks]),
-    )
-
-
-def _prune(p: _Pending, upto: int) -> None:
-    """Let go of the rows a DELTA output handed out (positions up to ``upto``), so
-    each output assembles only what is new: a long stream costs linear time, where
-    assembling every row for every output cost time quadratic in its length."""
-    for key, chunks in p.chunks.items():
-        if not chunks:
-            continue
-        pos, tok, acts = _joined(chunks)
-        keep = pos > upto
-        gone = len(keep) - int(keep.sum())
-        if not gone:
-            continue
-        p.pruned[key] = p.pruned.get(key, 0) + gone
-        p.chunks[key] = (
-            [(pos[keep], tok[keep], acts[torch.from_numpy(keep)])] if gone < len(keep) else []
-        )
-    p.delivered = 0
-
-
-def _assemble(p: _Pending, limit: int, empty: torch.Tensor) -> Activations:
-    """Rows below ``limit`` present for every tap, sorted by position."""
-    per_tap = {}
-    n = None
-    for key in p.sel.keys:
-        pos, tok, acts = _joined(p.chunks.get(key, []))
-        order = np.argsort(pos, kind="stable")
-        order = order[pos[order] < limit]
-        per_tap[key] = (pos[order], tok[order], acts, order)
-        n = len(order) if n is None else min(n, len(order))
-    n = n or 0
-    tensors = {}
-    positions = token_ids = np.zeros(0, dtype=np.int64)
-    for key, (pos, tok, acts, order) in per_tap.items():
-        idx = torch.from_numpy(order[:n])
-        tensors[key] = acts[idx] if acts is not None else empty
-        positions, token_ids = pos[:n], tok[:n]
-    return Activations(
-        torch.from_numpy(np.ascontiguousarray(positions)),
-        torch.from_numpy(np.ascontiguousarray(token_ids)),
-        tensors,
-        complete=False,
-    )
+_NO_IDS = torch.zeros(0, dtype=torch.int64)
 
 
 _LOCK = threading.Lock()

@@ -1,0 +1,107 @@
+"""One request's returned rows at one tap, in position order, in memory of their own.
+
+The front end's return collector copies each arriving piece of a request's rows
+straight into its ``TapRows`` (numpy slice copies: no per-output concatenation, and
+numpy lets go of the GIL for large ones) and hands out views of it: an output's
+tensors are never assembled from pieces or copied again. The rows are kept as raw
+bytes, so what is handed out is bitwise what the subscriber received, whatever the
+dtype. Capacity is sized from the request's token budget and grows geometrically.
+Growing (or restoring position order after a piece that arrived out of order) moves
+the rows into new memory and copies only those not yet handed out: rows a DELTA
+output took are let go then, while views already handed out keep the old memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+MIN_CAPACITY = 16
+
+
+class TapRows:
+    """Rows ``start .. end`` are held and not handed out yet (DELTA outputs move
+    ``start``); rows before ``start`` were handed out, ``released`` of them let go."""
+
+    __slots__ = ("_pos", "_rows", "_tok", "dtype", "end", "last", "released", "start", "width")
+
+    def __init__(self, row_bytes: int, dtype: torch.dtype, width: int, capacity: int) -> None:
+        cap = max(capacity, MIN_CAPACITY)
+        self.dtype = dtype
+        self.width = width
+        self._pos = np.empty(cap, dtype=np.int64)
+        self._tok = np.empty(cap, dtype=np.int64)
+        self._rows = np.empty((cap, row_bytes), dtype=np.uint8)
+        self.start = 0
+        self.end = 0
+        self.released = 0
+        self.last = -1  # the position of row ``end - 1``
+
+    def append(self, positions: np.ndarray, token_ids: np.ndarray, rows: np.ndarray) -> None:
+        """``positions``, ``token_ids``: int64 ``[k]``; ``rows``: uint8 ``[k, row_bytes]``."""
+        k = len(positions)
+        if k == 0:
+            return
+        end = self.end
+        if end + k > len(self._pos):
+            self._move(max(2 * (end - self.start + k), MIN_CAPACITY))
+            end = self.end
+        self._pos[end : end + k] = positions
+        self._tok[end : end + k] = token_ids
+        self._rows[end : end + k] = rows
+        self.end = end + k
+        first, self.last = int(positions[0]), int(positions[-1])
+        if (end > self.start and first < self._pos[end - 1]) or (
+            k > 1 and bool((positions[1:] < positions[:-1]).any())
+        ):
+            self._move(len(self._pos), sort=True)
+
+    def append_one(self, position: int, token_id: int, row: np.ndarray) -> None:
+        """One row (a decode step's): scalar writes, a third of ``append``'s cost."""
+        end = self.end
+        if end == len(self._pos):
+            self._move(max(2 * (end - self.start + 1), MIN_CAPACITY))
+            end = self.end
+        self._pos[end] = position
+        self._tok[end] = token_id
+        self._rows[end] = row
+        self.end = end + 1
+        out_of_order = end > self.start and position < self.last
+        self.last = position
+        if out_of_order:
+            self._move(len(self._pos), sort=True)
+
+    def _move(self, capacity: int, sort: bool = False) -> None:
+        """Rows not handed out into new memory (stably sorted by position if ``sort``)."""
+        live = slice(self.start, self.end)
+        n = self.end - self.start
+        pos = np.empty(capacity, dtype=np.int64)
+        tok = np.empty(capacity, dtype=np.int64)
+        rows = np.empty((capacity, self._rows.shape[1]), dtype=np.uint8)
+        if sort:
+            order = np.argsort(self._pos[live], kind="stable")
+            np.take(self._pos[live], order, out=pos[:n])
+            np.take(self._tok[live], order, out=tok[:n])
+            np.take(self._rows[live], order, axis=0, out=rows[:n])
+        else:
+            pos[:n], tok[:n], rows[:n] = self._pos[live], self._tok[live], self._rows[live]
+        self._pos, self._tok, self._rows = pos, tok, rows
+        self.released += self.start
+        self.start, self.end = 0, n
+        if n:
+            self.last = int(pos[n - 1])
+
+    def below(self, limit: int) -> int:
+        """Rows held (handed out or not) with position below ``limit``."""
+        live = self._pos[self.start : self.end]
+        return self.released + self.start + int(np.searchsorted(live, limit))
+
+    def pending_below(self, limit: int) -> int:
+        """Rows not handed out yet with position below ``limit``."""
+        return int(np.searchsorted(self._pos[self.start : self.end], limit))
+
+    def view(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows ``lo .. hi`` (buffer indices): positions, token ids, ``[n, width]`` rows;
+        views, not copies."""
+        rows = torch.from_numpy(self._rows[lo:hi]).view(self.dtype).view(hi - lo, self.width)
+        return torch.from_numpy(self._pos[lo:hi]), torch.from_numpy(self._tok[lo:hi]), rows

@@ -1,0 +1,210 @@
+"""Activations returned to the caller (``"return": true``) against plain vLLM and the
+bus, in one run (GPU).
+
+Llama-3-8B shape with dummy bf16 weights, PROMPTS prompts of INPUT random token ids,
+OUTPUT new tokens each, offline ``LLM``; every arm in its own process (a fresh
+engine) with vLLM's defaults (torch.compile, CUDA graphs):
+
+    plain      actbus not loaded (VLLM_PLUGINS names no plugin)
+    return_1   layer 16 tapped; every request asks ``"return": true`` (every position)
+    return_4   layers 4, 12, 20, 28; the same
+    bus_4      layers 4, 12, 20, 28 to a lossless (``block``) ``null`` subscriber in
+               another process, as bench_capture.py's 4_layers; nothing returned
+
+The rows are counted. A return arm checks, per request and tapped layer, that its
+output carries prompt + generated - 1 rows, at positions 0.., marked ``complete``;
+the bus arm, that its subscriber got that many per layer for every request served
+(the warm-up's included). A count that differs fails the run, naming the arm.
+
+Prints a table, then one JSON line with every figure and ratio (``ratio_return_1``,
+``ratio_return_4``, ``ratio_bus_4``: generated tok/s against plain).
+
+    python benchmarks/bench_return.py [--prompts 256 --input 256 --output 256]
+    python benchmarks/bench_return.py --tiny     # CPU check: the tiny Llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine_arms import (
+    RESULT,
+    make_llm,
+    model,
+    random_prompts,
+    run_arms,
+    start_bus_subscriber,
+    stop_bus_subscriber,
+    wait_subscribed,
+    warm_up,
+)
+
+ARMS = {
+    # arm: (layers tapped, how the rows leave); None: plain vLLM
+    "plain": None,
+    "return_1": ("one", "return"),
+    "return_4": ("four", "return"),
+    "bus_4": ("four", "bus"),
+}
+LAYERS = {
+    "gpu": {"one": [16], "four": [4, 12, 20, 28]},
+    "tiny": {"one": [3], "four": [0, 1, 2, 3]},
+}
+DEFAULTS = {
+    "gpu": {"prompts": 256, "input": 256, "output": 256},
+    "tiny": {"prompts": 16, "input": 32, "output": 32},
+}
+
+
+def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One arm, in this process: the engine, the timed generation, the row count."""
+    from vllm import SamplingParams
+
+    model_dir, config = model(args.tiny)
+    extra: dict[str, Any] = {}
+    sub = None
+    returns = None
+    layers: list[int] = []
+    if ARMS[name] is not None:
+        which, how = ARMS[name]
+        layers = LAYERS["tiny" if args.tiny else "gpu"][which]
+        address = f"ipc://{tempfile.mkdtemp(prefix='bench-ret-')}/bus.sock"
+        extra = {"actbus": {"publish": address, "layers": layers, "queue_mb": 4096}}
+        if how == "bus":
+            sub = start_bus_subscriber(address, "block")
+        else:
+            returns = {"actbus": {"return": True}}  # the engine's layers, every position
+    t0 = time.monotonic()
+    llm = make_llm(
+        model_dir, tiny=args.tiny, input_len=args.input, output_len=args.output, extra=extra
+    )
+    start_s = time.monotonic() - t0
+    if sub is not None:
+        wait_subscribed(address, "null")  # so it counts every row, the warm-up's too
+    prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
+    # The warm-up asks for rows too: the front end's return subscriber starts there.
+    warm = warm_up(llm, prompts, returns)
+    sp = SamplingParams(
+        temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False,
+        extra_args=returns,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    gen_s = time.monotonic() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    result: dict[str, Any] = {
+        "arm": name,
+        "layers": layers,
+        "engine_start_s": round(start_s, 1),
+        "gen_s": round(gen_s, 2),
+        "generated_tokens": generated,
+        "tok_per_s": round(generated / gen_s, 1),
+    }
+    llm.llm_engine.engine_core.shutdown()
+    if returns is not None:
+        result |= _count_returned(name, outs, layers)
+    if sub is not None:
+        stats = stop_bus_subscriber(name, sub)
+        want = len(layers) * sum(_fed(o) for o in [*warm, *outs])
+        if stats["rows"] != want:
+            raise SystemExit(f"{name}: the subscriber got {stats['rows']} rows, expected {want}")
+        result |= {"rows": stats["rows"], "rows_expected": want, "subscriber": stats}
+    return result
+
+
+def _fed(out: Any) -> int:
+    """Positions fed for one output: prompt + generated - 1."""
+    return len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+
+
+def _count_returned(name: str, outs: list[Any], layers: list[int]) -> dict[str, Any]:
+    """Every request's returned rows: prompt + generated - 1 per layer, in order."""
+    rows = want = 0
+    for o in outs:
+        acts = getattr(o.outputs[0], "activations", None)
+        n = _fed(o)
+        if acts is None or not acts.complete:
+            raise SystemExit(f"{name}: request {o.request_id} returned no complete activations")
+        if acts.positions.tolist() != list(range(n)):
+            raise SystemExit(f"{name}: request {o.request_id}: positions are not 0..{n - 1}")
+        got = {layer: int(acts[(layer, "post_block")].shape[0]) for layer in layers}
+        if any(g != n for g in got.values()):
+            raise SystemExit(f"{name}: request {o.request_id}: rows {got}, expected {n} each")
+        rows += sum(got.values())
+        want += n * len(layers)
+    return {"rows": rows, "rows_expected": want}
+
+
+def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    base = results.get("plain", {}).get("tok_per_s")
+    s: dict[str, Any] = {
+        "model": "tiny-llama" if args.tiny else "llama-3-8b-shape-dummy-bf16",
+        "prompts": args.prompts,
+        "input": args.input,
+        "output": args.output,
+    }
+    for name, r in results.items():
+        s[f"tok_per_s_{name}"] = r["tok_per_s"]
+        s[f"gen_s_{name}"] = r["gen_s"]
+        s[f"engine_start_s_{name}"] = r["engine_start_s"]
+        if name != "plain":
+            s[f"ratio_{name}"] = round(r["tok_per_s"] / base, 4) if base else None
+            s[f"layers_{name}"] = r["layers"]
+            s[f"rows_{name}"] = r["rows"]
+            s[f"rows_expected_{name}"] = r["rows_expected"]
+            s[f"rows_ok_{name}"] = r["rows"] == r["rows_expected"]
+    return s
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
+    ap.add_argument("--prompts", type=int, default=None, help="256 (--tiny: 16)")
+    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
+    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
+    ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, in order")
+    ap.add_argument("--arm-timeout", type=float, default=1200.0)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.one:
+        print(RESULT + json.dumps(run_arm(args.one, args)), flush=True)
+        return 0
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
+    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
+    results = run_arms(
+        __file__,
+        arms,
+        argv,
+        lambda name: "no-plugin" if ARMS[name] is None else "actbus",
+        args.arm_timeout,
+    )
+    base = results.get("plain", {}).get("tok_per_s")
+    print(f"\n{'arm':10s} {'layers':>14s} {'tok/s':>10s} {'vs plain':>9s} {'rows':>12s}  check")
+    for name, r in results.items():
+        ratio = r["tok_per_s"] / base if base else float("nan")
+        rows = f"{r['rows']:,}" if "rows" in r else ""
+        check = "ok: prompt + generated - 1 per request per layer" if "rows" in r else ""
+        layers = ",".join(map(str, r["layers"]))
+        tps = r["tok_per_s"]
+        print(f"{name:10s} {layers:>14s} {tps:>10.1f} {ratio:>9.3f} {rows:>12s}  {check}")
+    print(json.dumps(summarize(results, args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

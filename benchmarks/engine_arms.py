@@ -1,0 +1,162 @@
+"""What the engine-throughput benchmarks share: the model, the engine, the prompts,
+the lossless bus subscriber, and one fresh process per arm.
+
+``bench_capture.py`` and ``bench_return.py`` compare arms that differ only in what
+actbus does; building every arm from these keeps that true. ``tiny`` swaps the
+Llama-3-8B shape (dummy bf16 weights, for a GPU) for the tests' tiny Llama (float32,
+on CPU), so a benchmark can be checked end to end where no GPU is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from actbus.cli import consumer_command
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+RESULT = "RESULT "
+"""The prefix of an arm process's one line of results on stdout."""
+
+
+def model(tiny: bool) -> tuple[Path, dict[str, Any]]:
+    """The model directory and its config: the tiny Llama, or the Llama-3-8B shape."""
+    if tiny:
+        from actbus.tiny_models import build_tiny_model
+
+        path = build_tiny_model("llama")
+        return path, json.loads((path / "config.json").read_text())
+    path = Path(tempfile.mkdtemp(prefix="bench-8b-"))
+    (path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return path, LLAMA3_8B
+
+
+def make_llm(
+    path: Path, *, tiny: bool, input_len: int, output_len: int, extra: dict[str, Any], **kw: Any
+) -> Any:
+    """An offline ``vllm.LLM`` with vLLM's defaults (torch.compile, CUDA graphs on a
+    GPU), token-id prompts and no prefix caching; ``extra`` is ``additional_config``."""
+    from vllm import LLM
+
+    if tiny:
+        kw.setdefault("gpu_memory_utilization", 0.3)  # on CPU: the KV cache's share
+    return LLM(
+        str(path),
+        load_format="auto" if tiny else "dummy",
+        skip_tokenizer_init=True,
+        dtype="float32" if tiny else "bfloat16",
+        max_model_len=input_len + output_len + 8,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
+        seed=0,
+        additional_config=extra,
+        **kw,
+    )
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[Any]:
+    """``n`` prompts of ``length`` random token ids (the same for every arm)."""
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(seed)
+    low, high = min(1000, vocab // 4), min(vocab, 120000)
+    return [
+        TokensPrompt(prompt_token_ids=[rng.randrange(low, high) for _ in range(length)])
+        for _ in range(n)
+    ]
+
+
+def warm_up(llm: Any, prompts: list[Any], extra_args: dict[str, Any] | None = None) -> list[Any]:
+    """A short generation before the timed one (compiles, graphs); its outputs."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False, extra_args=extra_args)
+    return llm.generate(prompts[:16], sp, use_tqdm=False)
+
+
+def start_bus_subscriber(address: str, policy: str) -> subprocess.Popen:
+    """A ``null`` consumer in its own process: receives every message and counts it."""
+    return subprocess.Popen(
+        consumer_command("null", address, "--policy", policy, "--log-level", "WARNING"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def wait_subscribed(address: str, name: str, timeout: float = 120.0) -> None:
+    """Until the publisher lists subscriber ``name`` (so it gets every message from now)."""
+    from actbus.bus import Subscriber, Subscription
+    from actbus.bus.statsview import request
+
+    deadline = time.monotonic() + timeout
+    with Subscriber(address, Subscription(layers=(), name="bench-check")) as sub:
+        sub.wait_welcome(timeout)
+        while name not in request(sub, 10)["subscribers"]:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"subscriber {name!r} did not subscribe within {timeout:.0f}s")
+            time.sleep(0.5)
+
+
+def stop_bus_subscriber(name: str, sub: subprocess.Popen) -> dict[str, Any]:
+    """Its counters (messages, rows, bytes, drops); a run whose subscriber received
+    nothing measured nothing, and fails."""
+    time.sleep(2.0)
+    sub.terminate()
+    out, err = sub.communicate(timeout=30)
+    stats = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+    if not stats.get("messages"):
+        raise SystemExit(f"{name}: the subscriber received nothing:\n{err[-3000:]}")
+    return stats
+
+
+def run_arms(
+    script: str,
+    names: list[str],
+    argv: list[str],
+    plugins: Callable[[str], str | None],
+    timeout: float = 900.0,
+) -> dict[str, dict[str, Any]]:
+    """Each arm as ``script ARGV --one NAME`` in a fresh process (a fresh engine), with
+    ``VLLM_PLUGINS=plugins(name)`` (None: as it is here); its ``RESULT`` line, by arm."""
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        env = dict(os.environ)
+        if (only := plugins(name)) is not None:
+            env["VLLM_PLUGINS"] = only
+        cmd = [sys.executable, script, *argv, "--one", name]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        line = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
+        if proc.returncode or not line:
+            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+            raise SystemExit(f"arm {name} failed")
+        results[name] = json.loads(line[-1][len(RESULT) :])
+        print(f"  {name:16s} {results[name]['tok_per_s']:>10.1f} tok/s", flush=True)
+    return results
