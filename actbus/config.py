@@ -16,6 +16,7 @@ from actbus.bus.addresses import check_address
 from actbus.bus.endpoints import RANK_EXAMPLE, for_rank, has_rank
 from actbus.bus.security import check_server_keys
 from actbus.errors import ConfigError
+from actbus.monitor.config import MonitorConfig
 from actbus.steer.config import SteerConfig
 from actbus.streams import parse_hooks, parse_layers, parse_positions
 from actbus.wire import MAX_REQUEST_ID_CHARS, WireError, check_tags
@@ -72,6 +73,9 @@ class CaptureConfig:
     steer: SteerConfig | None = None
     """Steering (``actbus.steer.config``): which points can be steered, named vectors
     and global steering; None: the graph has no steering at all."""
+    monitor: MonitorConfig | None = None
+    """Monitors (``actbus.monitor.config``): named probes and SAE features scored in the
+    compiled graph, their scores published on the bus; None: no monitor in the graph."""
     all_layers: bool = field(default=False, repr=False)
 
     @classmethod
@@ -150,6 +154,8 @@ class CaptureConfig:
             kw["model_name"] = raw["model_name"]
         if "steer" in raw:
             kw["steer"] = SteerConfig.from_dict(raw["steer"])
+        if "monitor" in raw:
+            kw["monitor"] = MonitorConfig.from_dict(raw["monitor"])
         return cls(**kw)
 
     def publish_address(self, dp_rank: int = 0) -> str:

@@ -77,8 +77,13 @@ MAX_TAG_ITEMS = 4096
 nested lists and maps included."""
 MAX_TAG_DEPTH = 16
 
-KNOWN_HOOKS = frozenset(HOOKS)
-"""The hook names a header may carry: exactly the hook points capture taps."""
+MONITOR_HOOK = "monitor"
+"""The hook name of monitor scores: a data message of float32 ``[rows, width]`` scores
+whose header's ``monitor`` field names the monitor, its weights' version and its point
+(``layer`` is the point's layer). Only subscribers that name this hook get them."""
+KNOWN_HOOKS = frozenset(HOOKS) | {MONITOR_HOOK}
+"""The hook names a header may carry: the hook points capture taps, and monitor scores."""
+MAX_MONITOR_NAME_CHARS = 200
 
 
 @dataclass
@@ -293,6 +298,48 @@ class RequestEnd:
         return self.reason in ("stop", "length")
 
 
+@dataclass(frozen=True)
+class MonitorInfo:
+    """Whose scores a monitor message carries: the monitor, the version of the weights
+    that produced every score in it, and the hook of its point."""
+
+    name: str
+    version: int
+    hook: str
+    labels: tuple[int, ...] = ()
+    """What each column scores: SAE latent indices; empty for a one-column probe."""
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, self.version, self.hook, list(self.labels)]
+
+    @classmethod
+    def from_wire(cls, v: Any, width: int) -> MonitorInfo:
+        if type(v) is not list or len(v) != 4:
+            raise WireError(
+                f"header field 'monitor': {capped(v)} is not [name, version, hook, labels]",
+                "monitor",
+            )
+        name = _str(v[0], "monitor", MAX_MONITOR_NAME_CHARS, "name")
+        if not name:
+            raise WireError("header field 'monitor' name: empty", "monitor")
+        version = _int(v[1], "monitor", 1, MAX_INT64, "version")
+        hook = v[2]
+        if type(hook) is not str or hook not in HOOKS:
+            raise WireError(
+                f"header field 'monitor' hook: {capped(hook)} is not one of {', '.join(HOOKS)}",
+                "monitor",
+            )
+        labels = _list(v[3], "monitor", MAX_INT32)
+        for x in labels:
+            _int(x, "monitor", 0, MAX_INT32, "label")
+        if labels and len(labels) != width:
+            raise WireError(
+                f"header field 'monitor' labels: {len(labels)} labels for {width} columns",
+                "monitor",
+            )
+        return cls(name, version, hook, tuple(labels))
+
+
 @dataclass
 class Header:
     """Everything about one data message except the tensor bytes."""
@@ -308,11 +355,15 @@ class Header:
     ended: list[RequestEnd] = field(default_factory=list)
     """Requests that left the engine since the previous step, with the reason; sent
     on every (layer, hook) message of the step (a step with no rows still sends it)."""
+    monitor: MonitorInfo | None = None
+    """Set exactly when ``hook`` is ``MONITOR_HOOK``."""
     schema: int = SCHEMA_VERSION
 
     def encode(self) -> bytes:
+        extra = {"monitor": self.monitor.to_wire()} if self.monitor is not None else {}
         return msgpack.packb(
             {
+                **extra,
                 "schema": self.schema,
                 "step": self.step,
                 "layer": self.layer,
@@ -375,6 +426,19 @@ class Header:
             )
         except KeyError as e:
             raise WireError(f"bad header field: {capped(e.args[0])} is missing", "header") from e
+        if hook == MONITOR_HOOK:
+            if "monitor" not in d:
+                raise WireError("header field 'monitor': missing on a monitor message", "monitor")
+            if dtype != "float32":
+                raise WireError(
+                    f"header field 'dtype': monitor scores are float32, not {dtype}", "dtype"
+                )
+            hdr.monitor = MonitorInfo.from_wire(d["monitor"], hdr.shape[1])
+        elif "monitor" in d:
+            raise WireError(
+                f"header field 'monitor': set on a message of hook {hook!r}, not {MONITOR_HOOK!r}",
+                "monitor",
+            )
         if hdr.shape[0] != hdr.rows.num_rows:
             raise WireError(
                 f"header field 'shape': {hdr.shape[0]} rows, the row index has {hdr.rows.num_rows}",

@@ -27,6 +27,9 @@ LAYERS: dict[str, int] = {
     "actbus.steer": 3,  # the package's docstring
     "actbus.steer.config": 3,  # part of the engine's config
     "actbus.steer.": 4,
+    "actbus.monitor": 3,  # the package's docstring
+    "actbus.monitor.config": 3,  # part of the engine's config
+    "actbus.monitor.": 4,
     "actbus.capture": 4,
     "actbus.capture.": 4,
     "actbus.tiny_models": 4,

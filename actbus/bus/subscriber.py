@@ -48,6 +48,7 @@ from actbus.wire import (
     HELLO,
     KEEPALIVE,
     MARK,
+    MONITOR_HOOK,
     REJECT,
     STATS,
     WELCOME,
@@ -78,8 +79,19 @@ def check_taps(
     """Refuse (``SubscriptionRejected``) a stream that cannot carry what is asked for:
     a publisher's WELCOME says what it taps (an engine's ``layers`` and ``hooks``, or a
     replayed run's). ``None`` asks for all; a publisher that does not say is trusted."""
+    monitors = info.get("monitors") if isinstance(info.get("monitors"), dict) else {}
     for what, wanted, key in (("layer", layers, "layers"), ("hook", hooks, "hooks")):
         tapped = info.get(key)
+        if monitors and isinstance(tapped, list) and hooks is not None and MONITOR_HOOK in hooks:
+            # Monitor scores come from the monitors' own layers, and their own hook.
+            extra = (
+                [MONITOR_HOOK]
+                if key == "hooks"
+                else [
+                    x for m in monitors.values() if isinstance(m, dict) for x in m.get("layers", [])
+                ]
+            )
+            tapped = tapped + extra
         if wanted is None or not isinstance(tapped, list):
             continue
         missing = [w for w in wanted if w not in tapped]

@@ -18,9 +18,12 @@ Requests with ``"return": true`` are registered with the front end's
 of the V1 output processor is made, offline and streaming alike) is wrapped to
 attach their rows as ``CompletionOutput.activations``.
 
-Steering (``extra_args["actbus"]["steer"]`` and ``"steer_global"``) is resolved here
-too (``actbus.steer.frontend``) and travels in the same normalized entry; a request
-steered in its prompt gets a cache salt derived from that steering.
+Monitors (``"monitor"``, ``"monitor_global"``: ``actbus.monitor.frontend``) are
+resolved here as well; a monitored request scores every prompt token, so it skips
+reading the prefix cache. Steering (``extra_args["actbus"]["steer"]`` and
+``"steer_global"``) is resolved here too (``actbus.steer.frontend``) and travels in
+the same normalized entry; a request steered in its prompt gets a cache salt derived
+from that steering.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
 from actbus.errors import ConfigError
+from actbus.monitor.frontend import take_monitors
 from actbus.steer.frontend import RequestSteer, SteerFrontend
 
 KEY = "actbus"
@@ -149,8 +153,9 @@ class _Frontend:
             else None
         )
 
-    def parse(self, params: Any) -> tuple[Selection | None, RequestSteer | None]:
-        """The request's capture selection and its whole steering (global included)."""
+    def parse(self, params: Any) -> tuple[Selection | None, RequestSteer | None, tuple[str, ...]]:
+        """The request's capture selection, its whole steering and its monitors (global
+        ones included)."""
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
@@ -162,6 +167,7 @@ class _Frontend:
                     f"extra_args.actbus: not valid JSON ({e.msg} at column {e.colno}); over "
                     "HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
                 ) from None
+        raw, monitors = take_monitors(raw, self.cfg.monitor)
         steer_raw, use_global = None, True
         if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
             raw = dict(raw)
@@ -179,9 +185,9 @@ class _Frontend:
             else None
         )
         if raw is False:  # opts this request out of ``requests: all``
-            return None, steer
+            return None, steer, monitors
         if raw is None:
-            return (self.base if self.requests == "all" else None), steer
+            return (self.base if self.requests == "all" else None), steer, monitors
         sel = parse_selection(
             raw,
             engine_layers=self.base.layers,
@@ -195,7 +201,7 @@ class _Frontend:
                 "subscribe to the bus instead (actbus run fs-sink --connect ADDR, a trainer, "
                 "or actbus.bus.Subscriber) and give the request tags to find its rows by"
             )
-        return sel, steer
+        return sel, steer, monitors
 
 
 def frontend_for(input_processor: Any) -> _Frontend:
@@ -211,12 +217,14 @@ def _wrap_process_inputs(orig):
     def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
         fe = frontend_for(self)
         try:
-            sel, steer = fe.parse(params) if fe.active and _is_sampling(params) else (None, None)
+            sel, steer, monitors = (
+                fe.parse(params) if fe.active and _is_sampling(params) else (None, None, ())
+            )
         except ConfigError as e:
             raise _client_error(e) from None
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         sp = getattr(request, "sampling_params", None)
-        if (sel is None and steer is None) or sp is None:
+        if (sel is None and steer is None and not monitors) or sp is None:
             if sp is not None and fe.active:
                 _strip(sp)
             return request
@@ -227,16 +235,23 @@ def _wrap_process_inputs(orig):
             if salt is not None:  # steered prompt tokens: their KV is this steering's own
                 old = getattr(request, "cache_salt", None)
                 request.cache_salt = f"{old}|{salt}" if old else salt
+        if monitors or sel is not None:  # rows and scores name the caller's request
+            try:
+                wire["caller_id"] = check_request_id(
+                    str(getattr(request, "external_req_id", None) or request_id)
+                )
+            except ConfigError as e:
+                raise _client_error(e) from None
+            wire["n"] = int(getattr(sp, "n", 1) or 1)
+        if monitors:
+            wire["monitor"] = list(monitors)
+            # Every prompt token is scored, so its stream must be computed, not read
+            # from another request's cached KV (which it still fills for others).
+            sp.skip_reading_prefix_cache = True
         if sel is None:
             sp.extra_args = {**(sp.extra_args or {}), KEY: wire}
             return request
         wire.update(sel.to_wire())
-        try:
-            caller = check_request_id(str(getattr(request, "external_req_id", None) or request_id))
-        except ConfigError as e:
-            raise _client_error(e) from None
-        wire["caller_id"] = caller
-        wire["n"] = int(getattr(sp, "n", 1) or 1)
         if sel.returns:
             try:
                 _returns(fe).expect(

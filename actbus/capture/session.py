@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,6 +37,10 @@ from actbus.capture.taps import (
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
+from actbus.monitor.config import MonitorConfig
+from actbus.monitor.graph import install_monitors
+from actbus.monitor.weights import MonitorWeights, load_weights
+from actbus.monitor.worker import MonitorHarvest, Published
 from actbus.steer.frontend import SteerFrontend
 from actbus.steer.graph import install_steering
 from actbus.steer.worker import Steerer
@@ -91,9 +96,11 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
         return None
     require(scheduler_problems(), "the scheduler")
     cfg = checked[0]
+    mc = vllm_config.model_config
     if cfg.steer is not None:  # named vectors load and global entries resolve, or fail now
-        mc = vllm_config.model_config
         SteerFrontend(cfg.steer, num_layers=_num_layers(mc), hidden_size=mc.get_hidden_size())
+    if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
+        monitor_weights(cfg.monitor, _num_layers(mc), mc.get_hidden_size())
     raw = vllm_config.additional_config["actbus"]
     raw["_graph_version"] = GRAPH_VERSION
     # A dense model's engine cores are each made to look like DP=1: the workers learn
@@ -126,6 +133,9 @@ def attach_capture(
         device=device,
     )
     name = cfg.model_name or _served_name(mc)
+    monitors = None
+    if cfg.monitor is not None:
+        monitors = _attach_monitors(model, cfg.monitor, mc, max_rows=max_rows, device=device)
     engine = {
         "runner": runner,
         "compile_mode": getattr(cc.mode, "name", str(cc.mode)),
@@ -142,8 +152,61 @@ def attach_capture(
             device=device,
         )
     )
-    dp = (dataparallel.worker_rank(vllm_config), dataparallel.front_size(vllm_config))
-    return CaptureWorker(cfg, taps, name, engine=engine, layers=layers, stage=stage, dp=dp)
+    worker = CaptureWorker(
+        cfg,
+        taps,
+        name,
+        engine=engine,
+        layers=layers,
+        stage=stage,
+        monitors=None if monitors is None else monitors[1],
+        dp=(dataparallel.worker_rank(vllm_config), dataparallel.front_size(vllm_config)),
+    )
+    if monitors is not None:
+        worker.monitors = MonitorHarvest(monitors[0], monitors[2], name)
+    return worker
+
+
+def monitor_weights(mcfg: MonitorConfig, num_layers: int, hidden: int) -> dict[str, MonitorWeights]:
+    """Every monitor's weights, loaded and checked (layers against the model too)."""
+    mcfg.check_model(num_layers)
+    return {
+        n: load_weights(d, hidden, f"actbus.monitor.monitors.{n}") for n, d in mcfg.monitors.items()
+    }
+
+
+def _attach_monitors(model: nn.Module, mcfg: MonitorConfig, mc: Any, *, max_rows: int, device):
+    """The monitor tables on this stage's layers (TP rank 0, like the taps: scores are
+    read there), what the publisher tells subscribers of them, and what each publishes."""
+    n = _num_layers(mc)
+    weights = monitor_weights(mcfg, n, mc.get_hidden_size())
+    points = {
+        name: [(layer, d.hook) for layer in owned_layers(model, n, d.layers)]
+        for name, d in mcfg.monitors.items()
+    }
+    decoder = find_decoder_layers(model, n)
+    tables = install_monitors(
+        decoder, weights, points, hidden_size=mc.get_hidden_size(), max_rows=max_rows, device=device
+    )
+    for layer, _hook in tables.points:
+        wrap_layer(decoder[layer])
+    info = {
+        name: {
+            "layers": list(d.layers),
+            "hook": d.hook,
+            "kind": d.kind,
+            "width": weights[name].width,
+            "labels": list(weights[name].labels),
+            "activation": weights[name].activation,
+        }
+        for name, d in mcfg.monitors.items()
+    }
+    published = {
+        name: Published(np.asarray(w.published, dtype=np.int64), w.labels)
+        for name, w in weights.items()
+    }
+    log.info("actbus: monitors %s at %s", list(mcfg.monitors), sorted(tables.points))
+    return tables, info, published
 
 
 def attach_steering(

@@ -15,6 +15,7 @@ from torch import nn
 
 from actbus.capture import ops  # noqa: F401  (registers torch.ops.actbus.*)
 from actbus.errors import ConfigError
+from actbus.monitor.graph import monitor_point
 from actbus.steer.graph import steer_point
 from actbus.streams import HOOKS
 
@@ -107,9 +108,10 @@ def owned_layers(model: nn.Module, num_layers: int, layers: tuple[int, ...]) -> 
 
 def wrap_layer(layer: nn.Module) -> None:
     """Wrap a decoder layer's forward once; what it does is read at trace time from
-    ``_actbus_taps`` (hooks to capture) and ``_actbus_steer_hooks`` (points to steer,
-    ``actbus.steer.graph``). Steering comes first at a point, so captured rows show the
-    steered stream."""
+    ``_actbus_taps`` (hooks to capture), ``_actbus_steer_hooks`` (points to steer,
+    ``actbus.steer.graph``) and ``_actbus_monitor`` (points to score,
+    ``actbus.monitor.graph``). Steering comes first at a point, so captured rows and
+    monitor scores both read the steered stream."""
     if getattr(layer, "_actbus_wrapped", False):
         return
     layer._actbus_wrapped = True
@@ -119,6 +121,7 @@ def wrap_layer(layer: nn.Module) -> None:
     def forward(positions, hidden_states, residual=None, *args, **kwargs):
         hooks = getattr(layer, "_actbus_taps", ())
         steer = getattr(layer, "_actbus_steer_hooks", ())
+        mon = getattr(layer, "_actbus_monitor", {})
         if "pre_attn" in steer:
             if residual is None:  # the first layer: the stream is the embeddings
                 hidden_states = steer_point(layer, "pre_attn", hidden_states, hidden_states)
@@ -129,15 +132,25 @@ def wrap_layer(layer: nn.Module) -> None:
                 tap_copy(layer._actbus_pre_attn, hidden_states)
             else:
                 tap_sum(layer._actbus_pre_attn, hidden_states, residual)
+        if "pre_attn" in mon:
+            monitor_point(
+                layer, "pre_attn", hidden_states if residual is None else hidden_states + residual
+            )
         hidden, resid = inner(positions, hidden_states, residual, *args, **kwargs)
         if "post_attn" in hooks:
             tap_copy(layer._actbus_post_attn, resid)
+        if "post_attn" in mon:
+            monitor_point(layer, "post_attn", resid)
         if "mlp_out" in hooks:
             tap_copy(layer._actbus_mlp_out, hidden)
+        if "mlp_out" in mon:
+            monitor_point(layer, "mlp_out", hidden)
         if "post_block" in steer:  # after post_attn is read: that stream is unchanged
             resid = steer_point(layer, "post_block", hidden + resid, resid)
         if "post_block" in hooks:
             tap_sum(layer._actbus_post_block, hidden, resid)
+        if "post_block" in mon:
+            monitor_point(layer, "post_block", hidden + resid)
         return hidden, resid
 
     layer.forward = forward

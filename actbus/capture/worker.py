@@ -36,6 +36,7 @@ from actbus.capture.stages import StageCollector, StageForwarder, stage_address
 from actbus.capture.taps import TapSet
 from actbus.config import CaptureConfig
 from actbus.errors import VllmVersionError
+from actbus.monitor.worker import MonitorHarvest
 from actbus.wire import DTYPE_NAMES, Header, RequestEnd, RowIndex
 
 log = logging.getLogger("actbus.capture")
@@ -114,12 +115,14 @@ class CaptureWorker:
         layers: tuple[int, ...] | None = None,
         stage: tuple[int, int] = (0, 1),
         dp: tuple[int, int] = (0, 1),
+        monitors: dict[str, dict] | None = None,
     ) -> None:
         """``layers``: every layer captured, on all pipeline stages (default: the
         taps'); ``stage``: (pipeline rank, pipeline size). The first stage publishes,
         the others forward their taps' messages to it. ``dp``: (data-parallel rank,
         size): the rank picks the address from ``cfg.publish`` and is part of the
-        publisher's identity in its WELCOME."""
+        publisher's identity in its WELCOME. ``monitors``: what the publisher tells
+        subscribers of the engine's monitors (name -> layers, hook, width, labels)."""
         self.cfg = cfg
         self.taps = taps
         self.model_name = model_name
@@ -134,6 +137,8 @@ class CaptureWorker:
         self.stopped: str | None = None
         """Why capture stopped (an invariant broke), or None while it runs."""
         self.invariant_failures = 0
+        self.monitors: MonitorHarvest | None = None
+        """Monitor scores published after each step (``actbus.monitor.worker``)."""
         self.publisher: Outlet
         address = cfg.publish_address(dp[0])
         if stage[0] > 0:
@@ -154,6 +159,7 @@ class CaptureWorker:
                 "pipeline_stages": stage[1],
                 "dp_rank": dp[0],
                 "dp_size": dp[1],
+                **({"monitors": monitors} if monitors else {}),
             },
             queue_bytes=cfg.queue_mb << 20,
             heartbeat_s=cfg.heartbeat_s,
@@ -248,6 +254,17 @@ class CaptureWorker:
             self.guard.check_positions(view, host_pos)
         if parts or ended or lasts:
             self._emit(view, parts, full, host_pos, ended, lasts)
+        if self.monitors is not None:  # same rows, same positions as capture's
+            self.monitors.step(
+                self.step,
+                view.req_ids,
+                np.asarray(view.offsets, dtype=np.int64),
+                host_pos,
+                view.token_ids,
+                sr,
+                self.publisher,
+                self._host_copies,
+            )
         # Every engine step counts, captured or not, so all pipeline stages agree.
         self.publisher.count_step(n, time.perf_counter() - started)
         self.step += 1
@@ -409,6 +426,13 @@ class CaptureWorker:
             for i, key in enumerate(keys):
                 acts[i, m + j] = st.last["acts"][key][0]
         return acts
+
+    def _host_copies(self, tensors: list[torch.Tensor]):
+        """Fresh tensors on the host: copied asynchronously on CUDA (with the event to
+        wait on), as they are on CPU."""
+        if self._no_tokens.is_cuda:
+            return self._to_host_async(tensors)
+        return tensors, None
 
     def _to_host_async(self, tensors: list[torch.Tensor]):
         """Host copies that neither stall the engine nor slow its next step.

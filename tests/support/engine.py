@@ -8,12 +8,14 @@ in one block.
 
 The Llama engine is the hard one: prefix caching on, a KV cache far too small for its
 batches (so the scheduler preempts and recomputes), and small prefill chunks; the tests
-of selections, aborts, n>1 and faults run on it.
+of selections, aborts, n>1, faults and monitors run on it (it also evaluates one
+monitor of each kind: ``tests/support/monitors.py``).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ class Engine:
     address: str
     model_path: Path
     arch: str
+    monitor: dict | None = None
+    """The engine's ``actbus.monitor`` entry (the Llama engine's), or None."""
 
 
 def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
@@ -45,6 +49,12 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
     address = f"ipc://{sock_dir}/bus.sock"
     t0 = time.monotonic()
     sched = arch == SCHED_ARCH
+    monitor = {}
+    if sched:  # monitors of every kind at every hook point (tests/monitor)
+        from tests.support.monitors import build_monitor_sources
+
+        hidden = json.loads((model_path / "config.json").read_text())["hidden_size"]
+        monitor = {"monitor": build_monitor_sources(model_path, sock_dir / "monitors", hidden)}
     llm = LLM(
         str(model_path),
         dtype="float32",
@@ -70,11 +80,14 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
                 # Every layer and point steerable: the capture tests then also show that
                 # the steering ops cost unsteered requests nothing (tests/steer).
                 "steer": {"hooks": list(STEER_HOOKS)},
+                **monitor,
             }
         },
     )
     print(f"\n[engine {arch}] started in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-    return Engine(llm=llm, address=address, model_path=model_path, arch=arch)
+    return Engine(
+        llm=llm, address=address, model_path=model_path, arch=arch, monitor=monitor.get("monitor")
+    )
 
 
 def stop_engine(engine: Engine) -> None:

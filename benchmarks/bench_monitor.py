@@ -1,0 +1,232 @@
+"""Generation throughput with actbus monitors vs plain vLLM, in one run (GPU).
+
+Llama-3-8B shape with dummy weights (``bench_capture.LLAMA3_8B``), PROMPTS prompts of
+INPUT random token ids, OUTPUT new tokens each, vLLM's defaults (torch.compile, CUDA
+graphs). Each configuration runs in its own process (a fresh engine):
+
+    plain              actbus not loaded
+    monitor_probe_4    a probe direction (sigmoid) at layers 4, 12, 20, 28 on every token
+                       of every request, scores read by a lossless (``block``) subscriber
+    monitor_sae_1      64 features of a ReLU SAE (1024 latents) at layer 16, the same way
+
+Capture is restricted to no request (``requests: selected``), so only monitoring is
+measured. Prints a table, then one JSON line with every figure and ``ratio_<config>``
+(tokens per second against ``plain``).
+
+    python benchmarks/bench_monitor.py [--prompts 512 --input 256 --output 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench_capture import LLAMA3_8B
+
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN = LLAMA3_8B["hidden_size"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    kind: str  # "probe" | "sae"
+    layers: list[int]
+
+
+CONFIGS: dict[str, Arm | None] = {
+    "plain": None,
+    "monitor_probe_4": Arm("probe", [4, 12, 20, 28]),
+    "monitor_sae_1": Arm("sae", [16]),
+}
+SAE_LATENTS = 1024
+SAE_FEATURES = list(range(64))
+
+
+def _sae_checkpoint(path: Path) -> None:
+    """A ReLU SAE in the format ``actbus run sae`` writes (SAELens' inference format)."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    w_dec = torch.nn.functional.normalize(torch.randn(SAE_LATENTS, HIDDEN, generator=g), dim=1)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {
+            "W_enc": w_dec.t().contiguous(),
+            "b_enc": torch.zeros(SAE_LATENTS),
+            "W_dec": w_dec,
+            "b_dec": torch.zeros(HIDDEN),
+        },
+        str(path / "sae_weights.safetensors"),
+    )
+    cfg = {
+        "architecture": "standard",
+        "d_in": HIDDEN,
+        "d_sae": SAE_LATENTS,
+        "apply_b_dec_to_input": True,
+        "normalize_activations": "none",
+    }
+    (path / "cfg.json").write_text(json.dumps(cfg))
+
+
+def _monitor(arm: Arm, tmp: Path) -> dict:
+    if arm.kind == "probe":
+        import torch
+
+        w = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1)) / HIDDEN**0.5
+        src = {"weight": w.tolist(), "bias": 0.0, "sigmoid": True}
+    else:
+        _sae_checkpoint(tmp / "sae")
+        src = {"sae": str(tmp / "sae"), "features": SAE_FEATURES}
+    return {"monitors": {"m": {**src, "layers": arm.layers}}, "global": ["m"]}
+
+
+def read_scores(address: str) -> int:
+    """The subscriber arm: read every score message until the engine ends (lossless)."""
+    from actbus.monitor.reader import ScoreReader, ScoreStep
+
+    messages = rows = 0
+    with ScoreReader(address, policy="block", window=4096, welcome_timeout_s=600) as reader:
+        print("READY", flush=True)
+        for step in reader:
+            if isinstance(step, ScoreStep):
+                messages += 1
+                rows += sum(len(s.positions) for s in step.scores)
+        missed = reader.stats.missed
+    print(json.dumps({"messages": messages, "rows": rows, "missed": missed}), flush=True)
+    return 0
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict:
+    """One configuration, in this process: start the engine, generate, time it."""
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-mon-"))
+    (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
+    arm = CONFIGS[name]
+    extra: dict = {}
+    sub = None
+    if arm is not None:
+        address = f"ipc://{tmp}/bus.sock"
+        extra = {
+            "actbus": {
+                "publish": address,
+                "layers": [0],
+                "requests": "selected",
+                "queue_mb": 4096,
+                "monitor": _monitor(arm, tmp),
+            }
+        }
+        sub = subprocess.Popen(
+            [sys.executable, __file__, "--read", address],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+    t0 = time.monotonic()
+    llm = LLM(
+        str(tmp),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=args.input + args.output + 8,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
+        seed=0,
+        additional_config=extra,
+    )
+    start_s = time.monotonic() - t0
+    rng = random.Random(0)
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(1000, 120000) for _ in range(args.input)])
+        for _ in range(args.prompts)
+    ]
+    params = SamplingParams(
+        temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False
+    )
+    llm.generate(
+        prompts[:16],
+        SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
+        use_tqdm=False,
+    )  # warm-up
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.monotonic() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {
+        "config": name,
+        "engine_start_s": round(start_s, 1),
+        "gen_s": round(gen_s, 2),
+        "generated_tokens": generated,
+        "tok_per_s": round(generated / gen_s, 1),
+    }
+    llm.llm_engine.engine_core.shutdown()
+    if sub is not None:
+        try:
+            out, err = sub.communicate(timeout=120)  # the reader ends with the engine
+        except subprocess.TimeoutExpired:
+            sub.kill()
+            out, err = sub.communicate(timeout=30)
+        last = out.strip().splitlines()[-1] if out.strip() else ""
+        stats = json.loads(last) if last.startswith("{") else {}
+        if not stats.get("rows"):  # a run without its scores read measures nothing
+            raise SystemExit(f"{name}: the score reader received nothing:\n{err[-3000:]}")
+        result["subscriber"] = stats
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--input", type=int, default=256)
+    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated arms")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--read", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.read:
+        return read_scores(args.read)
+    if args.one:
+        print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+        return 0
+    results = {}
+    for name in args.configs.split(","):
+        env = {**os.environ, "VLLM_PLUGINS": "no-plugin" if name == "plain" else "actbus"}
+        cmd = [sys.executable, __file__, "--one", name, "--prompts", str(args.prompts),
+               "--input", str(args.input), "--output", str(args.output)]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+            raise SystemExit(f"configuration {name} failed")
+        results[name] = json.loads(line[-1][len("RESULT ") :])
+        print(f"  {name:18s} {results[name]['tok_per_s']:>10.1f} tok/s", flush=True)
+    base = results.get("plain", {}).get("tok_per_s")
+    print(f"\n{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
+    summary: dict = {}
+    for name, r in results.items():
+        ratio = r["tok_per_s"] / base if base else float("nan")
+        print(f"{name:18s} {r['tok_per_s']:>10.1f} {ratio:>9.3f} {r['engine_start_s']:>8.1f}")
+        summary[f"tok_per_s_{name}"] = r["tok_per_s"]
+        if name != "plain":
+            summary[f"ratio_{name}"] = round(ratio, 4)
+        if r.get("subscriber"):
+            summary[f"received_rows_{name}"] = r["subscriber"].get("rows", 0)
+            summary[f"missed_{name}"] = r["subscriber"].get("missed", 0)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Monitors without an engine: config and request validation, weights, the wire."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from actbus.bus.protocol import Subscription
+from actbus.config import CaptureConfig
+from actbus.errors import ConfigError
+from actbus.monitor.config import MonitorConfig
+from actbus.monitor.frontend import take_monitors
+from actbus.monitor.graph import Segment, install_monitors, monitor_scores
+from actbus.monitor.weights import MonitorWeights, load_weights
+from actbus.wire import MONITOR_HOOK, Header, MonitorInfo, RowIndex, WireError
+
+W = [0.5, -0.25, 0.0, 1.0]
+GOOD = {
+    "monitors": {
+        "a": {"weight": W, "bias": 0.1, "layers": [1], "sigmoid": True},
+        "b": {"weight": W, "layers": [0, 2], "hook": "pre_attn"},
+    },
+    "global": ["a"],
+}
+
+
+def _bad(raw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        MonitorConfig.from_dict(raw)
+
+
+def test_config_parses_and_sits_in_the_actbus_entry():
+    cfg = CaptureConfig.from_dict({"layers": [0], "monitor": GOOD}).monitor
+    assert cfg is not None and list(cfg.monitors) == ["a", "b"]
+    assert cfg.global_monitors == ("a",)
+    assert cfg.monitors["b"].points == [(0, "pre_attn"), (2, "pre_attn")]
+    assert cfg.monitors["a"].sigmoid is True and cfg.monitors["a"].bias == 0.1
+
+
+@pytest.mark.parametrize(
+    ("raw", "msg"),
+    [
+        ([], r"actbus.monitor: expected a mapping"),
+        ({"monitors": {}}, r"actbus.monitor.monitors: expected a non-empty mapping"),
+        ({"monitors": {"a": {"weight": W}}}, r"actbus.monitor.monitors.a.layers: required"),
+        ({"monitors": {"a": {"weight": W, "layers": [-1]}}}, r"monitors.a.layers\[0\]"),
+        ({"monitors": {"a": {"weight": W, "layers": [0], "hook": "x"}}}, r"monitors.a.hook"),
+        ({"monitors": {"a": {"weight": [1.0, float("nan")], "layers": [0]}}}, r"weight\[1\]"),
+        ({"monitors": {"a": {"weight": W, "layers": [0], "bias": "1"}}}, r"monitors.a.bias"),
+        ({"monitors": {"a": {"weight": W, "layers": [0], "feature": 1}}}, r"monitors.a.feature"),
+        ({"monitors": {"a": {"sae": "d", "layers": [0]}}}, r"monitors.a.features: expected"),
+        ({"monitors": {"a": {"sae": "d", "features": [1, 1], "layers": [0]}}}, r"twice"),
+        ({"monitors": {"a": {"probe": "d", "sae": "e", "layers": [0]}}}, r"exactly one"),
+        ({"monitors": {"a": {"probe": "", "layers": [0]}}}, r"monitors.a.probe"),
+        ({"monitors": {"a": {"probe": "d", "layers": [0], "sigmoid": 1}}}, r"a.sigmoid"),
+        ({"monitors": {"a": {"weight": W, "layers": [0]}}, "global": ["z"]}, r"global\[0\]"),
+        ({"monitors": {"a": {"weight": W, "layers": [0]}}, "x": 1}, r"actbus.monitor.x"),
+    ],
+)
+def test_config_errors_name_the_field(raw, msg):
+    _bad(raw, msg)
+
+
+def test_layers_are_checked_against_the_model():
+    cfg = MonitorConfig.from_dict(GOOD)
+    cfg.check_model(3)
+    with pytest.raises(ConfigError, match=r"monitors.b.layers\[1\]: layer 2 is out of range"):
+        cfg.check_model(2)
+
+
+def test_requests_select_monitors_and_opt_out_of_global():
+    cfg = MonitorConfig.from_dict(GOOD)
+    assert take_monitors({"monitor": ["b"]}, cfg) == (None, ("a", "b"))
+    assert take_monitors({"monitor": "b", "monitor_global": False}, cfg) == (None, ("b",))
+    assert take_monitors({"monitor_global": False}, cfg) == (None, ())
+    assert take_monitors({"layers": [0], "monitor": ["b"]}, cfg) == ({"layers": [0]}, ("a", "b"))
+    assert take_monitors(None, cfg) == (None, ("a",))
+    assert take_monitors({"layers": [0]}, None) == ({"layers": [0]}, ())
+    for raw, msg in [
+        ({"monitor": ["zz"]}, r"extra_args.actbus.monitor\[0\]: no monitor named 'zz'"),
+        ({"monitor": []}, r"extra_args.actbus.monitor: expected a monitor name"),
+        ({"monitor": [1]}, r"extra_args.actbus.monitor\[0\]"),
+        ({"monitor_global": 0}, r"extra_args.actbus.monitor_global: expected true or false"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            take_monitors(raw, cfg)
+    with pytest.raises(ConfigError, match=r"this engine has no monitors"):
+        take_monitors({"monitor": ["a"]}, None)
+
+
+def test_weights_are_checked_for_width_and_values():
+    cfg = MonitorConfig.from_dict(GOOD)
+    mw = load_weights(cfg.monitors["a"], 4, "m.a")
+    assert mw.activation == "sigmoid" and mw.published == (0,)
+    with pytest.raises(ConfigError, match=r"m.a: the weights are \[1, 4\] wide; .* has 8"):
+        load_weights(cfg.monitors["a"], 8, "m.a")
+    bad = MonitorWeights(
+        np.array([[np.inf, 0, 0, 0]], np.float32), np.zeros(1, np.float32), "linear", np.zeros(1)
+    )
+    with pytest.raises(ConfigError, match=r"x: the weights hold NaN or Inf"):
+        bad.check(4, "x")
+
+
+def test_tables_hold_each_point_and_bump_versions_on_write():
+    cfg = MonitorConfig.from_dict(GOOD)
+    weights = {n: load_weights(d, 4, n) for n, d in cfg.monitors.items()}
+    decoder = torch.nn.ModuleList([torch.nn.Module() for _ in range(3)])
+    points = {n: d.points for n, d in cfg.monitors.items()}
+    t = install_monitors(
+        decoder, weights, points, hidden_size=4, max_rows=8, device=torch.device("cpu")
+    )
+    assert sorted(t.points) == [(0, "pre_attn"), (1, "post_block"), (2, "pre_attn")]
+    assert t.versions == {"a": 1, "b": 1}
+    assert decoder[1]._actbus_monitor == {"post_block": (Segment(0, 1, "sigmoid"),)}
+    addr = t.points[(0, "pre_attn")].weight.data_ptr()
+    new = MonitorWeights(
+        np.ones((1, 4), np.float32), np.zeros(1, np.float32), "linear", np.zeros(1, np.float32)
+    )
+    assert t.write("b", new) == 2 and t.versions["a"] == 1
+    assert t.points[(0, "pre_attn")].weight.data_ptr() == addr  # in place: graphs keep reading it
+    assert torch.equal(t.points[(2, "pre_attn")].weight, torch.ones(1, 4))
+
+
+def test_compiled_scores_follow_new_weights_without_recompiling():
+    """The tables are inputs of the compiled function: new values, same graph."""
+    torch._dynamo.reset()
+    w, b, th = torch.randn(3, 8), torch.randn(3), torch.full((3,), 0.2)
+    segs = (Segment(0, 1, "sigmoid"), Segment(1, 3, "jumprelu"))
+    counter = {"n": 0}
+
+    def backend(gm, _inputs):
+        counter["n"] += 1
+        return gm.forward
+
+    fn = torch.compile(monitor_scores, backend=backend, dynamic=True)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(fn(x, w, b, th, segs), monitor_scores(x, w, b, th, segs))
+    w.copy_(torch.randn(3, 8))
+    torch.testing.assert_close(fn(x, w, b, th, segs), monitor_scores(x, w, b, th, segs))
+    assert counter["n"] == 1
+
+
+def _hdr(**kw) -> Header:
+    rows = RowIndex(["r"], np.array([0, 2]), np.array([0, 1]), np.array([5, 6]))
+    base = dict(
+        step=3,
+        layer=1,
+        hook=MONITOR_HOOK,
+        dtype="float32",
+        shape=(2, 2),
+        model="m",
+        rows=rows,
+        monitor=MonitorInfo("feats", 4, "post_attn", (7, 9)),
+    )
+    base.update(kw)
+    return Header(**base)
+
+
+def test_monitor_headers_round_trip_and_are_checked_at_decode():
+    h = Header.decode(_hdr().encode())
+    assert h.monitor == MonitorInfo("feats", 4, "post_attn", (7, 9)) and h.hook == MONITOR_HOOK
+
+    def tampered(**fields):
+        d = msgpack.unpackb(_hdr().encode(), raw=False)
+        d.update(fields)
+        return msgpack.packb(d, use_bin_type=True)
+
+    for fields, field in [
+        ({"monitor": None}, "monitor"),
+        ({"monitor": ["feats", 0, "post_attn", [7, 9]]}, "monitor"),  # version from 1
+        ({"monitor": ["feats", 1, "nowhere", [7, 9]]}, "monitor"),
+        ({"monitor": ["", 1, "post_attn", [7, 9]]}, "monitor"),
+        ({"monitor": ["x" * 201, 1, "post_attn", [7, 9]]}, "monitor"),
+        ({"monitor": ["feats", 1, "post_attn", [7]]}, "monitor"),  # labels != width
+        ({"monitor": ["feats", 1, "post_attn", [-1, 2]]}, "monitor"),
+        ({"monitor": ["feats", 1, "post_attn"]}, "monitor"),
+        ({"dtype": "bfloat16"}, "dtype"),
+        ({"hook": "post_block"}, "monitor"),  # a monitor field on an activation message
+    ]:
+        with pytest.raises(WireError) as e:
+            Header.decode(tampered(**fields))
+        assert e.value.field == field, (fields, e.value.field, str(e.value))
+    d = msgpack.unpackb(_hdr().encode(), raw=False)
+    del d["monitor"]
+    with pytest.raises(WireError, match="missing on a monitor message"):
+        Header.decode(msgpack.packb(d, use_bin_type=True))
+
+
+def test_scores_go_only_to_subscribers_that_name_the_monitor_hook():
+    assert not Subscription().wants(1, MONITOR_HOOK)
+    assert not Subscription(hooks=("post_block",)).wants(1, MONITOR_HOOK)
+    assert Subscription(hooks=(MONITOR_HOOK,)).wants(1, MONITOR_HOOK)
+    assert not Subscription(hooks=(MONITOR_HOOK,)).wants(1, "post_block")
+    assert not Subscription(hooks=(MONITOR_HOOK,), layers=(2,)).wants(1, MONITOR_HOOK)
