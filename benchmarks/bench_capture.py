@@ -100,7 +100,9 @@ def main() -> int:
         __file__,
         args.configs.split(","),
         argv,
-        lambda name: "no-plugin" if name == "plain" else None,  # plain: no plugin at all
+        # plain: no plugin at all; the others actbus alone, so an installed peer plugin
+        # (vllm-lens forces enforce_eager) cannot change how they run
+        lambda name: "no-plugin" if name == "plain" else "actbus",
     )
     base = results.get("plain", {}).get("tok_per_s")
     print(f"\n{'config':16s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}  subscriber")

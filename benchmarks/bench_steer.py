@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_capture import LLAMA3_8B
+from engine_arms import LLAMA3_8B
 
 from actbus.cli import consumer_command
 
