@@ -32,6 +32,7 @@ import functools
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 from actbus.capture.selection import Selection, parse_selection
@@ -108,6 +109,9 @@ def _farewell(vllm_config: Any) -> None:
     from actbus.capture.dataparallel import of_config
 
     addresses = [cfg.publish_address(r) for r in of_config(vllm_config).local]
+    returns = sys.modules.get("actbus.capture.returns")  # loaded once a request returned
+    if returns is not None:
+        returns.close_collectors(addresses)
     told = announce_end_all(
         [a for a in addresses if not _cleanly_gone(a)],
         reason="the engine stopped",

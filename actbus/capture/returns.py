@@ -376,3 +376,18 @@ _OWNER: dict[str, ReturnCollector] = {}
 
 def collector_for(caller_id: str) -> ReturnCollector | None:
     return _OWNER.get(caller_id)
+
+
+def close_collectors(addresses: list[str]) -> int:
+    """Close the collectors that read any of these publishers, whose engine stopped:
+    their subscribers would otherwise wait for it, and say so every few seconds, for as
+    long as the process lives. Returns how many were closed."""
+    gone = {_reachable(a) for a in addresses}
+    with _LOCK:
+        keys = [k for k in _COLLECTORS if gone.intersection(k.split(","))]
+        closing = [_COLLECTORS.pop(k) for k in keys]
+    for col in closing:
+        for caller in [c for c, owner in list(_OWNER.items()) if owner is col]:
+            _OWNER.pop(caller, None)
+        col.close()
+    return len(closing)

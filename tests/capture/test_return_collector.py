@@ -63,3 +63,31 @@ def test_delta_outputs_hand_out_each_row_once_and_keep_only_the_rest(tmp_path):
     finally:
         col.close()
         pub.close()
+
+
+def test_collectors_of_a_stopped_engine_are_closed(tmp_path, caplog):
+    """Once its engine stopped, a collector would wait for the publisher (and log that it
+    waits) for as long as the process lives: the front end's shutdown closes it."""
+    from actbus.capture import returns
+
+    address = f"ipc://{tmp_path}/bus.sock"
+    other = f"ipc://{tmp_path}/other.sock"
+    pubs = [Publisher(a, info={"model": "m", "hidden_size": 4}) for a in (address, other)]
+    cols = [ReturnCollector(a) for a in (address, other)]
+    returns._COLLECTORS.update({address: cols[0], other: cols[1]})
+    try:
+        cols[0].expect("r", 1, Selection(layers=(0,), hooks=("post_block",)), 3)
+        assert returns.collector_for("r") is cols[0]
+        assert returns.close_collectors([address]) == 1
+        assert not cols[0]._thread.is_alive() and cols[1]._thread.is_alive()
+        assert address not in returns._COLLECTORS and other in returns._COLLECTORS
+        assert returns.collector_for("r") is None
+        pubs[0].close()
+        time.sleep(6)  # a live subscriber says it still waits every 5 s
+        assert "no publisher has answered at " + address not in caplog.text
+    finally:
+        returns._COLLECTORS.pop(other, None)
+        for c in cols:
+            c.close()
+        for p in pubs:
+            p.close()
