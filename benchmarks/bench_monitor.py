@@ -1,6 +1,6 @@
 """Generation throughput with actbus monitors vs plain vLLM, in one run (GPU).
 
-Llama-3-8B shape with dummy weights (``bench_capture.LLAMA3_8B``), PROMPTS prompts of
+Llama-3-8B shape with dummy weights (``engine_arms.LLAMA3_8B``), PROMPTS prompts of
 INPUT random token ids, OUTPUT new tokens each, vLLM's defaults (torch.compile, CUDA
 graphs). Each configuration runs in its own process (a fresh engine):
 
@@ -14,13 +14,13 @@ measured. Prints a table, then one JSON line with every figure and ``ratio_<conf
 (tokens per second against ``plain``).
 
     python benchmarks/bench_monitor.py [--prompts 512 --input 256 --output 256]
+    python benchmarks/bench_monitor.py --tiny      # a CPU check with the tiny Llama
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,10 +28,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_capture import LLAMA3_8B
+from engine_arms import RESULT, ROOT, make_llm, model, random_prompts, run_arms, warm_up
 
-ROOT = Path(__file__).resolve().parents[1]
-HIDDEN = LLAMA3_8B["hidden_size"]
+TINY_LAYERS = {16: 2, 4: 0, 12: 1, 20: 2, 28: 3}  # the tiny Llama has 4 layers
+DEFAULTS = {
+    "gpu": {"prompts": 512, "input": 256, "output": 256},
+    "tiny": {"prompts": 16, "input": 32, "output": 32},
+}
 
 
 @dataclass(frozen=True)
@@ -49,26 +52,26 @@ SAE_LATENTS = 1024
 SAE_FEATURES = list(range(64))
 
 
-def _sae_checkpoint(path: Path) -> None:
+def _sae_checkpoint(path: Path, hidden: int) -> None:
     """A ReLU SAE in the format ``actbus run sae`` writes (SAELens' inference format)."""
     import torch
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
-    w_dec = torch.nn.functional.normalize(torch.randn(SAE_LATENTS, HIDDEN, generator=g), dim=1)
+    w_dec = torch.nn.functional.normalize(torch.randn(SAE_LATENTS, hidden, generator=g), dim=1)
     path.mkdir(parents=True, exist_ok=True)
     save_file(
         {
             "W_enc": w_dec.t().contiguous(),
             "b_enc": torch.zeros(SAE_LATENTS),
             "W_dec": w_dec,
-            "b_dec": torch.zeros(HIDDEN),
+            "b_dec": torch.zeros(hidden),
         },
         str(path / "sae_weights.safetensors"),
     )
     cfg = {
         "architecture": "standard",
-        "d_in": HIDDEN,
+        "d_in": hidden,
         "d_sae": SAE_LATENTS,
         "apply_b_dec_to_input": True,
         "normalize_activations": "none",
@@ -76,16 +79,16 @@ def _sae_checkpoint(path: Path) -> None:
     (path / "cfg.json").write_text(json.dumps(cfg))
 
 
-def _monitor(arm: Arm, tmp: Path) -> dict:
+def _monitor(arm: Arm, tmp: Path, hidden: int, layers: list[int]) -> dict:
     if arm.kind == "probe":
         import torch
 
-        w = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1)) / HIDDEN**0.5
+        w = torch.randn(hidden, generator=torch.Generator().manual_seed(1)) / hidden**0.5
         src = {"weight": w.tolist(), "bias": 0.0, "sigmoid": True}
     else:
-        _sae_checkpoint(tmp / "sae")
+        _sae_checkpoint(tmp / "sae", hidden)
         src = {"sae": str(tmp / "sae"), "features": SAE_FEATURES}
-    return {"monitors": {"m": {**src, "layers": arm.layers}}, "global": ["m"]}
+    return {"monitors": {"m": {**src, "layers": layers}}, "global": ["m"]}
 
 
 def read_scores(address: str) -> int:
@@ -106,25 +109,23 @@ def read_scores(address: str) -> int:
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """One configuration, in this process: start the engine, generate, time it."""
-    import random
+    from vllm import SamplingParams
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
+    path, config = model(args.tiny)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mon-"))
-    (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
     arm = CONFIGS[name]
     extra: dict = {}
     sub = None
     if arm is not None:
         address = f"ipc://{tmp}/bus.sock"
+        layers = [TINY_LAYERS[x] for x in arm.layers] if args.tiny else arm.layers
         extra = {
             "actbus": {
                 "publish": address,
                 "layers": [0],
                 "requests": "selected",
                 "queue_mb": 4096,
-                "monitor": _monitor(arm, tmp),
+                "monitor": _monitor(arm, tmp, config["hidden_size"], layers),
             }
         }
         sub = subprocess.Popen(
@@ -135,31 +136,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             cwd=ROOT,
         )
     t0 = time.monotonic()
-    llm = LLM(
-        str(tmp),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=args.input + args.output + 8,
-        max_num_batched_tokens=8192,
-        enable_prefix_caching=False,
-        seed=0,
-        additional_config=extra,
-    )
+    llm = make_llm(path, tiny=args.tiny, input_len=args.input, output_len=args.output, extra=extra)
     start_s = time.monotonic() - t0
-    rng = random.Random(0)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[rng.randrange(1000, 120000) for _ in range(args.input)])
-        for _ in range(args.prompts)
-    ]
+    prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
     params = SamplingParams(
         temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False
     )
-    llm.generate(
-        prompts[:16],
-        SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
-        use_tqdm=False,
-    )  # warm-up
+    warm_up(llm, prompts)
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.monotonic() - t0
@@ -188,30 +171,36 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=512)
-    ap.add_argument("--input", type=int, default=256)
-    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
+    ap.add_argument("--prompts", type=int, default=None, help="512 (--tiny: 16)")
+    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
+    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated arms")
+    ap.add_argument("--arm-timeout", type=float, default=900.0)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--read", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.read:
         return read_scores(args.read)
+    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+        print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
-    results = {}
-    for name in args.configs.split(","):
-        env = {**os.environ, "VLLM_PLUGINS": "no-plugin" if name == "plain" else "actbus"}
-        cmd = [sys.executable, __file__, "--one", name, "--prompts", str(args.prompts),
-               "--input", str(args.input), "--output", str(args.output)]  # fmt: skip
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
-            raise SystemExit(f"configuration {name} failed")
-        results[name] = json.loads(line[-1][len("RESULT ") :])
-        print(f"  {name:18s} {results[name]['tok_per_s']:>10.1f} tok/s", flush=True)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
+    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
+    results = run_arms(
+        __file__,
+        names,
+        argv,
+        lambda name: "no-plugin" if name == "plain" else "actbus",
+        args.arm_timeout,
+    )
     base = results.get("plain", {}).get("tok_per_s")
     print(f"\n{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
     summary: dict = {}

@@ -1,6 +1,6 @@
 """Generation throughput with actbus steering vs plain vLLM, in one run (GPU).
 
-Llama-3-8B shape with dummy weights (``bench_capture.LLAMA3_8B``), PROMPTS prompts of
+Llama-3-8B shape with dummy weights (``engine_arms.LLAMA3_8B``), PROMPTS prompts of
 INPUT random token ids, OUTPUT new tokens each, vLLM's defaults (torch.compile, CUDA
 graphs). Each configuration runs in its own process (a fresh engine):
 
@@ -20,26 +20,32 @@ Prints a table, then one JSON line with every figure and ``ratio_<config>`` (tok
 second against ``plain``).
 
     python benchmarks/bench_steer.py [--prompts 512 --input 256 --output 256]
+    python benchmarks/bench_steer.py --tiny      # a CPU check with the tiny Llama
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from engine_arms import LLAMA3_8B
+from engine_arms import (
+    RESULT,
+    make_llm,
+    model,
+    random_prompts,
+    run_arms,
+    start_bus_subscriber,
+    stop_bus_subscriber,
+    wait_subscribed,
+    warm_up,
+)
 
-from actbus.cli import consumer_command
-
-ROOT = Path(__file__).resolve().parents[1]
 CAPTURED = [4, 12, 20, 28]
+TINY_LAYERS = {16: 2, 4: 0, 12: 1, 20: 2, 28: 3}  # the tiny Llama has 4 layers
 
 
 @dataclass(frozen=True)
@@ -59,91 +65,70 @@ CONFIGS: dict[str, Arm | None] = {
     "lens_steer_1": None,  # vllm-lens, not actbus: see run_one
 }
 PLUGINS = {"plain": "no-plugin", "lens_steer_1": "activations"}  # else "actbus"
+DEFAULTS = {
+    "gpu": {"prompts": 512, "input": 256, "output": 256},
+    "tiny": {"prompts": 16, "input": 32, "output": 32},
+}
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """One configuration, in this process: start the engine, generate, time it."""
-    import random
-
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import SamplingParams
 
-    model_dir = Path(tempfile.mkdtemp(prefix="bench-8b-"))
-    (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    path, config = model(args.tiny)
+    hidden = config["hidden_size"]
     arm = CONFIGS[name]
-    lens = name.startswith("lens_")
+    layers = (lambda ls: [TINY_LAYERS[x] for x in ls]) if args.tiny else (lambda ls: ls)
     extra: dict = {}
     sub = None
+    address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
     if arm is not None:
-        address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
         # Capture of the steered configurations is restricted to no request but the
         # capture arm's (requests: selected), so only steering is measured.
         extra = {
             "actbus": {
                 "publish": address,
-                "layers": CAPTURED,
+                "layers": layers(CAPTURED),
                 "requests": "all" if arm.capture else "selected",
                 "queue_mb": 4096,
-                "steer": {"layers": arm.layers, "hooks": ["post_block"]},
+                "steer": {"layers": layers(arm.layers), "hooks": ["post_block"]},
             }
         }
         if arm.capture:
-            sub = subprocess.Popen(
-                consumer_command("null", address, "--policy", "block", "--log-level", "WARNING"),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-            )
+            sub = start_bus_subscriber(address, "block")
     t0 = time.monotonic()
-    llm = LLM(
-        str(model_dir),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=args.input + args.output + 8,
-        max_num_batched_tokens=8192,
-        enable_prefix_caching=False,
-        seed=0,
-        additional_config=extra,
-    )
+    llm = make_llm(path, tiny=args.tiny, input_len=args.input, output_len=args.output, extra=extra)
     start_s = time.monotonic() - t0
-    rng = random.Random(0)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[rng.randrange(1000, 120000) for _ in range(args.input)])
-        for _ in range(args.prompts)
-    ]
+    if sub is not None:
+        wait_subscribed(address, "null")
+    prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
     base = dict(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
     params = [SamplingParams(**base) for _ in prompts]  # plain
-    if lens:
+    g = torch.Generator().manual_seed(0)
+    if name.startswith("lens_"):
         from vllm_lens import SteeringVector
 
-        v = torch.randn(LLAMA3_8B["hidden_size"], generator=torch.Generator().manual_seed(0))
-        sv = SteeringVector(activations=v[None], layer_indices=[16], scale=0.5)
+        v = torch.randn(hidden, generator=g)
+        sv = SteeringVector(activations=v[None], layer_indices=layers([16]), scale=0.5)
         params = [
             SamplingParams(**base, extra_args={"apply_steering_vectors": [sv]}) for _ in prompts
         ]
     if arm is not None:
         from actbus.steer.api import vectors
 
-        g = torch.Generator().manual_seed(0)
         own = arm.share < 1.0
         every = round(1 / arm.share)
         for i in range(len(prompts) if own else 1):
-            vectors(llm).register(f"v{i}", torch.randn(LLAMA3_8B["hidden_size"], generator=g))
+            vectors(llm).register(f"v{i}", torch.randn(hidden, generator=g))
         params = []
         for i in range(len(prompts)):
-            entry = {"vector": f"v{i if own else 0}", "layers": arm.layers, "scale": 0.5}
+            entry = {"vector": f"v{i if own else 0}", "layers": layers(arm.layers), "scale": 0.5}
             if arm.norm_match:
                 entry["norm_match"] = True
             steer = {"actbus": {"steer": [entry]}} if i % every == 0 else None
             params.append(SamplingParams(**base, extra_args=steer))
-    llm.generate(
-        prompts[:16],
-        SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
-        use_tqdm=False,
-    )  # warm-up
+    warm_up(llm, prompts)
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.monotonic() - t0
@@ -157,43 +142,39 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     }
     llm.llm_engine.engine_core.shutdown()
     if sub is not None:
-        time.sleep(2.0)
-        sub.terminate()
-        out, err = sub.communicate(timeout=30)
-        stats = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
-        if not stats.get("messages"):  # a run without its subscriber measures nothing
-            raise SystemExit(f"{name}: the subscriber received nothing:\n{err[-3000:]}")
-        result["subscriber"] = stats
+        result["subscriber"] = stop_bus_subscriber(name, sub)
     return result
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=512)
-    ap.add_argument("--input", type=int, default=256)
-    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
+    ap.add_argument("--prompts", type=int, default=None, help="512 (--tiny: 16)")
+    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
+    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
     ap.add_argument(
         "--configs",
         default=",".join(c for c in CONFIGS if not c.startswith("lens_")),
         help="comma-separated arms; lens_steer_1 needs vllm-lens installed",
     )
+    ap.add_argument("--arm-timeout", type=float, default=900.0)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+        print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
-    results = {}
-    for name in args.configs.split(","):
-        env = {**os.environ, "VLLM_PLUGINS": PLUGINS.get(name, "actbus")}
-        cmd = [sys.executable, __file__, "--one", name, "--prompts", str(args.prompts),
-               "--input", str(args.input), "--output", str(args.output)]  # fmt: skip
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
-            raise SystemExit(f"configuration {name} failed")
-        results[name] = json.loads(line[-1][len("RESULT ") :])
-        print(f"  {name:18s} {results[name]['tok_per_s']:>10.1f} tok/s", flush=True)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
+    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
+    results = run_arms(
+        __file__, names, argv, lambda name: PLUGINS.get(name, "actbus"), args.arm_timeout
+    )
     base = results.get("plain", {}).get("tok_per_s")
     print(f"\n{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
     summary: dict = {}
