@@ -96,7 +96,8 @@ def read_scores(address: str) -> int:
     from actbus.monitor.reader import ScoreReader, ScoreStep
 
     messages = rows = 0
-    with ScoreReader(address, policy="block", window=4096, welcome_timeout_s=600) as reader:
+    # window: the most messages in flight a publisher grants (max 1024)
+    with ScoreReader(address, policy="block", window=1024, welcome_timeout_s=600) as reader:
         print("READY", flush=True)
         for step in reader:
             if isinstance(step, ScoreStep):
