@@ -35,6 +35,7 @@ from benchmarks.engine_arms import (
     run_arms,
     start_bus_subscriber,
     stop_bus_subscriber,
+    timed_generate,
     warm_up,
 )
 
@@ -66,16 +67,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
     sp = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
     warm_up(llm, prompts)
-    t0 = time.monotonic()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    gen_s = time.monotonic() - t0
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    _, timed = timed_generate(llm, prompts, sp)
     result = {
         "config": name,
         "engine_start_s": round(start_s, 1),
-        "gen_s": round(gen_s, 2),
-        "generated_tokens": generated,
-        "tok_per_s": round(generated / gen_s, 1),
+        **timed,
     }
     llm.llm_engine.engine_core.shutdown()
     if sub is not None:

@@ -28,7 +28,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_arms import RESULT, ROOT, make_llm, model, random_prompts, run_arms, warm_up
+from engine_arms import (
+    RESULT,
+    ROOT,
+    make_llm,
+    model,
+    random_prompts,
+    run_arms,
+    timed_generate,
+    warm_up,
+)
 
 TINY_LAYERS = {16: 2, 4: 0, 12: 1, 20: 2, 28: 3}  # the tiny Llama has 4 layers
 DEFAULTS = {
@@ -144,16 +153,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False
     )
     warm_up(llm, prompts)
-    t0 = time.monotonic()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    gen_s = time.monotonic() - t0
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    _, timed = timed_generate(llm, prompts, params)
     result = {
         "config": name,
         "engine_start_s": round(start_s, 1),
-        "gen_s": round(gen_s, 2),
-        "generated_tokens": generated,
-        "tok_per_s": round(generated / gen_s, 1),
+        **timed,
     }
     llm.llm_engine.engine_core.shutdown()
     if sub is not None:

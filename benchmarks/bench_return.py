@@ -43,6 +43,7 @@ from benchmarks.engine_arms import (
     run_arms,
     start_bus_subscriber,
     stop_bus_subscriber,
+    timed_generate,
     wait_subscribed,
     warm_up,
 )
@@ -96,17 +97,12 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
         temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False,
         extra_args=returns,
     )  # fmt: skip
-    t0 = time.monotonic()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    gen_s = time.monotonic() - t0
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    outs, timed = timed_generate(llm, prompts, sp)
     result: dict[str, Any] = {
         "arm": name,
         "layers": layers,
         "engine_start_s": round(start_s, 1),
-        "gen_s": round(gen_s, 2),
-        "generated_tokens": generated,
-        "tok_per_s": round(generated / gen_s, 1),
+        **timed,
     }
     llm.llm_engine.engine_core.shutdown()
     if returns is not None:

@@ -40,6 +40,7 @@ from engine_arms import (
     run_arms,
     start_bus_subscriber,
     stop_bus_subscriber,
+    timed_generate,
     wait_subscribed,
     warm_up,
 )
@@ -129,16 +130,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             steer = {"actbus": {"steer": [entry]}} if i % every == 0 else None
             params.append(SamplingParams(**base, extra_args=steer))
     warm_up(llm, prompts)
-    t0 = time.monotonic()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    gen_s = time.monotonic() - t0
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    _, timed = timed_generate(llm, prompts, params)
     result = {
         "config": name,
         "engine_start_s": round(start_s, 1),
-        "gen_s": round(gen_s, 2),
-        "generated_tokens": generated,
-        "tok_per_s": round(generated / gen_s, 1),
+        **timed,
     }
     llm.llm_engine.engine_core.shutdown()
     if sub is not None:

@@ -100,6 +100,20 @@ def warm_up(llm: Any, prompts: list[Any], extra_args: dict[str, Any] | None = No
     return llm.generate(prompts[:16], sp, use_tqdm=False)
 
 
+def timed_generate(llm: Any, prompts: list[Any], params: Any) -> tuple[list[Any], dict[str, Any]]:
+    """The timed generation (after ``warm_up``): its outputs, and the arm's figures
+    ``gen_s``, ``generated_tokens`` and ``tok_per_s`` (generated tokens per second)."""
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.monotonic() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return outs, {
+        "gen_s": round(gen_s, 2),
+        "generated_tokens": generated,
+        "tok_per_s": round(generated / gen_s, 1),
+    }
+
+
 def start_bus_subscriber(address: str, policy: str) -> subprocess.Popen:
     """A ``null`` consumer in its own process: receives every message and counts it."""
     return subprocess.Popen(
