@@ -72,6 +72,13 @@ def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser
     t = p.add_argument_group("training")
     t.add_argument("--accelerator", default="auto", help="Lightning accelerator: cpu, gpu...")
     t.add_argument("--devices", default="1", help="devices per node (DDP when more than 1)")
+    t.add_argument(
+        "--num-nodes",
+        type=int,
+        default=1,
+        help="hosts in the DDP cluster; each host runs this command with the same flags and "
+        "Lightning's NODE_RANK, MASTER_ADDR and MASTER_PORT set",
+    )
     t.add_argument("--strategy", default="auto", help="Lightning strategy, e.g. ddp")
     t.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
     t.add_argument("--out", default="out/trainers", help="checkpoints and the W&B run go here")
@@ -224,6 +231,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         max_epochs=1,
         accelerator=opts.accelerator,
         devices=devices,
+        num_nodes=opts.num_nodes,
         strategy=opts.strategy,
         precision=opts.precision,
         logger=logger,
@@ -289,6 +297,13 @@ def _parse(
         parser.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
     if not 0.0 < opts.max_duty <= 1.0:
         parser.error(f"--max-duty: expected a share of time in (0, 1], got {opts.max_duty}")
+    if opts.num_nodes < 1:
+        parser.error(f"--num-nodes: expected 1 or more hosts, got {opts.num_nodes}")
+    if opts.num_nodes > 1 and "NODE_RANK" not in os.environ:
+        parser.error(
+            "--num-nodes: set NODE_RANK (this host's index), MASTER_ADDR and MASTER_PORT "
+            "(rank 0's host and a free port) on every host"
+        )
     try:
         configs, data_cfg = build(opts, sub, _d_in(opts, sub))
     except (ValueError, TimeoutError, FileNotFoundError) as e:

@@ -110,6 +110,78 @@ def test_ddp_two_ranks_share_two_publishers_each_token_once(tmp_path):
     assert summary["data"]["bus/pub0/received"] > 0 and summary["data"]["bus/pub1/received"] > 0
 
 
+def test_two_nodes_one_rank_each_train_each_token_once(tmp_path):
+    """``--num-nodes 2``: two hosts' trainers (here two processes, each its own node with
+    NODE_RANK, MASTER_ADDR and MASTER_PORT as a cluster sets them) form one DDP group and
+    one load-balancing group at the publisher: each token trained once across nodes."""
+    address = f"ipc://{tmp_path}/synth.sock"
+    messages = 40
+    pub = SynthPublisher(address, messages, "--rows", "256", "--wait-subscribers", "2")
+    ledger = tmp_path / "ledger"
+    flags = [
+        "sae", "--connect", address, "--d-in", "64", "--layer", "0", "--k", "4",
+        "--expansion", "4", "--policy", "block", "--batch-tokens", "256",
+        "--buffer-tokens", "2048", "--warmup-tokens", "512", "--idle-s", "10",
+        "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2", "--strategy", "ddp",
+        "--out", str(tmp_path / "out"), "--no-progress", "--ledger", str(ledger),
+    ]  # fmt: skip
+    port = _free_port()
+    nodes = []
+    try:
+        for node in (0, 1):
+            env = {
+                **os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                "OMP_NUM_THREADS": "1", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }  # fmt: skip
+            nodes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "actbus.cli", "run", *flags],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        outs = [n.communicate(timeout=240)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+        pub.stop()
+    for node, (n, out) in enumerate(zip(nodes, outs, strict=True)):
+        assert n.returncode == 0, f"node {node}: {out[-4000:]}"
+    seen = []
+    for rank in (0, 1):
+        lines = Path(f"{ledger}.rank{rank}").read_text().splitlines()
+        seen.append({tuple(line.split("\t")[1:]) for line in lines})
+        assert len(lines) == len(seen[-1]), f"rank {rank} trained a token twice"
+        assert len(lines) > 0, f"rank {rank} got nothing: not load-balanced"
+    assert not seen[0] & seen[1]
+    ids = [f"s{s}-r{i}" for s in range(messages) for i in range(8)]
+    assert seen[0] | seen[1] == {(r, str(p)) for r in ids for p in range(32)}
+
+
+def test_num_nodes_without_the_cluster_env_is_refused_by_name(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "NODE_RANK"}
+    r = subprocess.run(
+        [sys.executable, "-m", "actbus.cli", "run", "sae", "--connect", "ipc:///nonexistent",
+         "--d-in", "64", "--layer", "0", "--num-nodes", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "--num-nodes: set NODE_RANK" in r.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_sae_and_probe_from_a_stored_run(tmp_path):
     """Publisher -> fs sink process -> run dir; then ``--from DIR`` trains from it, with
     probe labels from the tags the sink kept."""
