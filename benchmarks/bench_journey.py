@@ -15,6 +15,9 @@ engine), with vLLM's defaults (torch.compile, CUDA graphs) and the same
             of its time in steps, and what it cannot take is dropped and counted (without
             the cap an SAE that keeps up takes as much GPU time as under block)
 
+Two diagnostic arms run only when named in ``--arms``: ``drop_sae`` (the drop arm's
+trainer alone) and ``side`` (its fs sink and W&B consumer alone, no trainer).
+
 The consumers start once the engine is up and its warm-up done, and the generation
 starts once all of them subscribed; the engine's shutdown sends END, and the trainer
 trains on what it holds, saves and exits. Reported per arm: generated tok/s and the
@@ -59,8 +62,13 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from benchmarks.bench_capture import LLAMA3_8B  # noqa: E402  (one shape for both benchmarks)
 
-ARMS = {"plain": None, "block": "block", "drop": "drop_oldest"}
+ARMS = {"plain": None, "block": "block", "drop": "drop_oldest", "drop_sae": "drop_oldest",
+        "side": "drop_oldest"}  # fmt: skip
 """Arm -> the trainer's policy (None: no capture at all)."""
+CONSUMERS = {"drop_sae": ("sae",), "side": ("fs-sink", "wandb")}
+"""Diagnostic arms, run only when asked: which consumers run (the others run all three).
+``drop_sae`` is the drop arm with the trainer alone, ``side`` the drop arm without it:
+together they split what the drop arm costs generation between the SAE and the rest."""
 TARGETS = {"ratio_engine_block": 0.85, "trained_share_block": 1.0, "ratio_engine_drop": 0.95}
 SINK_REDUCE = "int8"
 """The fs sink's reduced copy: every ``--sink-every``-th step (``sample:N``, lossy: it
@@ -187,7 +195,7 @@ def _model(args: argparse.Namespace, work: Path) -> tuple[Path, int]:
 
 
 def _consumers(
-    policy: str, address: str, args: argparse.Namespace, work: Path
+    arm: str, policy: str, address: str, args: argparse.Namespace, work: Path
 ) -> dict[str, subprocess.Popen]:
     """The trainer, the W&B dashboard (where wandb is installed) and the fs sink."""
     env = {
@@ -213,11 +221,13 @@ def _consumers(
         "--out", str(work / "run"), "--layers", str(args.layer), "--hooks", "post_block",
         *sink_flags(args), "--exit-on-end",
     ]  # fmt: skip
-    procs = {
-        "sae": _spawn(sae, work / "sae.log", env),
-        "fs-sink": _spawn(sink, work / "fs-sink.log", env),
-    }
-    if has_wandb():
+    want = CONSUMERS.get(arm, ("sae", "fs-sink", "wandb"))
+    procs = {}
+    if "sae" in want:
+        procs["sae"] = _spawn(sae, work / "sae.log", env)
+    if "fs-sink" in want:
+        procs["fs-sink"] = _spawn(sink, work / "fs-sink.log", env)
+    if has_wandb() and "wandb" in want:
         wandb = [
             sys.executable, "-m", "actbus.cli", "run", "wandb", "--connect", address,
             "--exit-on-end", "--interval", "2", "--wandb-dir", str(work),
@@ -273,7 +283,7 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"arm": name, "engine_start_s": round(start_s, 1)}
     if policy is not None:
         t0 = time.monotonic()
-        procs = _consumers(policy, address, args, work)
+        procs = _consumers(name, policy, address, args, work)
         try:
             common.wait_subscribed(address, set(procs), args.subscribe_timeout)
         except SystemExit as e:
@@ -344,6 +354,19 @@ def _collect(
     if failed:
         logs = {n: (work / f"{n}.log").read_text()[-4000:] for n in failed}
         raise SystemExit(f"consumers failed {failed}:\n{json.dumps(logs, indent=1)}")
+    if "fs-sink" in procs:
+        manifest = json.loads((work / "run" / "manifest.json").read_text())
+        out["sink"] = {
+            "rows_written": manifest.get("total_rows", 0),
+            "shards": len(manifest.get("shards", [])),
+            "bytes": sum(s.get("bytes", 0) for s in manifest.get("shards", [])),
+            "rows_received": manifest.get("counters", {}).get("rows_received", 0),
+        }
+    if "wandb" in procs:
+        runs = sorted(work.glob("wandb/*run-*/run-*.wandb"))
+        out["wandb"] = {"runs": len(runs), "bytes": sum(r.stat().st_size for r in runs)}
+    if "sae" not in procs:
+        return out
     summary = json.loads((work / "sae.json").read_text())
     stats = json.loads((work / "trainer-stats.json").read_text())
     data = summary["data"]
@@ -369,16 +392,6 @@ def _collect(
     if mem.per_pid:
         others = {pid: m for pid, m in mem.per_pid.items() if pid != procs["sae"].pid}
         out["smi_peak_mib_other_processes"] = others
-    manifest = json.loads((work / "run" / "manifest.json").read_text())
-    out["sink"] = {
-        "rows_written": manifest.get("total_rows", 0),
-        "shards": len(manifest.get("shards", [])),
-        "bytes": sum(s.get("bytes", 0) for s in manifest.get("shards", [])),
-        "rows_received": manifest.get("counters", {}).get("rows_received", 0),
-    }
-    if "wandb" in procs:
-        runs = sorted(work.glob("wandb/*run-*/run-*.wandb"))
-        out["wandb"] = {"runs": len(runs), "bytes": sum(r.stat().st_size for r in runs)}
     return out
 
 
@@ -387,12 +400,12 @@ def _row(name: str, r: dict[str, Any], base: float | None) -> str:
     ratio = r["tok_per_s"] / base if base else float("nan")
     t = r.get("trainer")
     if t is None:
-        return f"{name:6s} {r['tok_per_s']:>10.1f} {ratio:>7.3f} {r['served_rows']:>11,}"
+        return f"{name:8s} {r['tok_per_s']:>10.1f} {ratio:>7.3f} {r['served_rows']:>11,}"
     share = t["tokens_trained"] / r["served_rows"]
     mem = t["peak_allocated_mib"] / 1024
     tps = t["tok_per_s"] or 0.0
     return (
-        f"{name:6s} {r['tok_per_s']:>10.1f} {ratio:>7.3f} {r['served_rows']:>11,} "
+        f"{name:8s} {r['tok_per_s']:>10.1f} {ratio:>7.3f} {r['served_rows']:>11,} "
         f"{t['tokens_trained']:>11,} {share:>7.3f} {t['missed']:>7,} {tps:>11.1f} {mem:>9.2f} "
         f"{r['publisher']['stall_s']:>8.1f}"
     )
@@ -421,10 +434,20 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
             s["gpu_total_mib"] = r["gpu_total_mib"]
             s["engine_budget_mib"] = round(r["gpu_total_mib"] * args.gpu_memory_utilization)
             s[f"gpu_used_peak_mib_{name}"] = r["gpu_used_peak_mib"]
+        if ARMS[name] is not None:
+            s[f"ratio_engine_{name}"] = round(r["tok_per_s"] / base, 4) if base else None
+        if "sink" in r:
+            s[f"sink_rows_{name}"] = r["sink"]["rows_written"]
+            s[f"sink_bytes_{name}"] = r["sink"]["bytes"]
+            s[f"sink_shards_{name}"] = r["sink"]["shards"]
+        if "wandb" in r:
+            s[f"wandb_runs_{name}"] = r["wandb"]["runs"]
+        if "publisher" in r:
+            s[f"stall_s_{name}"] = r["publisher"]["stall_s"]
+            s[f"source_drops_{name}"] = r["publisher"]["source_drops"]
         t = r.get("trainer")
         if t is None:
             continue
-        s[f"ratio_engine_{name}"] = round(r["tok_per_s"] / base, 4) if base else None
         s[f"trained_{name}"] = t["tokens_trained"]
         s[f"trained_share_{name}"] = round(t["tokens_trained"] / r["served_rows"], 4)
         s[f"received_{name}"] = t["rows_received"]
@@ -442,13 +465,6 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
         s[f"trainer_peak_reserved_mib_{name}"] = t["peak_reserved_mib"]
         s[f"trainer_smi_peak_mib_{name}"] = t["smi_peak_mib"]
         s[f"trainer_fvu_{name}"] = t["fvu"]
-        s[f"stall_s_{name}"] = r["publisher"]["stall_s"]
-        s[f"source_drops_{name}"] = r["publisher"]["source_drops"]
-        s[f"sink_rows_{name}"] = r["sink"]["rows_written"]
-        s[f"sink_bytes_{name}"] = r["sink"]["bytes"]
-        s[f"sink_shards_{name}"] = r["sink"]["shards"]
-        if "wandb" in r:
-            s[f"wandb_runs_{name}"] = r["wandb"]["runs"]
     s["targets"] = TARGETS
     for key, bar in TARGETS.items():
         if s.get(key) is not None:
@@ -481,7 +497,12 @@ def main() -> int:
         default=0.05,
         help="the drop arm's trainer --max-duty (1: no cap, it trains as much as it keeps up with)",
     )
-    ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, in order")
+    ap.add_argument(
+        "--arms",
+        default="plain,block,drop",
+        help="arms to run, in order; also drop_sae (the trainer alone) and side (the sink "
+        "and W&B alone), both drop_oldest",
+    )
     ap.add_argument("--work", default=None, help="keep every arm's files here (default: a temp)")
     ap.add_argument("--subscribe-timeout", type=float, default=300.0)
     ap.add_argument("--consumer-timeout", type=float, default=600.0)
@@ -521,7 +542,7 @@ def main() -> int:
             results[name] = json.loads(line[-1][len("RESULT ") :])
             r = results[name]
             print(
-                f"  {name:6s} {r['tok_per_s']:>10.1f} tok/s  ({time.monotonic() - t0:.0f}s)",
+                f"  {name:8s} {r['tok_per_s']:>10.1f} tok/s  ({time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
     finally:
@@ -530,7 +551,7 @@ def main() -> int:
 
     base = results.get("plain", {}).get("tok_per_s")
     print(
-        f"\n{'arm':6s} {'gen tok/s':>10s} {'vs plain':>7s} {'served':>11s} {'trained':>11s} "
+        f"\n{'arm':8s} {'gen tok/s':>10s} {'vs plain':>7s} {'served':>11s} {'trained':>11s} "
         f"{'share':>7s} {'drops':>7s} {'train tok/s':>11s} {'peak GiB':>9s} {'stall s':>8s}"
     )
     for name, r in results.items():
