@@ -319,7 +319,8 @@ class ReturnCollector:
         batched = self.batched
         with self._cond:
             pending = self._pending
-            scatter: dict[int, tuple[Slab, list[int], list[int]]] = {}
+            scatter: dict[Slab, tuple[list[int], list[int]]] = {}
+            slab = src = dst = None  # the slab of the last row noted, and its lists
             for key, lo, hi in spans if data is not None else ():
                 p = pending.get(key)
                 if p is None or lo == hi:
@@ -334,19 +335,19 @@ class ReturnCollector:
                 if (
                     batched
                     and home is not None
-                    and end < len(t._pos)
+                    and end < home[2]
                     and (end == t.start or position >= t.last)
                 ):  # room, in order: the row's place is known now, written below
-                    job = scatter.get(id(home[0]))
-                    if job is None:
-                        job = scatter[id(home[0])] = (home[0], [], [])
-                    job[1].append(lo)
-                    job[2].append(home[1] + end)
+                    if home[0] is not slab:
+                        slab = home[0]
+                        src, dst = scatter.setdefault(slab, ([], []))
+                    src.append(lo)
+                    dst.append(home[1] + end)
                     t.end, t.last = end + 1, position
                 else:
                     t.append_one(position, token_ids[lo], data[lo])
             items = _as_items(data) if scatter else None
-            for slab, src, dst in scatter.values():  # numpy lets go of the GIL to copy
+            for slab, (src, dst) in scatter.items():  # numpy lets go of the GIL to copy
                 d = np.asarray(dst, dtype=np.intp)
                 # Rows in a run (the usual case) are read in place, not gathered first.
                 s = slice(src[0], src[-1] + 1) if src[-1] - src[0] == len(src) - 1 else src

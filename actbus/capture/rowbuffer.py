@@ -97,8 +97,8 @@ class TapRows:
         self.end = 0
         self.released = 0
         self.last = -1  # the position of row ``end - 1``
-        self.home: tuple[Slab, int] | None = None
-        """The slab and its first row there, while the rows live in a slab."""
+        self.home: tuple[Slab, int, int] | None = None
+        """The slab, the first row there and the rows held, while they live in a slab."""
 
     @classmethod
     def over(
@@ -114,7 +114,7 @@ class TapRows:
         t._rows = slab.rows[base : base + cap]
         t.start = t.end = t.released = 0
         t.last = -1
-        t.home = (slab, base)
+        t.home = (slab, base, cap)
         return t
 
     def append(self, positions: np.ndarray, token_ids: np.ndarray, rows: np.ndarray) -> None:

@@ -76,7 +76,7 @@ def test_buffers_over_a_slab_write_into_it_and_leave_it_when_they_grow_or_sort()
     a = TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16)
     b = TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16)
     slab = a.home[0]
-    assert b.home == (slab, 16) and a.home == (slab, 0)
+    assert b.home == (slab, 16, 16) and a.home == (slab, 0, 16)
     a.append(*_piece(list(range(10))))
     _one(b, 0)
     first = a.view(0, 10)
