@@ -8,13 +8,17 @@ output of such a request as ``CompletionOutput.activations``. So the data takes
 the same path, with the same exactness, as what any other subscriber gets.
 
 The front end's own work is kept off vLLM's output processing, with which it shares
-the GIL. The subscriber's thread copies each message's rows, request by request,
-straight into per-request buffers sized from the request's token budget
-(``actbus.capture.rowbuffer``), with the message's row index unpacked once for all
-of its requests and taps. Making an output then costs a few views of those buffers,
-whatever the request's length: no chunks concatenated, no copies handed out, and the
-lock the receiving thread needs is held for microseconds. Tensors are views, shared
-between a request's CUMULATIVE outputs: clone one before writing to it in place.
+the GIL. The subscriber's thread copies each message's rows straight into per-request
+buffers sized from the request's token budget (``actbus.capture.rowbuffer``), with the
+message's row index unpacked once for all of its requests and taps. The buffers are
+regions of slabs shared by many requests, so a decode step's single rows (one per
+request) are written with one numpy scatter per slab: numpy copies without the GIL,
+and what is left under it is a few Python operations per request to note where each
+row goes. Making an output then costs a few views of those buffers, whatever the
+request's length: no chunks concatenated, no copies handed out, and the lock the
+receiving thread needs is held for microseconds. Tensors are views, shared between a
+request's CUMULATIVE outputs: clone one before writing to it in place; a view kept
+keeps its slab's rows alive.
 
 Every output covers positions ``0 .. prompt_len + n_generated - 2``, the tokens
 the model has been fed so far. A streamed (partial) output carries the rows that
