@@ -44,7 +44,7 @@ from actbus.bus.fanin import subscribe
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch
 from actbus.capture.dataparallel import DataParallel
-from actbus.capture.rowbuffer import Slab, SlabPool, TapRows
+from actbus.capture.rowbuffer import Slab, SlabPool, TapRows, retire
 from actbus.capture.selection import Selection
 from actbus.errors import ConfigError
 from actbus.wire import DTYPES, RowIndex
@@ -144,6 +144,7 @@ class ReturnCollector:
             ) from None
         self._forgot_at = time.monotonic()
         self._slabs = SlabPool()
+        self._retired: list[TapRows] = []  # buffers of collected requests, for _forget_stale
         self._plan_of: RowIndex | None = None  # the row index _plan was made from
         # Per request: (key, first row, end row); every row's position and token id.
         self._plan: tuple[list[tuple[tuple[str, int], int, int]], list[int], list[int]] = (
@@ -234,6 +235,7 @@ class ReturnCollector:
                         break
                     self._cond.wait(min(left, 0.5))
                 self._pending.pop(key, None)
+                self._retired.extend(p.taps.values())
                 if not any(k[0] == caller_id for k in self._pending):
                     _OWNER.pop(caller_id, None)
                 if not self._pending:  # idle: keep no slab alive for requests to come
@@ -373,6 +375,8 @@ class ReturnCollector:
         return TapRows(row_bytes, dtype, width, capacity)
 
     def _forget_stale(self) -> None:
+        """Forget requests nobody will collect; every second, let the slabs that
+        collected requests left sparse go (on this thread: it may copy)."""
         now = time.monotonic()
         if now - self._forgot_at < 1.0:
             return
@@ -385,9 +389,11 @@ class ReturnCollector:
                 or now - p.created > FORGET_UNENDED_S
             ]
             for key in stale:
-                del self._pending[key]
+                self._retired.extend(self._pending.pop(key).taps.values())
             if stale and not self._pending:
                 self._slabs.release()
+            retired, self._retired = self._retired, []
+            retire(retired, self._slabs)
             live = {k[0] for k in self._pending}
             for caller_id in {k[0] for k in stale} - live:
                 _OWNER.pop(caller_id, None)

@@ -17,7 +17,9 @@ instead of a Python call per request: that per-request work holds the GIL, which
 front end's output processing waits for (numpy lets go of it to copy). A buffer leaves its slab
 (``home`` becomes None) when it first grows or is sorted. A slab's memory is freed
 when no buffer and no handed-out view refers to it: a view held keeps its slab's rows
-(at most ``SLAB_BYTES`` of them, written pages only) alive.
+(at most ``SLAB_BYTES`` of them, written pages only) alive. Once most of a full slab's
+requests are collected, the few left move out (``retire``), so a long request does not
+keep its neighbours' rows.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ kept by a view held after its neighbours' requests ended."""
 class Slab:
     """One allocation of rows (raw bytes), their positions and token ids."""
 
-    __slots__ = ("items", "memory", "pos", "rows", "tok", "used")
+    __slots__ = ("buffers", "items", "memory", "pos", "rows", "tok", "used")
 
     def __init__(self, rows: int, row_bytes: int) -> None:
         self.pos = np.empty(rows, dtype=np.int64)
@@ -53,14 +55,21 @@ class Slab:
         self.items = self.rows.view(f"V{row_bytes}").reshape(rows)
         """The rows as one item each, for scatters."""
         self.used = 0
+        self.buffers: set[TapRows] = set()
+        """Buffers with rows here whose requests have not been collected."""
+
+    def sparse(self) -> bool:
+        """Its live buffers hold room for under a quarter of its rows: the rest is kept
+        only by views (or nothing)."""
+        return 4 * sum(len(t._pos) for t in self.buffers) < len(self.pos)
 
 
 class SlabPool:
     """Hands out regions of slabs, one slab being filled per row size; a full slab is
     forgotten here and lives on as long as its buffers or views do."""
 
-    def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
-        self.slab_bytes = slab_bytes
+    def __init__(self, slab_bytes: int | None = None) -> None:
+        self.slab_bytes = slab_bytes or SLAB_BYTES
         self._filling: dict[int, Slab] = {}
 
     def take(self, rows: int, row_bytes: int) -> tuple[Slab, int]:
@@ -76,6 +85,24 @@ class SlabPool:
     def release(self) -> None:
         """Fill no slab further: each is freed once its buffers and views are gone."""
         self._filling.clear()
+
+    def filling(self, slab: Slab) -> bool:
+        return self._filling.get(slab.rows.shape[1]) is slab
+
+
+def retire(buffers: list[TapRows], pool: SlabPool) -> None:
+    """The buffers of collected requests leave their slabs' accounts; a slab left
+    sparse moves its survivors' rows not handed out into memory of their own, so one
+    long request keeps no more than its own rows (and views held keep theirs)."""
+    touched = set()
+    for t in buffers:
+        if t.home is not None:
+            t.home[0].buffers.discard(t)
+            touched.add(t.home[0])
+    for slab in touched:
+        if not pool.filling(slab) and slab.sparse():
+            for t in list(slab.buffers):
+                t._move(len(t._pos))
 
 
 class TapRows:
@@ -115,6 +142,7 @@ class TapRows:
         t.start = t.end = t.released = 0
         t.last = -1
         t.home = (slab, base, cap)
+        slab.buffers.add(t)
         return t
 
     def append(self, positions: np.ndarray, token_ids: np.ndarray, rows: np.ndarray) -> None:
@@ -166,6 +194,8 @@ class TapRows:
         else:
             pos[:n], tok[:n], rows[:n] = self._pos[live], self._tok[live], self._rows[live]
         self._pos, self._tok, self._rows = pos, tok, rows
+        if self.home is not None:
+            self.home[0].buffers.discard(self)
         self.home = None
         self.released += self.start
         self.start, self.end = 0, n

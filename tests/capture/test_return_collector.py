@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from actbus.bus import Publisher
+from actbus.capture import rowbuffer
 from actbus.capture.returns import ReturnCollector
 from actbus.capture.selection import Selection
 from actbus.wire import Header, RequestEnd, RowIndex
@@ -123,8 +124,10 @@ def _send_steps(pub: Publisher, steps: list[dict[str, list[int]]]) -> None:
 def test_batched_and_per_request_writes_keep_every_row_in_order(tmp_path, monkeypatch, batched):
     """Decode steps' single rows go through the slab scatter (``batched``) or a call
     per request; a request whose rows outgrow its budget, and one whose rows come out
-    of order, leave the slab. Every way gives each request every row once, in order."""
+    of order, leave the slab, and so does the last left in a slab whose other requests
+    were collected. Every way gives each request every row once, in order."""
     monkeypatch.setattr(ReturnCollector, "batched", batched)
+    monkeypatch.setattr(rowbuffer, "SLAB_BYTES", 180 * 16)  # 5 requests' rows a slab
     address = f"ipc://{tmp_path}/bus.sock"
     pub = Publisher(address, info={"model": "m", "hidden_size": 4, "dtype": "float32"})
     col = ReturnCollector(address)
@@ -141,7 +144,11 @@ def test_batched_and_per_request_writes_keep_every_row_in_order(tmp_path, monkey
         _send_steps(pub, steps)
         want = list(range(prompt + gen - 1))
         homes: dict[int, list[bool]] = {}
-        for r in range(n):
+        order = list(range(n))
+        for r in order:
+            if r == n - 1:  # alone in its first tap's slab now: moved out within a second
+                time.sleep(1.5)
+                assert col._pending[(f"r{r}", 0)].taps[TAPS[0]].home is None
             if r == 1:  # r0's final output waited for the last message: all are in
                 homes = {
                     q: [col._pending[(f"r{q}", 0)].taps[k].home is not None for k in TAPS]

@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import torch
 
-from actbus.capture.rowbuffer import SlabPool, TapRows
+from actbus.capture.rowbuffer import SlabPool, TapRows, retire
 
 WIDTH = 3
 
@@ -103,5 +103,33 @@ def test_a_slab_is_freed_once_no_buffer_and_no_view_refers_to_it():
     gc.collect()
     assert memory() is not None and held[:, 0].tolist() == [0, 1, 2]  # the view keeps it
     del held
+    gc.collect()
+    assert memory() is None
+
+
+def test_a_slab_mostly_collected_moves_its_survivors_out():
+    """One long request must not keep its neighbours' rows: once the requests holding
+    three quarters of a full slab are collected, the rest move to memory of their own."""
+    pool = SlabPool(slab_bytes=128 * 2 * WIDTH)  # 128 rows: 8 buffers of 16
+    bufs = [TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16) for _ in range(8)]
+    for t in bufs:
+        t.append(*_piece([0, 1, 2]))
+    slab = bufs[0].home[0]
+    taken = bufs[7].view(0, 2)
+    bufs[7].start = 2  # a DELTA output took 2 rows
+    retire(bufs[:5], pool)  # still the slab being filled: nothing moves
+    assert all(t.home is not None for t in bufs[5:])
+    TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16)  # full: a new one
+    retire(bufs[5:6], pool)  # 2 of 8 left: a quarter, not under it
+    assert bufs[6].home is not None and bufs[7].home is not None
+    retire(bufs[6:7], pool)
+    assert bufs[7].home is None and not slab.buffers
+    assert _rows(bufs[7], 0, 1) == [2] and bufs[7].released == 2
+    assert taken[0].tolist() == [0, 1] and taken[2][:, 0].tolist() == [0, 1]
+    memory = weakref.ref(slab.memory)
+    del slab, bufs, t
+    gc.collect()
+    assert memory() is not None  # the DELTA output's view keeps it
+    del taken
     gc.collect()
     assert memory() is None
