@@ -10,13 +10,28 @@ too, as ``AsyncLLM`` streaming does). Every row is checked bitwise against what 
 sent. A second run of the same stream goes to a plain ``block`` subscriber that only
 receives: the bus' cost, for comparison.
 
-Prints one JSON line: seconds from the first message to the last final output, and
-this process' CPU seconds over that time (what holds the front end's GIL; steadier than
-wall time on a shared machine), for the collector and for the bare subscriber, and the
-rows checked (after the timing).
+The collector runs twice on the same stream: ``per_request`` (the previous way: a
+Python call per request per message writes its rows) and ``batched`` (a decode step's
+single rows written with one numpy scatter per slab); ``bus`` is a bare subscriber on
+a thread of this process, only receiving. The receiving thread's own CPU seconds (user
+and system apart) and minor page faults are read from /proc: system time there is
+mostly the first touch of fresh buffer memory, and numpy copies (user time too) run
+without the GIL; the rest of the user time is Python work that holds it.
+
+``--probe`` adds a thread that stands in for vLLM's output processing, which shares
+the front end's GIL: it runs a pure-Python loop throughout. The stream's seconds then
+say how well the return path keeps up with a busy front end (each time the receiving
+thread lets go of the GIL it may wait a switch interval to get it back), and
+``probe_slowdown`` (its loop rate during the stream against just before) how much it
+lost: to the GIL, and, on a machine without free cores, to the CPU as well.
+
+Prints a table and ends with one JSON line: per arm, seconds
+from the first message to the last final output, this process' CPU seconds over that
+time, the receiving thread's user and system seconds and page faults, the probe's
+share (``--probe``); the rows checked (after the timing).
 
     python benchmarks/bench_return_collector.py [--requests 64 --prompt 128 --gen 128]
-    python benchmarks/bench_return_collector.py --profile   # cProfile of this process
+    python benchmarks/bench_return_collector.py --arms batched --profile   # cProfile
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import pstats
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from inspect import signature
 from pathlib import Path
@@ -40,6 +56,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 LAYER_STEP = 8
+ARMS = ("per_request", "batched", "bus")
 
 
 def _plan(args: argparse.Namespace) -> list[tuple[list[tuple[int, list[int]]], list[int]]]:
@@ -130,12 +147,54 @@ def _finish(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def run_collector(args: argparse.Namespace) -> dict[str, Any]:
+class Probe:
+    """A thread running pure-Python work, as vLLM's output processing does: its loop
+    rate tells how much of the GIL the rest of the process leaves it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            x = 0
+            for i in range(1000):
+                x += i
+            self.count += 1
+
+    def rate(self, seconds: float) -> float:
+        """Loops per second over the next ``seconds``."""
+        c0, t0 = self.count, time.monotonic()
+        time.sleep(seconds)
+        return (self.count - c0) / (time.monotonic() - t0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _thread_cpu(native_id: int | None) -> np.ndarray:
+    """One thread of this process, from /proc: user s, system s, minor page faults."""
+    if native_id is None:
+        return np.full(3, np.nan)
+    import os
+
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return np.array([int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])])
+
+
+def run_collector(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     from actbus.capture.returns import ReturnCollector
     from actbus.capture.selection import Selection
 
     plan = _plan(args)
     proc = _start_publisher(args)
+    if hasattr(ReturnCollector, "batched"):  # the code before it had no choice
+        ReturnCollector.batched = arm == "batched"
     col = ReturnCollector(args.address)
     layers = tuple(LAYER_STEP * i for i in range(args.taps))
     sel = Selection(layers=layers, hooks=("post_block",))
@@ -148,6 +207,11 @@ def run_collector(args: argparse.Namespace) -> dict[str, Any]:
     delta_rows: dict[int, list[Any]] = {r: [] for r in range(args.requests)}
     generated = [0] * args.requests
     finals: list[tuple[int, list[Any]]] = []
+    probe = Probe() if args.probe else None
+    alone = probe.rate(1.0) if probe else 0.0
+    n0 = probe.count if probe else 0
+    tid = col._thread.native_id
+    th0 = _thread_cpu(tid)
     _go(proc)
     t0, c0 = time.monotonic(), time.process_time()
     if prof:
@@ -164,17 +228,30 @@ def run_collector(args: argparse.Namespace) -> dict[str, Any]:
             if final:
                 finals.append((r, delta_rows[r] if args.delta else [acts]))
     elapsed, cpu = time.monotonic() - t0, time.process_time() - c0
+    thread_cpu = _thread_cpu(tid) - th0
+    loops = (probe.count - n0) if probe else 0
+    if probe:
+        probe.stop()
     if prof:
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
     col.close()
     _finish(proc)
     checked = sum(_check(r, pieces, args, layers) for r, pieces in finals)
-    return {
-        "collector_s": round(elapsed, 3),
-        "collector_cpu_s": round(cpu, 3),
-        "rows_checked": checked,
+    return _figures(elapsed, cpu, thread_cpu, alone, loops) | {"rows_checked": checked}
+
+
+def _figures(elapsed: float, cpu: float, thread: np.ndarray, alone: float, loops: int) -> dict:
+    out = {
+        "s": round(elapsed, 3),
+        "cpu_s": round(cpu, 3),
+        "recv_user_s": round(float(thread[0]), 3),
+        "recv_sys_s": round(float(thread[1]), 3),
+        "recv_faults": int(thread[2]),
     }
+    if alone:
+        out["probe_slowdown"] = round(1 - loops / elapsed / alone, 3)
+    return out
 
 
 def _check(r: int, pieces: list[Any], args: argparse.Namespace, layers: tuple[int, ...]) -> int:
@@ -192,6 +269,8 @@ def _check(r: int, pieces: list[Any], args: argparse.Namespace, layers: tuple[in
 
 
 def run_bus(args: argparse.Namespace) -> dict[str, Any]:
+    """A bare ``block`` subscriber on a thread of this process, only receiving: the
+    least any return path that receives in this process costs it."""
     from actbus.bus import Subscriber, Subscription
     from actbus.bus.subscriber import Batch
 
@@ -199,18 +278,34 @@ def run_bus(args: argparse.Namespace) -> dict[str, Any]:
     proc = _start_publisher(args)
     sub = Subscriber(args.address, Subscription(policy="block", returned_only=True))
     sub.wait_welcome(30)
+    got: list[int] = [0]
+
+    def receive() -> None:
+        while got[0] < n:
+            out = sub.recv(timeout=30)
+            if out is None:
+                raise SystemExit(f"the bus subscriber got {got[0]} of {n} messages")
+            got[0] += isinstance(out, Batch)
+
+    probe = Probe() if args.probe else None
+    alone = probe.rate(1.0) if probe else 0.0
+    n0 = probe.count if probe else 0
+    th = threading.Thread(target=receive, daemon=True)
+    th.start()
+    th0 = thread_cpu = _thread_cpu(th.native_id)
     _go(proc)
     t0, c0 = time.monotonic(), time.process_time()
-    got = 0
-    while got < n:
-        out = sub.recv(timeout=30)
-        if out is None:
-            raise SystemExit(f"the bus subscriber got {got} of {n} messages")
-        got += isinstance(out, Batch)
+    while th.is_alive():
+        th.join(0.005)
+        if th.is_alive():  # a finished thread's figures are gone from /proc
+            thread_cpu = _thread_cpu(th.native_id)
     elapsed, cpu = time.monotonic() - t0, time.process_time() - c0
+    loops = (probe.count - n0) if probe else 0
+    if probe:
+        probe.stop()
     sub.close()
     _finish(proc)
-    return {"bus_s": round(elapsed, 3), "bus_cpu_s": round(cpu, 3), "messages": got}
+    return _figures(elapsed, cpu, thread_cpu - th0, alone, loops) | {"messages": got[0]}
 
 
 def main() -> int:
@@ -223,7 +318,8 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--delta", action="store_true", help="a DELTA output every step")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--no-bus", action="store_true")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"of {ARMS}, in order")
+    ap.add_argument("--probe", action="store_true", help="a GIL probe thread (see above)")
     ap.add_argument("--publisher", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -232,12 +328,22 @@ def main() -> int:
     args.address = f"ipc://{tempfile.mkdtemp(prefix='bench-ret-')}/bus.sock"
     out = {k: getattr(args, k) for k in ("requests", "prompt", "gen", "chunk", "taps", "hidden")}
     out["delta"] = args.delta
-    out |= run_collector(args)
-    if not args.no_bus:
+    arms = args.arms.split(",")
+    if any(a not in ARMS for a in arms):
+        ap.error(f"--arms: choose from {ARMS}")
+    results = {}
+    for arm in arms:
         args.address = f"ipc://{tempfile.mkdtemp(prefix='bench-ret-')}/bus.sock"
-        out |= run_bus(args)
-        out["collector_over_bus"] = round(out["collector_s"] / out["bus_s"], 3)
-        out["collector_over_bus_cpu"] = round(out["collector_cpu_s"] / out["bus_cpu_s"], 3)
+        results[arm] = run_bus(args) if arm == "bus" else run_collector(args, arm)
+    head = ("arm", "s", "cpu s", "recv user s", "recv sys s", "recv faults", "probe slowdown")
+    print("\n{:10s} {:>7s} {:>7s} {:>12s} {:>11s} {:>12s} {:>12s}".format(*head))
+    for arm, r in results.items():
+        gil = f"{r['probe_slowdown']:.3f}" if "probe_slowdown" in r else ""
+        print(
+            f"{arm:10s} {r['s']:7.3f} {r['cpu_s']:7.3f} {r['recv_user_s']:12.3f} "
+            f"{r['recv_sys_s']:11.3f} {r['recv_faults']:12,d} {gil:>12s}"
+        )
+        out |= {f"{arm}_{k}": v for k, v in r.items()}
     print(json.dumps(out))
     return 0
 

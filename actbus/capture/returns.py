@@ -8,13 +8,17 @@ output of such a request as ``CompletionOutput.activations``. So the data takes
 the same path, with the same exactness, as what any other subscriber gets.
 
 The front end's own work is kept off vLLM's output processing, with which it shares
-the GIL. The subscriber's thread copies each message's rows, request by request,
-straight into per-request buffers sized from the request's token budget
-(``actbus.capture.rowbuffer``), with the message's row index unpacked once for all
-of its requests and taps. Making an output then costs a few views of those buffers,
-whatever the request's length: no chunks concatenated, no copies handed out, and the
-lock the receiving thread needs is held for microseconds. Tensors are views, shared
-between a request's CUMULATIVE outputs: clone one before writing to it in place.
+the GIL. The subscriber's thread copies each message's rows straight into per-request
+buffers sized from the request's token budget (``actbus.capture.rowbuffer``), with the
+message's row index unpacked once for all of its requests and taps. The buffers are
+regions of slabs shared by many requests, so a decode step's single rows (one per
+request) are written with one numpy scatter per slab: numpy copies without the GIL,
+and what is left under it is a few Python operations per request to note where each
+row goes. Making an output then costs a few views of those buffers, whatever the
+request's length: no chunks concatenated, no copies handed out, and the lock the
+receiving thread needs is held for microseconds. Tensors are views, shared between a
+request's CUMULATIVE outputs: clone one before writing to it in place; a view kept
+keeps its slab's rows alive.
 
 Every output covers positions ``0 .. prompt_len + n_generated - 2``, the tokens
 the model has been fed so far. A streamed (partial) output carries the rows that
@@ -40,7 +44,7 @@ from actbus.bus.fanin import subscribe
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch
 from actbus.capture.dataparallel import DataParallel
-from actbus.capture.rowbuffer import TapRows
+from actbus.capture.rowbuffer import Slab, SlabPool, TapRows, retire
 from actbus.capture.selection import Selection
 from actbus.errors import ConfigError
 from actbus.wire import DTYPES, RowIndex
@@ -116,6 +120,10 @@ class ReturnCollector:
     one rank that ran it, and request ids are the front end's own, unique across its
     ranks, so rows are matched by id alone."""
 
+    batched = True
+    """Write a decode step's single rows with one scatter per slab (False: a call per
+    request, the previous way; benchmarks/bench_return_collector.py measures both)."""
+
     def __init__(self, addresses: str | list[str]) -> None:
         """``addresses``: the publisher, or those of the front end's ranks."""
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
@@ -135,6 +143,8 @@ class ReturnCollector:
                 f"extra_args.actbus.return: the publisher at {self.address} did not answer ({e})"
             ) from None
         self._forgot_at = time.monotonic()
+        self._slabs = SlabPool()
+        self._retired: list[TapRows] = []  # buffers of collected requests, for _forget_stale
         self._plan_of: RowIndex | None = None  # the row index _plan was made from
         # Per request: (key, first row, end row); every row's position and token id.
         self._plan: tuple[list[tuple[tuple[str, int], int, int]], list[int], list[int]] = (
@@ -225,8 +235,11 @@ class ReturnCollector:
                         break
                     self._cond.wait(min(left, 0.5))
                 self._pending.pop(key, None)
+                self._retired.extend(p.taps.values())
                 if not any(k[0] == caller_id for k in self._pending):
                     _OWNER.pop(caller_id, None)
+                if not self._pending:  # idle: keep no slab alive for requests to come
+                    self._slabs.release()
             acts = self._hand_out(p, limit, delta)
             if final:
                 acts.complete = self._arrived(p, limit, want)
@@ -292,7 +305,9 @@ class ReturnCollector:
 
     def _add(self, b: Batch) -> None:
         """Copy each pending request's rows into its buffers; one message's work is
-        one pass over its requests, with the index decoded once per step."""
+        one pass over its requests, with the index decoded once per step. The single
+        rows of a decode step are only noted in that pass, then written with one
+        scatter per slab (``batched``); pieces of several rows are slice copies."""
         rows, tap = b.header.rows, (b.layer, b.hook)
         if rows is not self._plan_of:  # the taps of one step share one row index
             self._plan_of = rows
@@ -307,19 +322,44 @@ class ReturnCollector:
         spans, positions, token_ids = self._plan
         data = b.tensor.view(torch.uint8).numpy() if b.tensor.numel() else None
         dtype, width = DTYPES[b.header.dtype], b.header.shape[1]
+        batched = self.batched
         with self._cond:
             pending = self._pending
+            scatter: dict[Slab, tuple[list[int], list[int]]] = {}
+            slab = src = dst = None  # the slab of the last row noted, and its lists
             for key, lo, hi in spans if data is not None else ():
                 p = pending.get(key)
                 if p is None or lo == hi:
                     continue  # another front end's request, or one already collected
                 t = p.taps.get(tap)
                 if t is None:
-                    t = p.taps[tap] = TapRows(data.shape[1], dtype, width, p.capacity)
-                if hi - lo == 1:
-                    t.append_one(positions[lo], token_ids[lo], data[lo])
-                else:
+                    t = p.taps[tap] = self._buffer(data.shape[1], dtype, width, p.capacity)
+                if hi - lo > 1:
                     t.append(rows.positions[lo:hi], rows.token_ids[lo:hi], data[lo:hi])
+                    continue
+                home, end, position = t.home, t.end, positions[lo]
+                if (
+                    batched
+                    and home is not None
+                    and end < home[2]
+                    and (end == t.start or position >= t.last)
+                ):  # room, in order: the row's place is known now, written below
+                    if home[0] is not slab:
+                        slab = home[0]
+                        src, dst = scatter.setdefault(slab, ([], []))
+                    src.append(lo)
+                    dst.append(home[1] + end)
+                    t.end, t.last = end + 1, position
+                else:
+                    t.append_one(position, token_ids[lo], data[lo])
+            items = _as_items(data) if scatter else None
+            for slab, (src, dst) in scatter.items():  # numpy lets go of the GIL to copy
+                d = np.asarray(dst, dtype=np.intp)
+                # Rows in a run (the usual case) are read in place, not gathered first.
+                s = slice(src[0], src[-1] + 1) if src[-1] - src[0] == len(src) - 1 else src
+                slab.items[d] = items[s]
+                slab.pos[d] = rows.positions[s]
+                slab.tok[d] = rows.token_ids[s]
             now = time.monotonic()
             for end in b.header.ended:
                 p = pending.get((end.request_id, end.sample_index))
@@ -329,7 +369,14 @@ class ReturnCollector:
                         p.ended, p.ended_at = end.reason, now
             self._cond.notify_all()
 
+    def _buffer(self, row_bytes: int, dtype: torch.dtype, width: int, capacity: int) -> TapRows:
+        if self.batched:
+            return TapRows.over(self._slabs, row_bytes, dtype, width, capacity)
+        return TapRows(row_bytes, dtype, width, capacity)
+
     def _forget_stale(self) -> None:
+        """Forget requests nobody will collect; every second, let the slabs that
+        collected requests left sparse go (on this thread: it may copy)."""
         now = time.monotonic()
         if now - self._forgot_at < 1.0:
             return
@@ -342,10 +389,20 @@ class ReturnCollector:
                 or now - p.created > FORGET_UNENDED_S
             ]
             for key in stale:
-                del self._pending[key]
+                self._retired.extend(self._pending.pop(key).taps.values())
+            if stale and not self._pending:
+                self._slabs.release()
+            retired, self._retired = self._retired, []
+            retire(retired, self._slabs)
             live = {k[0] for k in self._pending}
             for caller_id in {k[0] for k in stale} - live:
                 _OWNER.pop(caller_id, None)
+
+
+def _as_items(rows: np.ndarray) -> np.ndarray:
+    """Rows of bytes as one item each (numpy scatters whole items with one copy each,
+    where bytes or words would go column by column)."""
+    return rows.view(f"V{rows.shape[1]}").reshape(len(rows))
 
 
 def _reachable(addr: str) -> str:

@@ -9,21 +9,109 @@ dtype. Capacity is sized from the request's token budget and grows geometrically
 Growing (or restoring position order after a piece that arrived out of order) moves
 the rows into new memory and copies only those not yet handed out: rows a DELTA
 output took are let go then, while views already handed out keep the old memory.
+
+A ``TapRows`` made ``over`` a region of a ``Slab`` (one large allocation shared by
+many requests' buffers, from a ``SlabPool``) lets the collector write the single rows
+of a decode step, for every request in a message, with one numpy scatter per slab
+instead of a Python call per request: that per-request work holds the GIL, which the
+front end's output processing waits for (numpy lets go of it to copy). A buffer leaves its slab
+(``home`` becomes None) when it first grows or is sorted. A slab's memory is freed
+when no buffer and no handed-out view refers to it: a view held keeps its slab's rows
+(at most ``SLAB_BYTES`` of them, written pages only) alive. Once most of a full slab's
+requests are collected, the few left move out (``retire``), so a long request does not
+keep its neighbours' rows.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 import torch
 
 MIN_CAPACITY = 16
+SLAB_BYTES = 256 << 20
+"""Rows of many requests share one allocation of about this size (pages are touched
+only where rows are written): larger, fewer scatters per message; smaller, less memory
+kept by a view held after its neighbours' requests ended."""
+
+
+class Slab:
+    """One allocation of rows (raw bytes), their positions and token ids."""
+
+    __slots__ = ("buffers", "items", "memory", "pos", "rows", "tok", "used")
+
+    def __init__(self, rows: int, row_bytes: int) -> None:
+        self.pos = np.empty(rows, dtype=np.int64)
+        self.tok = np.empty(rows, dtype=np.int64)
+        # An anonymous mapping, not numpy's allocator: numpy asks large allocations
+        # for huge pages, whose first touch cost the kernel twice the small pages' time.
+        private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self.memory = mmap.mmap(-1, max(rows * row_bytes, 1), flags=private)
+        """Unmapped once nothing refers to it: no buffer, no view handed out."""
+        self.rows = np.frombuffer(self.memory, dtype=np.uint8, count=rows * row_bytes).reshape(
+            rows, row_bytes
+        )
+        self.items = self.rows.view(f"V{row_bytes}").reshape(rows)
+        """The rows as one item each, for scatters."""
+        self.used = 0
+        self.buffers: set[TapRows] = set()
+        """Buffers with rows here whose requests have not been collected."""
+
+    def sparse(self) -> bool:
+        """Its live buffers hold room for under a quarter of its rows: the rest is kept
+        only by views (or nothing)."""
+        return 4 * sum(len(t._pos) for t in self.buffers) < len(self.pos)
+
+
+class SlabPool:
+    """Hands out regions of slabs, one slab being filled per row size; a full slab is
+    forgotten here and lives on as long as its buffers or views do."""
+
+    def __init__(self, slab_bytes: int | None = None) -> None:
+        self.slab_bytes = slab_bytes or SLAB_BYTES
+        self._filling: dict[int, Slab] = {}
+
+    def take(self, rows: int, row_bytes: int) -> tuple[Slab, int]:
+        """A region of ``rows`` rows of ``row_bytes``: its slab and first row."""
+        slab = self._filling.get(row_bytes)
+        if slab is None or slab.used + rows > len(slab.pos):
+            slab = Slab(max(self.slab_bytes // max(row_bytes, 1), rows), row_bytes)
+            self._filling[row_bytes] = slab
+        base = slab.used
+        slab.used += rows
+        return slab, base
+
+    def release(self) -> None:
+        """Fill no slab further: each is freed once its buffers and views are gone."""
+        self._filling.clear()
+
+    def filling(self, slab: Slab) -> bool:
+        return self._filling.get(slab.rows.shape[1]) is slab
+
+
+def retire(buffers: list[TapRows], pool: SlabPool) -> None:
+    """The buffers of collected requests leave their slabs' accounts; a slab left
+    sparse moves its survivors' rows not handed out into memory of their own, so one
+    long request keeps no more than its own rows (and views held keep theirs)."""
+    touched = set()
+    for t in buffers:
+        if t.home is not None:
+            t.home[0].buffers.discard(t)
+            touched.add(t.home[0])
+    for slab in touched:
+        if not pool.filling(slab) and slab.sparse():
+            for t in list(slab.buffers):
+                t._move(len(t._pos))
 
 
 class TapRows:
     """Rows ``start .. end`` are held and not handed out yet (DELTA outputs move
     ``start``); rows before ``start`` were handed out, ``released`` of them let go."""
 
-    __slots__ = ("_pos", "_rows", "_tok", "dtype", "end", "last", "released", "start", "width")
+    __slots__ = (
+        "_pos", "_rows", "_tok", "dtype", "end", "home", "last", "released", "start", "width"
+    )  # fmt: skip
 
     def __init__(self, row_bytes: int, dtype: torch.dtype, width: int, capacity: int) -> None:
         cap = max(capacity, MIN_CAPACITY)
@@ -36,6 +124,26 @@ class TapRows:
         self.end = 0
         self.released = 0
         self.last = -1  # the position of row ``end - 1``
+        self.home: tuple[Slab, int, int] | None = None
+        """The slab, the first row there and the rows held, while they live in a slab."""
+
+    @classmethod
+    def over(
+        cls, pool: SlabPool, row_bytes: int, dtype: torch.dtype, width: int, capacity: int
+    ) -> TapRows:
+        """Rows in a region of one of ``pool``'s slabs."""
+        t = cls.__new__(cls)
+        cap = max(capacity, MIN_CAPACITY)
+        slab, base = pool.take(cap, row_bytes)
+        t.dtype, t.width = dtype, width
+        t._pos = slab.pos[base : base + cap]
+        t._tok = slab.tok[base : base + cap]
+        t._rows = slab.rows[base : base + cap]
+        t.start = t.end = t.released = 0
+        t.last = -1
+        t.home = (slab, base, cap)
+        slab.buffers.add(t)
+        return t
 
     def append(self, positions: np.ndarray, token_ids: np.ndarray, rows: np.ndarray) -> None:
         """``positions``, ``token_ids``: int64 ``[k]``; ``rows``: uint8 ``[k, row_bytes]``."""
@@ -86,6 +194,9 @@ class TapRows:
         else:
             pos[:n], tok[:n], rows[:n] = self._pos[live], self._tok[live], self._rows[live]
         self._pos, self._tok, self._rows = pos, tok, rows
+        if self.home is not None:
+            self.home[0].buffers.discard(self)
+        self.home = None
         self.released += self.start
         self.start, self.end = 0, n
         if n:

@@ -1,15 +1,18 @@
 """The front end's collector of returned rows, against a real publisher: DELTA outputs
 hand out every row once, in order, and the collector keeps only what is not handed out
-yet (the engine-level tests are in test_engine_return.py)."""
+yet, and writing rows batched (a scatter per slab) or per request gives the same rows
+(the engine-level tests are in test_engine_return.py)."""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from actbus.bus import Publisher
+from actbus.capture import rowbuffer
 from actbus.capture.returns import ReturnCollector
 from actbus.capture.selection import Selection
 from actbus.wire import Header, RequestEnd, RowIndex
@@ -91,3 +94,75 @@ def test_collectors_of_a_stopped_engine_are_closed(tmp_path, caplog):
             c.close()
         for p in pubs:
             p.close()
+
+
+def _send_steps(pub: Publisher, steps: list[dict[str, list[int]]]) -> None:
+    """Several requests per step; each row's values name its request, position, layer."""
+    for step, fed in enumerate(steps):
+        ids = list(fed)
+        counts = [len(fed[r]) for r in ids]
+        positions = np.array([p for r in ids for p in fed[r]], dtype=np.int64)
+        ri = RowIndex(
+            ids,
+            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            positions,
+            positions + 100,
+            returned=[True] * len(ids),
+        )
+        owner = [int(r[1:]) for r in ids for _ in fed[r]]
+        for layer, hook in TAPS:
+            x = torch.tensor(
+                [
+                    [float(o), float(p), float(layer), 0.5]
+                    for o, p in zip(owner, positions, strict=True)
+                ]
+            )
+            pub.publish(Header(step, layer, hook, "float32", tuple(x.shape), "m", ri), x)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_batched_and_per_request_writes_keep_every_row_in_order(tmp_path, monkeypatch, batched):
+    """Decode steps' single rows go through the slab scatter (``batched``) or a call
+    per request; a request whose rows outgrow its budget, and one whose rows come out
+    of order, leave the slab, and so does the last left in a slab whose other requests
+    were collected. Every way gives each request every row once, in order."""
+    monkeypatch.setattr(ReturnCollector, "batched", batched)
+    monkeypatch.setattr(rowbuffer, "SLAB_BYTES", 180 * 16)  # 5 requests' rows a slab
+    address = f"ipc://{tmp_path}/bus.sock"
+    pub = Publisher(address, info={"model": "m", "hidden_size": 4, "dtype": "float32"})
+    col = ReturnCollector(address)
+    prompt, gen, n = 6, 30, 12
+    sel = Selection(layers=(0, 3), hooks=("post_block",))
+    try:
+        for r in range(n):  # r0 asks for 4 tokens but gets 30: it grows
+            col.expect(f"r{r}", 1, sel, prompt, max_tokens=4 if r == 0 else gen)
+        steps = [{f"r{r}": list(range(prompt)) for r in range(n)}]
+        for g in range(gen - 1):
+            steps.append({f"r{r}": [prompt + g] for r in range(n)})
+        # r1's rows of two steps come swapped: the later one first
+        steps[5]["r1"], steps[6]["r1"] = steps[6]["r1"], steps[5]["r1"]
+        _send_steps(pub, steps)
+        want = list(range(prompt + gen - 1))
+        homes: dict[int, list[bool]] = {}
+        order = list(range(n))
+        for r in order:
+            if r == n - 1:  # alone in its first tap's slab now: moved out within a second
+                time.sleep(1.5)
+                assert col._pending[(f"r{r}", 0)].taps[TAPS[0]].home is None
+            if r == 1:  # r0's final output waited for the last message: all are in
+                homes = {
+                    q: [col._pending[(f"r{q}", 0)].taps[k].home is not None for k in TAPS]
+                    for q in range(1, n)
+                }
+            acts = col.take(f"r{r}", 0, gen, final=True, delta=False)
+            assert acts.complete and acts.positions.tolist() == want, r
+            assert acts.token_ids.tolist() == [p + 100 for p in want]
+            for layer, hook in TAPS:
+                t = acts.tensors[(layer, hook)]
+                assert t[:, 0].eq(r).all() and t[:, 2].eq(layer).all(), (r, layer)
+                assert t[:, 1].tolist() == [float(p) for p in want], (r, layer)
+        # In a slab: the batched way's buffers, but r1's (sorted into memory of its own).
+        assert homes == {q: [batched and q != 1] * len(TAPS) for q in range(1, n)}
+    finally:
+        col.close()
+        pub.close()

@@ -1,12 +1,16 @@
 """A request's returned rows at one tap: kept in position order, handed out as views
-that later growth, sorting and DELTA hand-outs never change."""
+that later growth, sorting and DELTA hand-outs never change; in slabs shared by many
+requests while they fit, freed once nothing refers to them."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import numpy as np
 import torch
 
-from actbus.capture.rowbuffer import TapRows
+from actbus.capture.rowbuffer import SlabPool, TapRows, retire
 
 WIDTH = 3
 
@@ -65,3 +69,67 @@ def test_rows_handed_out_are_let_go_at_the_next_growth_and_still_counted():
     assert _rows(t, 0, 6) == [12, 13, 14, 15, 16, 17]
     assert t.below(17) == 17 and t.pending_below(17) == 5
     assert taken[0].tolist() == list(range(12))
+
+
+def test_buffers_over_a_slab_write_into_it_and_leave_it_when_they_grow_or_sort():
+    pool = SlabPool(slab_bytes=64 * 2 * WIDTH)  # room for 64 rows
+    a = TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16)
+    b = TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16)
+    slab = a.home[0]
+    assert b.home == (slab, 16, 16) and a.home == (slab, 0, 16)
+    a.append(*_piece(list(range(10))))
+    _one(b, 0)
+    first = a.view(0, 10)
+    assert first[2].data_ptr() == slab.rows.ctypes.data and _rows(b, 0, 1) == [0]
+    for p in range(10, 40):  # past its 16 rows: it moves out, the views keep theirs
+        _one(a, p)
+    assert a.home is None and _rows(a, 0, 40) == list(range(40))
+    assert first[2][:, 0].tolist() == list(range(10))
+    _one(b, 2)
+    _one(b, 1)  # out of order: sorted into memory of its own
+    assert b.home is None and _rows(b, 0, 3) == [0, 1, 2]
+    c = TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=40)
+    assert c.home[0] is not slab  # 32 + 40 rows do not fit: a new slab
+
+
+def test_a_slab_is_freed_once_no_buffer_and_no_view_refers_to_it():
+    pool = SlabPool(slab_bytes=1 << 20)
+    t = TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16)
+    t.append(*_piece([0, 1, 2]))
+    held = t.view(0, 3)[2]
+    memory = weakref.ref(t.home[0].memory)
+    pool.release()
+    del t
+    gc.collect()
+    assert memory() is not None and held[:, 0].tolist() == [0, 1, 2]  # the view keeps it
+    del held
+    gc.collect()
+    assert memory() is None
+
+
+def test_a_slab_mostly_collected_moves_its_survivors_out():
+    """One long request must not keep its neighbours' rows: once the requests holding
+    three quarters of a full slab are collected, the rest move to memory of their own."""
+    pool = SlabPool(slab_bytes=128 * 2 * WIDTH)  # 128 rows: 8 buffers of 16
+    bufs = [TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16) for _ in range(8)]
+    for t in bufs:
+        t.append(*_piece([0, 1, 2]))
+    slab = bufs[0].home[0]
+    taken = bufs[7].view(0, 2)
+    bufs[7].start = 2  # a DELTA output took 2 rows
+    retire(bufs[:5], pool)  # still the slab being filled: nothing moves
+    assert all(t.home is not None for t in bufs[5:])
+    TapRows.over(pool, 2 * WIDTH, torch.bfloat16, WIDTH, capacity=16)  # full: a new one
+    retire(bufs[5:6], pool)  # 2 of 8 left: a quarter, not under it
+    assert bufs[6].home is not None and bufs[7].home is not None
+    retire(bufs[6:7], pool)
+    assert bufs[7].home is None and not slab.buffers
+    assert _rows(bufs[7], 0, 1) == [2] and bufs[7].released == 2
+    assert taken[0].tolist() == [0, 1] and taken[2][:, 0].tolist() == [0, 1]
+    memory = weakref.ref(slab.memory)
+    del slab, bufs, t
+    gc.collect()
+    assert memory() is not None  # the DELTA output's view keeps it
+    del taken
+    gc.collect()
+    assert memory() is None
