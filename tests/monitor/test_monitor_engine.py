@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -20,65 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from actbus.monitor.reader import ScoreReader, ScoreStep
 from tests.support.engine import MAX_BATCHED_TOKENS, SCHED_ARCH, preemptions
-from tests.support.monitors import SPECS, expected_scores, read_scale
+from tests.support.monitors import SPECS, ScoreLog, expected_scores, read_scale
 from tests.support.oracle import hf_activations
 
 pytestmark = pytest.mark.engine
 
 ALL = [s.name for s in SPECS]
 REL_TOL = 1e-4
-
-
-class ScoreLog:
-    """Keeps every score a reader receives, by (request, sample, monitor, layer)."""
-
-    def __init__(self, address: str, **kw) -> None:
-        self.reader = ScoreReader(address, window=1024, **kw)
-        self.rows: dict[tuple, list] = defaultdict(list)  # -> [(pos, token, values, version)]
-        self.meta: dict[tuple, tuple] = {}  # -> (hook, labels)
-        self.ended: set[tuple[str, int]] = set()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                out = self.reader.recv(timeout=0.2)
-                if not isinstance(out, ScoreStep):
-                    continue
-                with self._lock:
-                    for e in out.ended:
-                        self.ended.add((e.request_id, e.sample_index))
-                    for s in out.scores:
-                        key = (s.request_id, s.sample_index, s.monitor, s.layer)
-                        self.meta[key] = (s.hook, s.labels)
-                        for j, p in enumerate(s.positions.tolist()):
-                            self.rows[key].append((p, int(s.token_ids[j]), s.values[j], s.version))
-        except BaseException as e:
-            self.error = e
-
-    def wait_ended(self, keys, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.error:
-                raise self.error
-            with self._lock:
-                if all(k in self.ended for k in keys):
-                    return
-            time.sleep(0.05)
-        raise TimeoutError(f"request ends did not arrive within {timeout}s")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(timeout=10)
-        self.reader.close()
-        if self.error:
-            raise self.error
 
 
 @dataclass
