@@ -139,8 +139,12 @@ def async_engine(tiny_models, tmp_path_factory):
     )
     engine = AsyncLLM.from_engine_args(args)
     engine.actbus_address = address
+    # One event loop for every test: the engine's output handler lives on the first
+    # loop that drives it, so a second asyncio.run would find it gone.
+    engine.actbus_loop = asyncio.new_event_loop()
     yield engine, tiny_models["llama"]
     engine.shutdown()
+    engine.actbus_loop.close()
 
 
 def async_monitors(model_path) -> dict:
@@ -183,7 +187,7 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
         )
 
     t0 = time.monotonic()
-    results = asyncio.run(main())
+    results = engine.actbus_loop.run_until_complete(main())
     assert time.monotonic() - t0 < 120
     for i, outs in enumerate(results):
         # vLLM merges the outputs a reader has not taken yet, and a loaded machine makes
@@ -275,7 +279,7 @@ def test_streamed_outputs_carry_their_monitor_scores(async_engine):
 
     log = ScoreLog(engine.actbus_address)
     try:
-        results = asyncio.run(main())
+        results = engine.actbus_loop.run_until_complete(main())
         keys = [(f"m{i}", s) for i, (_, n, _, _) in enumerate(cases) for s in range(n)]
         log.wait_ended(keys)
     finally:
