@@ -46,6 +46,8 @@ FORGET_AFTER_S = 120.0
 FORGET_UNENDED_S = 24 * 3600.0
 """and one that never reached the engine (so no end ever comes) after this."""
 WHERE = "extra_args.actbus.monitor_return"
+INITIAL_BYTES = 1 << 20
+"""A series starts with room for its token budget, at most this much (wide SAE monitors)."""
 
 Stream = tuple[str, int]
 """(monitor name, layer): one series of scores."""
@@ -377,8 +379,10 @@ class ScoreCollector:
                 if p is None or hi == lo or stream not in p.streams:
                     continue  # another front end's request, or one already collected
                 ser = p.series.get(stream)
-                if ser is None:
-                    ser = p.series[stream] = _Series(values.shape[1], p.capacity)
+                if ser is None:  # room for the token budget, or 1 MiB to start (it grows)
+                    width = values.shape[1]
+                    cap = min(p.capacity, max(16, INITIAL_BYTES // (4 * max(width, 1))))
+                    ser = p.series[stream] = _Series(width, cap)
                     p.labels[mon.name] = tuple(mon.labels)
                 ser.append(rows.positions[lo:hi], rows.token_ids[lo:hi], mon.version, values[lo:hi])
             now = time.monotonic()

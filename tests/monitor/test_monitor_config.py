@@ -257,3 +257,21 @@ def test_returned_scores_join_delta_pieces():
     j = MonitorScores.join(MonitorScores.join(None, piece(0, 4, 1)), piece(4, 9, 2))
     assert j.positions.tolist() == list(range(9)) and j.complete
     assert j.versions[("p", 0)].tolist() == [1] * 4 + [2] * 5
+
+
+def test_a_score_series_grows_and_keeps_handed_out_views():
+    """Buffers grow past their first size; rows a DELTA reader took are let go, and
+    views handed out before a growth keep their values."""
+    from actbus.monitor.returns import _Series
+
+    s = _Series(2, 4)
+    s.append(np.arange(3), np.arange(3), 1, np.ones((3, 2), np.float32))
+    first = s.val[s.start : s.start + 3]
+    s.start += 3  # handed out (DELTA)
+    for lo in range(3, 40, 5):
+        s.append(np.arange(lo, lo + 5), np.arange(lo, lo + 5), 2, np.full((5, 2), lo, np.float32))
+    assert (first == 1).all()  # the old view survived the growths
+    assert s.pending_below(100) == 40 and s.pending_below(10) == 7
+    assert s.pos[s.start : s.end].tolist() == list(range(3, 43))
+    assert (s.ver[s.start : s.end] == 2).all() and s.val[s.start + 5, 0] == 8
+    assert len(s.pos) < 2 * 43  # taken rows were dropped, not kept
