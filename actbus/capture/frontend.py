@@ -17,6 +17,10 @@ Requests with ``"return": true`` are registered with the front end's
 ``ReturnCollector``; ``RequestState._new_completion_output`` (where every output
 of the V1 output processor is made, offline and streaming alike) is wrapped to
 attach their rows as ``CompletionOutput.activations``.
+Requests with ``"monitor_return": true`` are registered the same way with the
+front end's ``ScoreCollector`` (``actbus.monitor.returns``), and their outputs carry
+``CompletionOutput.monitor_scores``; over HTTP ``actbus.monitor.http`` writes them
+into the response's choices.
 
 Monitors (``"monitor"``, ``"monitor_global"``: ``actbus.monitor.frontend``) are
 resolved here as well; a monitored request scores every prompt token, so it skips
@@ -71,6 +75,15 @@ def patch() -> bool:
     )
     RequestOutput.add = _wrap_add(RequestOutput.add)
     RequestState._actbus_returns = True
+    try:
+        from vllm.v1.engine.output_processor import OutputProcessor
+    except ImportError:
+        pass
+    else:
+        OutputProcessor.abort_requests = _wrap_abort(OutputProcessor.abort_requests)
+    from actbus.monitor import http
+
+    http.patch()
     return True
 
 
@@ -109,9 +122,10 @@ def _farewell(vllm_config: Any) -> None:
     from actbus.capture.dataparallel import of_config
 
     addresses = [cfg.publish_address(r) for r in of_config(vllm_config).local]
-    returns = sys.modules.get("actbus.capture.returns")  # loaded once a request returned
-    if returns is not None:
-        returns.close_collectors(addresses)
+    for name in ("actbus.capture.returns", "actbus.monitor.returns"):
+        returns = sys.modules.get(name)  # loaded once a request returned
+        if returns is not None:
+            returns.close_collectors(addresses)
     told = announce_end_all(
         [a for a in addresses if not _cleanly_gone(a)],
         reason="the engine stopped",
@@ -157,9 +171,11 @@ class _Frontend:
             else None
         )
 
-    def parse(self, params: Any) -> tuple[Selection | None, RequestSteer | None, tuple[str, ...]]:
-        """The request's capture selection, its whole steering and its monitors (global
-        ones included)."""
+    def parse(
+        self, params: Any
+    ) -> tuple[Selection | None, RequestSteer | None, tuple[str, ...], bool]:
+        """The request's capture selection, its whole steering, its monitors (global
+        ones included) and whether their scores come back."""
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
@@ -171,7 +187,7 @@ class _Frontend:
                     f"extra_args.actbus: not valid JSON ({e.msg} at column {e.colno}); over "
                     "HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
                 ) from None
-        raw, monitors = take_monitors(raw, self.cfg.monitor)
+        raw, monitors, scores_back = take_monitors(raw, self.cfg.monitor)
         steer_raw, use_global = None, True
         if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
             raw = dict(raw)
@@ -189,9 +205,10 @@ class _Frontend:
             else None
         )
         if raw is False:  # opts this request out of ``requests: all``
-            return None, steer, monitors
+            return None, steer, monitors, scores_back
         if raw is None:
-            return (self.base if self.requests == "all" else None), steer, monitors
+            base = self.base if self.requests == "all" else None
+            return base, steer, monitors, scores_back
         sel = parse_selection(
             raw,
             engine_layers=self.base.layers,
@@ -205,7 +222,7 @@ class _Frontend:
                 "subscribe to the bus instead (actbus run fs-sink --connect ADDR, a trainer, "
                 "or actbus.bus.Subscriber) and give the request tags to find its rows by"
             )
-        return sel, steer, monitors
+        return sel, steer, monitors, scores_back
 
 
 def frontend_for(input_processor: Any) -> _Frontend:
@@ -221,8 +238,8 @@ def _wrap_process_inputs(orig):
     def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
         fe = frontend_for(self)
         try:
-            sel, steer, monitors = (
-                fe.parse(params) if fe.active and _is_sampling(params) else (None, None, ())
+            sel, steer, monitors, scores_back = (
+                fe.parse(params) if fe.active and _is_sampling(params) else (None, None, (), False)
             )
         except ConfigError as e:
             raise _client_error(e) from None
@@ -252,6 +269,18 @@ def _wrap_process_inputs(orig):
             # Every prompt token is scored, so its stream must be computed, not read
             # from another request's cached KV (which it still fills for others).
             sp.skip_reading_prefix_cache = True
+        if scores_back:
+            wire["monitor_return"] = True
+            try:
+                _score_returns(fe).expect(
+                    wire["caller_id"],
+                    wire["n"],
+                    _streams(fe, monitors),
+                    _prompt_len(request),
+                    sp.max_tokens,
+                )
+            except ConfigError as e:
+                raise _client_error(e) from None
         if sel is None:
             sp.extra_args = {**(sp.extra_args or {}), KEY: wire}
             return request
@@ -286,6 +315,43 @@ def _returns(fe: _Frontend):
     return ReturnCollector.for_config(fe.cfg, fe.dp)
 
 
+def _score_returns(fe: _Frontend):
+    """The collector of returned scores; refuses what it cannot deliver."""
+    from vllm.v1.engine.output_processor import RequestState
+
+    from actbus.monitor.returns import WHERE, ScoreCollector
+
+    if not getattr(RequestState, "_actbus_returns", False):
+        raise ConfigError(
+            f"{WHERE}: this vLLM's output processor is not supported for returning "
+            "scores; read them with actbus.monitor.reader.ScoreReader instead"
+        )
+    return ScoreCollector.for_config(fe.cfg, fe.dp)
+
+
+def _streams(fe: _Frontend, monitors: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """(monitor, layer) of every series a request's monitors publish."""
+    defs = fe.cfg.monitor.monitors
+    return tuple((name, layer) for name in monitors for layer in defs[name].layers)
+
+
+def _wrap_abort(orig):
+    """A request aborted in the front end (a client gone) leaves no scores behind."""
+
+    @functools.wraps(orig)
+    def abort_requests(self, request_ids, *args: Any, **kwargs: Any):
+        ids = list(request_ids)
+        states = getattr(self, "request_states", {})
+        external = [getattr(states.get(r), "external_req_id", r) for r in ids]
+        out = orig(self, ids, *args, **kwargs)
+        scores = sys.modules.get("actbus.monitor.returns")
+        if scores is not None:
+            scores.forget(list(dict.fromkeys([*ids, *external])))
+        return out
+
+    return abort_requests
+
+
 def _wrap_completion_output(orig):
     @functools.wraps(orig)
     def _new_completion_output(self, token_ids, finish_reason, stop_reason, *a, **kw):
@@ -305,6 +371,19 @@ def _wrap_completion_output(orig):
                 # Ended here (abort, stop string): the engine hears of it after this.
                 ends_follow=str(finish_reason) != "abort" and not isinstance(stop_reason, str),
             )
+        scores = sys.modules.get("actbus.monitor.returns")
+        col = scores.collector_for(self.external_req_id) if scores is not None else None
+        if col is not None:
+            from vllm.sampling_params import RequestOutputKind
+
+            out.monitor_scores = col.take(
+                self.external_req_id,
+                self.request_index,
+                self.detokenizer.num_output_tokens(),
+                final=finish_reason is not None,
+                delta=self.output_kind == RequestOutputKind.DELTA,
+                wait=str(finish_reason) != "abort",  # aborted: nobody waits for the rest
+            )
         return out
 
     return _new_completion_output
@@ -316,19 +395,22 @@ def _wrap_add(orig):
 
     @functools.wraps(orig)
     def add(self, next_output, aggregate: bool, *args: Any, **kwargs: Any) -> None:
-        joined = {}
+        joined: dict[tuple[str, int], Any] = {}
         if aggregate:
             from actbus.capture.returns import Activations
+            from actbus.monitor.returns import MonitorScores
 
-            mine = {c.index: getattr(c, "activations", None) for c in self.outputs}
-            for nc in next_output.outputs:
-                new = getattr(nc, "activations", None)
-                if new is not None and nc.index in mine:
-                    joined[nc.index] = Activations.join(mine[nc.index], new)
+            for attr, kind in (("activations", Activations), ("monitor_scores", MonitorScores)):
+                mine = {c.index: getattr(c, attr, None) for c in self.outputs}
+                for nc in next_output.outputs:
+                    new = getattr(nc, attr, None)
+                    if new is not None and nc.index in mine:
+                        joined[(attr, nc.index)] = kind.join(mine[nc.index], new)
         orig(self, next_output, aggregate, *args, **kwargs)
         for c in self.outputs:
-            if c.index in joined:
-                c.activations = joined[c.index]
+            for attr in ("activations", "monitor_scores"):
+                if (attr, c.index) in joined:
+                    setattr(c, attr, joined[(attr, c.index)])
 
     return add
 

@@ -38,6 +38,8 @@ class _Request:
     sample_index: int
     names: tuple[str, ...]
     tags: dict
+    returns: bool = False
+    """The caller asked for its scores back (the front end's subscriber gets them)."""
     next_pos: int = 0
 
 
@@ -78,6 +80,7 @@ class MonitorHarvest:
                 sample_index=int(child.group(1)) if child else 0,
                 names=tuple(wire["monitor"]),
                 tags=dict(wire.get("tags") or {}),
+                returns=bool(wire.get("monitor_return", False)),
             )
 
     def _retire(self, sr: StepRequests) -> list[RequestEnd]:
@@ -130,7 +133,7 @@ class MonitorHarvest:
                 sum(len(p) for _, p, _ in parts.get(k, ()))
                 * len(self.published[k[1]].cols)
                 * SCORE_BYTES,
-                bool(ended),
+                bool(ended) or any(st.returns for st, _, _ in parts.get(k, ())),
             )
             for k in keys
         ]
@@ -188,6 +191,7 @@ class MonitorHarvest:
 def _row_index(entries, toks: torch.Tensor) -> RowIndex:
     counts = [len(p) for _, p, _ in entries]
     tags = [st.tags for st, _, _ in entries]
+    returned = [st.returns for st, _, _ in entries]
     return RowIndex(
         request_ids=[st.caller_id for st, _, _ in entries],
         offsets=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
@@ -197,4 +201,5 @@ def _row_index(entries, toks: torch.Tensor) -> RowIndex:
         token_ids=toks.numpy(),
         sample_index=[st.sample_index for st, _, _ in entries],
         tags=tags if any(tags) else [],
+        returned=returned if any(returned) else [],
     )

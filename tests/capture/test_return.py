@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.collector import Collector
 from tests.support.engine import CAPTURE_LAYERS, HOOKS
+from tests.support.monitors import ScoreLog, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.prompts import expected_positions, shared_prefix_prompts
 
@@ -128,12 +129,30 @@ def async_engine(tiny_models, tmp_path_factory):
         num_gpu_blocks_override=64,  # small: it may run beside a session engine
         seed=0,
         additional_config={
-            "actbus": {"publish": address, "layers": [0, 3], "requests": "selected"}
+            "actbus": {
+                "publish": address,
+                "layers": [0, 3],
+                "requests": "selected",
+                "monitor": {"monitors": async_monitors(tiny_models["llama"])},
+            }
         },
     )
     engine = AsyncLLM.from_engine_args(args)
+    engine.actbus_address = address
+    # One event loop for every test: the engine's output handler lives on the first
+    # loop that drives it, so a second asyncio.run would find it gone.
+    engine.actbus_loop = asyncio.new_event_loop()
     yield engine, tiny_models["llama"]
     engine.shutdown()
+    engine.actbus_loop.close()
+
+
+def async_monitors(model_path) -> dict:
+    """Two raw directions for the streamed score returns (tests below)."""
+    return {
+        "drift": raw_monitor(model_path, 11, [1, 3], bias=0.25),
+        "gate": raw_monitor(model_path, 12, [2], hook="pre_attn", sigmoid=True),
+    }
 
 
 def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
@@ -168,7 +187,7 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
         )
 
     t0 = time.monotonic()
-    results = asyncio.run(main())
+    results = engine.actbus_loop.run_until_complete(main())
     assert time.monotonic() - t0 < 120
     for i, outs in enumerate(results):
         # vLLM merges the outputs a reader has not taken yet, and a loaded machine makes
@@ -199,3 +218,102 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
         assert positions.tolist() == list(range(len(fed))), i
         ref = hf_activations(model_path, fed, [3], ["post_block"])
         assert max_rel_error(rows, ref[(3, "post_block")]) <= 1e-3
+
+
+def test_streamed_outputs_carry_their_monitor_scores(async_engine):
+    """``"monitor_return": true`` on an ``AsyncLLM``: DELTA outputs carry each position's
+    scores once, CUMULATIVE ones all so far, n=2 samples their own; the values are the
+    bus subscriber's bitwise and match HF. A stream dropped mid-way leaves nothing
+    behind in the front end."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind as K
+
+    from actbus.monitor.returns import _COLLECTORS
+
+    engine, model_path = async_engine
+    mons = async_monitors(model_path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(40 + 30 * i)] for i in range(5)]
+    cases = [  # (kind, n, pause, scores back)
+        (K.DELTA, 1, 0.0, True),
+        (K.CUMULATIVE, 1, 0.0, True),
+        (K.DELTA, 2, 0.0, True),
+        (K.DELTA, 1, 0.3, True),  # a slow reader: vLLM merges what it has not taken
+        (K.DELTA, 1, 0.0, False),  # monitored, scores on the bus only
+    ]
+
+    def params(kind, n, back, max_tokens=10):
+        entry = {"monitor": ["drift", "gate"], "monitor_return": back}
+        return SamplingParams(
+            temperature=1.0 if n > 1 else 0, max_tokens=max_tokens, ignore_eos=True, n=n,
+            output_kind=kind, extra_args={"actbus": entry},
+        )  # fmt: skip
+
+    async def stream(i: int):
+        kind, n, pause, back = cases[i]
+        outs: dict[int, list] = {}
+        prompt = TokensPrompt(prompt_token_ids=prompts[i])
+        gen = engine.generate(prompt, params(kind, n, back), f"m{i}")
+        async for o in gen:
+            for c in o.outputs:
+                outs.setdefault(c.index, []).append(c)
+            await asyncio.sleep(pause)
+        return outs
+
+    async def dropped():
+        gen = engine.generate(
+            TokensPrompt(prompt_token_ids=prompts[0]), params(K.DELTA, 1, True, 300), "gone"
+        )
+        k = 0
+        async for _ in gen:
+            k += 1
+            if k == 2:
+                break
+        await gen.aclose()  # the caller went away: AsyncLLM aborts the request
+
+    async def main():
+        res = await asyncio.gather(*(stream(i) for i in range(len(cases))), dropped())
+        return res[:-1]
+
+    log = ScoreLog(engine.actbus_address)
+    try:
+        results = engine.actbus_loop.run_until_complete(main())
+        keys = [(f"m{i}", s) for i, (_, n, _, _) in enumerate(cases) for s in range(n)]
+        log.wait_ended(keys)
+    finally:
+        log.close()
+    for i, outs in enumerate(results):
+        kind, n, _, back = cases[i]
+        assert sorted(outs) == list(range(n))
+        for sample, pieces in outs.items():
+            got = [c.monitor_scores if hasattr(c, "monitor_scores") else None for c in pieces]
+            if not back:
+                assert got == [None] * len(pieces), "scores came back unasked"
+                continue
+            assert all(g is not None for g in got) and len(got) > 1, (i, len(got))
+            assert got[-1].complete and not any(g.complete for g in got[:-1])
+            if kind == K.CUMULATIVE:
+                sizes = [len(g.positions) for g in got]
+                assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+                tokens, final = list(pieces[-1].token_ids), got[-1]
+                pos, vals = final.positions, final.values
+            else:
+                tokens = [t for c in pieces for t in c.token_ids]
+                pos = torch.cat([g.positions for g in got])
+                vals = {k: torch.cat([g.values[k] for g in got]) for k in got[-1].values}
+            fed = (prompts[i] + tokens)[:-1]
+            assert pos.tolist() == list(range(len(fed))), (i, sample)
+            ref = hf_activations(model_path, fed, [1, 2, 3], ["post_block", "pre_attn"])
+            assert set(vals) == {("drift", 1), ("drift", 3), ("gate", 2)}
+            for (name, layer), v in vals.items():
+                rows = sorted(log.rows[(f"m{i}", sample, name, layer)], key=lambda r: r[0])
+                bus = torch.from_numpy(np.stack([r[2] for r in rows]))
+                assert torch.equal(v, bus), (i, sample, name, layer)
+                hook = mons[name].get("hook", "post_block")
+                assert max_rel(v, raw_expected(mons[name], ref[(layer, hook)])) <= 1e-4
+    deadline = time.monotonic() + 10  # the dropped stream: forgotten, not kept
+    while any(c.pending() for c in _COLLECTORS.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _COLLECTORS and all(c.pending() == 0 for c in _COLLECTORS.values()), "left behind"

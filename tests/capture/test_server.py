@@ -22,16 +22,20 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from actbus.bus import Event, Subscriber, Subscription
 from actbus.bus.statsview import request as stats_of
 from actbus.cli import consumer_command
 from tests.support.collector import Collector
+from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.procs import ROOT
 
 pytestmark = pytest.mark.engine
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the tiny model has none
 LAYERS, HOOKS = [0, 3], ["post_block", "mlp_out"]
 
 
@@ -55,14 +59,18 @@ def server(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     address, port = f"ipc://{tmp}/bus.sock", _free_port()
     log = open(tmp / "server.log", "w")  # noqa: SIM115 (closed below)
+    (tmp / "chat.jinja").write_text(TEMPLATE)
     cmd = [
         sys.executable, "-m", "actbus.cli", "serve", str(tiny_models["llama"]),
         "--layers", ",".join(map(str, LAYERS)), "--hooks", ",".join(HOOKS),
         "--requests", "selected", "--publish", address,
         "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
         "--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "64",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--actbus-config", json.dumps({"steer": {"layers": [1, 2], "hooks": ["post_block"]}}),
+        "--host", "127.0.0.1", "--port", str(port), "--chat-template", str(tmp / "chat.jinja"),
+        "--actbus-config", json.dumps({
+            "steer": {"layers": [1, 2], "hooks": ["post_block"]},
+            "monitor": {"monitors": server_monitors(tiny_models["llama"])},
+        }),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}  # the worker's actbus line is INFO
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -89,6 +97,14 @@ def server(tiny_models, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def server_monitors(model_path) -> dict:
+    """The server's monitors: raw directions, one at two layers, one through a sigmoid."""
+    return {
+        "drift": raw_monitor(model_path, 21, [0, 3], bias=-0.5),
+        "gate": raw_monitor(model_path, 22, [2], hook="mlp_out", sigmoid=True),
+    }
 
 
 def _call(base: str, method: str, path: str, body=None) -> tuple[int, dict]:
@@ -275,6 +291,152 @@ def test_steering_over_http_matches_hf(server):
                 extra_body={"vllm_xargs": {"actbus": json.dumps(raw)}},
             )  # fmt: skip
         assert e.value.status_code == 400 and needle in str(e.value), str(e.value)
+
+
+MONITORED = {"monitor": ["drift", "gate"], "monitor_return": True}
+
+
+def _series(pieces: list[dict]) -> tuple[list[int], list[int], dict, dict, list[bool]]:
+    """``choices[i].actbus.monitor`` pieces (one, or a stream's) joined: positions,
+    token ids, values and versions per (monitor, layer), and each piece's ``complete``."""
+    pos, toks, vals, vers, done = [], [], {}, {}, []
+    for m in pieces:
+        pos += m["positions"]
+        toks += m["token_ids"]
+        for name, entries in m["scores"].items():
+            for e in entries:
+                vals.setdefault((name, e["layer"]), []).extend(e["values"])
+                vers.setdefault((name, e["layer"]), []).extend(e["version"])
+        done.append(m.get("complete"))
+    return pos, toks, vals, vers, done
+
+
+def _check_scores(server, log, rid: str, sample: int, pieces: list[dict], fed_len: int):
+    """The JSON scores of one choice: every fed position once, the bus values bitwise
+    (as float32), version 1, HF's values; ``complete`` on the last piece only."""
+    pos, toks, vals, vers, done = _series(pieces)
+    assert pos == list(range(fed_len)), (rid, sample, pos[:5], len(pos), fed_len)
+    assert done[-1] is True and not any(done[:-1]), done
+    mons = server_monitors(server.model)
+    assert set(vals) == {("drift", 0), ("drift", 3), ("gate", 2)}
+    ref = hf_activations(server.model, toks, [0, 2, 3], ["post_block", "mlp_out"])
+    for (name, layer), v in vals.items():
+        rows = sorted(log.rows[(rid, sample, name, layer)], key=lambda r: r[0])
+        assert [r[1] for r in rows] == toks, (rid, name, layer)
+        got = as_f32(v)
+        assert got.shape == (fed_len, 1)
+        assert np.array_equal(got, np.stack([r[2] for r in rows])), (rid, sample, name, layer)
+        assert vers[(name, layer)] == [1] * fed_len
+        hook = mons[name].get("hook", "post_block")
+        ref_scores = raw_expected(mons[name], ref[(layer, hook)])
+        assert max_rel(torch.from_numpy(got), ref_scores) <= 1e-4, (name, layer)
+
+
+def _extra(choice) -> dict | None:
+    return (choice.model_extra or {}).get("actbus")
+
+
+def test_monitor_scores_come_back_in_http_responses(server):
+    """``"monitor_return": true`` over HTTP: completions and chat completions, plain and
+    streamed, n=2: each choice carries ``actbus.monitor``, exactly what a bus subscriber
+    got; requests that did not ask carry nothing."""
+    import openai
+
+    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", timeout=120, max_retries=0)
+    model = str(server.model)
+    rng = random.Random(8)
+    prompt = [rng.randrange(3, 400) for _ in range(37)]
+    xargs = {"vllm_xargs": {"actbus": json.dumps(MONITORED)}}
+    log = ScoreLog(server.address)
+    got: dict[str, tuple] = {}
+    try:
+        r = c.completions.create(
+            model=model, prompt=prompt, max_tokens=7, temperature=1.0, n=2,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **xargs},
+        )  # fmt: skip
+        got["full"] = (
+            r.id,
+            [(ch.index, [_extra(ch)["monitor"]], len(ch.token_ids)) for ch in r.choices],
+        )
+        pieces: dict[int, list] = {}
+        ntok: dict[int, int] = {}
+        sid = None
+        for chunk in c.completions.create(
+            model=model, prompt=prompt[:23], max_tokens=9, temperature=1.0, n=2, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **xargs},
+        ):  # fmt: skip
+            sid = chunk.id
+            for ch in chunk.choices:
+                if _extra(ch):
+                    pieces.setdefault(ch.index, []).append(_extra(ch)["monitor"])
+                ntok[ch.index] = ntok.get(ch.index, 0) + len(ch.token_ids or [])
+        got["stream"] = (sid, [(i, p, ntok[i]) for i, p in sorted(pieces.items())])
+        chat = {"ignore_eos": True, **xargs}
+        msgs = [{"role": "user", "content": "the quick brown fox"}]
+        r = c.chat.completions.create(model=model, messages=msgs, max_tokens=5, extra_body=chat)
+        (ch,) = r.choices
+        got["chat"] = (r.id, [(0, [_extra(ch)["monitor"]], r.usage.completion_tokens)])
+        chat_prompt = r.usage.prompt_tokens
+        cpieces, cid = [], None
+        for chunk in c.chat.completions.create(
+            model=model, messages=msgs, max_tokens=6, stream=True, extra_body=chat
+        ):
+            cid = chunk.id
+            cpieces += [_extra(ch)["monitor"] for ch in chunk.choices if _extra(ch)]
+        got["chat_stream"] = (cid, [(0, cpieces, 6)])
+        # Monitored without asking, and not monitored: no field, byte for byte vLLM's.
+        quiet = {"vllm_xargs": {"actbus": json.dumps({"monitor": ["drift"]})}}
+        for extra in (quiet, {}):
+            r = c.completions.create(
+                model=model, prompt=prompt, max_tokens=3, extra_body={"ignore_eos": True, **extra}
+            )
+            assert _extra(r.choices[0]) is None and '"actbus":' not in r.model_dump_json()
+        log.wait_ended({k[:2] for k in log.rows})
+    finally:
+        log.close()
+    checked = 0
+    for what, (resp_id, choices) in got.items():
+        (rid,) = {k[0] for k in log.rows if k[0].startswith(resp_id)}
+        prompt_len = {"full": 37, "stream": 23}.get(what, chat_prompt)
+        for index, pieces, ntokens in choices:
+            fed_len = prompt_len + ntokens - 1
+            _check_scores(server, log, rid, index, pieces, fed_len)
+            checked += 1
+    assert checked == 6
+    # A streamed piece carries the scores of what its chunk added: several pieces.
+    assert all(len(p) > 2 for _, p, _ in got["stream"][1]) and len(got["chat_stream"][1][0][1]) > 2
+
+
+def test_a_client_gone_mid_stream_leaves_the_server_serving(server):
+    """A streaming client that hangs up after the first chunk: the server goes on, and
+    the next request's scores come back whole."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(server.base)
+    body = {
+        "model": str(server.model), "prompt": [5, 6, 7, 8, 9], "max_tokens": 300,
+        "ignore_eos": True, "stream": True, "vllm_xargs": {"actbus": json.dumps(MONITORED)},
+    }  # fmt: skip
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = resp.read(6)  # the start of the first chunk
+    assert resp.status == 200 and first == b"data: ", first
+    conn.close()  # gone
+    import openai
+
+    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", timeout=120, max_retries=0)
+    r = c.completions.create(
+        model=str(server.model), prompt=[5, 6, 7], max_tokens=4,
+        extra_body={"ignore_eos": True, "vllm_xargs": {"actbus": json.dumps(MONITORED)}},
+    )  # fmt: skip
+    m = _extra(r.choices[0])["monitor"]
+    assert m["complete"] is True and m["positions"] == list(range(3 + 4 - 1))
+    with Subscriber(server.address, Subscription(layers=(), name="check")) as sub:
+        sub.wait_welcome(30)
+        subscribers = stats_of(sub, 10)["subscribers"]
+    assert "actbus-scores" in subscribers, subscribers
 
 
 def test_ctrl_c_of_the_server_ends_the_stream(server):

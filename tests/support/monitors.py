@@ -9,10 +9,17 @@ hidden states, so the engine's folding of the checkpoints is checked, not assume
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from actbus.monitor.reader import ScoreReader, ScoreStep
 
 # (name, kind, layers, hook, features): one monitor of each kind, at every hook point.
 RAW_WEIGHT_SEED = 7
@@ -126,3 +133,79 @@ def read_scale(spec: MonitorSpec, source: dict, stream: torch.Tensor) -> torch.T
         sae = load_sae(source["sae"])
         pre = sae.pre_acts(stream.float() * sae.norm_scale)[:, list(spec.features)]
         return pre.norm(dim=-1)
+
+
+class ScoreLog:
+    """Keeps every score a reader receives, by (request, sample, monitor, layer)."""
+
+    def __init__(self, address: str, **kw) -> None:
+        self.reader = ScoreReader(address, window=1024, **kw)
+        self.rows: dict[tuple, list] = defaultdict(list)  # -> [(pos, token, values, version)]
+        self.meta: dict[tuple, tuple] = {}  # -> (hook, labels)
+        self.ended: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                out = self.reader.recv(timeout=0.2)
+                if not isinstance(out, ScoreStep):
+                    continue
+                with self._lock:
+                    for e in out.ended:
+                        self.ended.add((e.request_id, e.sample_index))
+                    for s in out.scores:
+                        key = (s.request_id, s.sample_index, s.monitor, s.layer)
+                        self.meta[key] = (s.hook, s.labels)
+                        for j, p in enumerate(s.positions.tolist()):
+                            self.rows[key].append((p, int(s.token_ids[j]), s.values[j], s.version))
+        except BaseException as e:
+            self.error = e
+
+    def wait_ended(self, keys, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.error:
+                raise self.error
+            with self._lock:
+                if all(k in self.ended for k in keys):
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"request ends did not arrive within {timeout}s")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=10)
+        self.reader.close()
+        if self.error:
+            raise self.error
+
+
+def raw_monitor(model_path: Path, seed: int, layers: list[int], **kw) -> dict:
+    """A ``weight`` monitor (a random direction of the model's width) for engines that
+    need a monitor without checkpoints; ``kw``: ``bias``, ``sigmoid``, ``hook``."""
+    hidden = json.loads((Path(model_path) / "config.json").read_text())["hidden_size"]
+    w = torch.randn(hidden, generator=torch.Generator().manual_seed(seed))
+    return {"weight": (w / w.norm()).tolist(), "layers": layers, **kw}
+
+
+def raw_expected(monitor: dict, stream: torch.Tensor) -> torch.Tensor:
+    """What a ``weight`` monitor reads on HF's ``stream`` ``[tokens, hidden]``: ``[tokens, 1]``."""
+    w = torch.tensor(monitor["weight"], dtype=torch.float64)
+    pre = stream.double() @ w + float(monitor.get("bias", 0.0))
+    return (torch.sigmoid(pre) if monitor.get("sigmoid") else pre)[:, None]
+
+
+def max_rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest error relative to the scores' own scale (one number per comparison)."""
+    scale = float(ref.abs().max()) or 1.0
+    return float((got.double() - ref.double()).abs().max()) / scale
+
+
+def as_f32(values: list) -> np.ndarray:
+    """JSON values (nested lists, null for non-finite) as float32."""
+    return np.array(values, dtype=np.float64).astype(np.float32)

@@ -1,0 +1,193 @@
+"""Returned monitor scores in vLLM's OpenAI server responses.
+
+A request that asks (``"monitor_return": true`` in its ``vllm_xargs`` actbus entry)
+gets, in each of its choices, ``"actbus": {"monitor": {...}}``: the scores that came
+with the output the choice was made from (``MonitorScores.to_json``; the format is in
+docs/monitors.md). Non-streaming responses carry every position's score in each
+choice; each streamed chunk carries those that arrived since the previous chunk of
+its choice, so a stream carries every position's score once.
+
+vLLM's serving classes build the choices from the engine's outputs; the wrappers
+here watch the outputs go by (the ``result_generator`` the serving method reads) and
+add the field to the choices made from them, without touching how vLLM makes them.
+Other requests' responses are left byte for byte as vLLM wrote them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import json
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger("actbus")
+
+# (module, class, streaming method, full method, choice index of an output: "completion"
+# numbers choices across prompts, "chat" has one prompt).
+_TARGETS = (
+    ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", "completion"),
+    ("vllm.entrypoints.openai.serving_completion", "OpenAIServingCompletion", "completion"),
+    ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat"),
+    ("vllm.entrypoints.openai.serving_chat", "OpenAIServingChat", "chat"),
+)
+_STREAM = {"completion": "completion_stream_generator", "chat": "chat_completion_stream_generator"}
+_FULL = {
+    "completion": "request_output_to_completion_response",
+    "chat": "chat_completion_full_generator",
+}
+
+
+def patch(force: bool = False) -> list[str]:
+    """Wrap the serving classes of a process that serves HTTP (one that imported
+    vLLM's OpenAI server, or ``force``); returns what was wrapped."""
+    if not force and not any(m.startswith("vllm.entrypoints.openai") for m in sys.modules):
+        return []
+    done = []
+    for mod_name, cls_name, kind in _TARGETS:
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        if cls.__dict__.get("_actbus_scores"):
+            done.append(f"{mod_name}.{cls_name}")
+            continue
+        stream = getattr(cls, _STREAM[kind], None)
+        full = getattr(cls, _FULL[kind], None)
+        if stream is None or full is None:
+            log.warning("actbus: %s has no %s; no scores in its responses", cls_name, _STREAM[kind])
+            continue
+        setattr(cls, _STREAM[kind], _wrap_stream(stream, kind))
+        if kind == "completion":
+            setattr(cls, _FULL[kind], _wrap_completion_full(full))
+        else:
+            setattr(cls, _FULL[kind], _wrap_chat_full(full))
+        cls._actbus_scores = True
+        done.append(f"{mod_name}.{cls_name}")
+    return done
+
+
+def _field(ms: Any, final: bool) -> dict[str, Any]:
+    return {"monitor": ms.to_json(final)}
+
+
+def _choices_of(item: Any, kind: str, n: int) -> list[tuple[int, Any]]:
+    """(choice index, output) of each output in one item of ``result_generator``."""
+    if kind == "completion":
+        prompt_idx, res = item
+        return [(o.index + prompt_idx * n, o) for o in res.outputs]
+    return [(o.index, o) for o in item.outputs]
+
+
+def _with_result_tap(orig, kind: str, seen):
+    """``orig`` with its ``result_generator`` argument read through ``seen(item)``."""
+    sig = inspect.signature(orig)
+
+    def rebind(self, args, kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        source = bound.arguments["result_generator"]
+
+        async def tap():
+            async for item in source:
+                seen(bound.arguments["request"], item)
+                yield item
+
+        bound.arguments["result_generator"] = tap()
+        return bound
+
+    return rebind
+
+
+def _wrap_stream(orig, kind: str):
+    sig = inspect.signature(orig)
+    if "result_generator" not in sig.parameters:
+        return orig
+
+    @functools.wraps(orig)
+    async def stream(self, *args: Any, **kwargs: Any):
+        from actbus.monitor.returns import MonitorScores
+
+        waiting: dict[int, Any] = {}  # choice -> scores not carried by a chunk yet
+        final: set[int] = set()
+
+        def seen(request: Any, item: Any) -> None:
+            for i, out in _choices_of(item, kind, int(getattr(request, "n", 1) or 1)):
+                ms = getattr(out, "monitor_scores", None)
+                if ms is not None:
+                    waiting[i] = MonitorScores.join(waiting.get(i), ms)
+                    if out.finish_reason is not None:
+                        final.add(i)
+
+        bound = _with_result_tap(orig, kind, seen)(self, args, kwargs)
+        chunks = orig(*bound.args, **bound.kwargs)
+        try:
+            async for chunk in chunks:
+                if waiting and isinstance(chunk, str) and chunk.startswith("data: {"):
+                    chunk = _add_to_chunk(chunk, waiting, final)
+                yield chunk
+        finally:  # a client gone mid-stream: vLLM's own generator cleans up (aborts)
+            await chunks.aclose()
+            waiting.clear()
+
+    return stream
+
+
+def _add_to_chunk(chunk: str, waiting: dict[int, Any], final: set[int]) -> str:
+    body = chunk[len("data: ") :].rstrip("\n")
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return chunk
+    added = False
+    for choice in obj.get("choices") or ():
+        i = choice.get("index")
+        if isinstance(i, int) and i in waiting:
+            choice["actbus"] = _field(waiting.pop(i), i in final)
+            added = True
+    if not added:
+        return chunk
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _wrap_completion_full(orig):
+    @functools.wraps(orig)
+    def full(self, final_res_batch, *args: Any, **kwargs: Any):
+        response = orig(self, final_res_batch, *args, **kwargs)
+        outputs = [o for res in final_res_batch for o in res.outputs]
+        choices = getattr(response, "choices", None) or []
+        if len(choices) == len(outputs):  # one choice per output, in order
+            for choice, out in zip(choices, outputs, strict=True):
+                ms = getattr(out, "monitor_scores", None)
+                if ms is not None:
+                    setattr(choice, "actbus", _field(ms, True))  # noqa: B010
+        return response
+
+    return full
+
+
+def _wrap_chat_full(orig):
+    sig = inspect.signature(orig)
+    if "result_generator" not in sig.parameters:
+        return orig
+
+    @functools.wraps(orig)
+    async def full(self, *args: Any, **kwargs: Any):
+        last: dict[int, Any] = {}
+
+        def seen(request: Any, item: Any) -> None:
+            for i, out in _choices_of(item, "chat", 1):
+                ms = getattr(out, "monitor_scores", None)
+                if ms is not None:
+                    last[i] = ms
+
+        bound = _with_result_tap(orig, "chat", seen)(self, args, kwargs)
+        response = await orig(*bound.args, **bound.kwargs)
+        for choice in getattr(response, "choices", None) or []:
+            ms = last.get(getattr(choice, "index", -1))
+            if ms is not None:
+                setattr(choice, "actbus", _field(ms, True))  # noqa: B010
+        return response
+
+    return full
