@@ -3,6 +3,7 @@ gate kind and source against eager math, closed gates bitwise untouched, the pre
 token's score carried across steps, and no recompilation when gates change."""
 
 import numpy as np
+import pytest
 import torch
 
 from actbus.capture.scheduler import StepRequests
@@ -11,7 +12,7 @@ from actbus.monitor.graph import install_monitors
 from actbus.monitor.weights import MonitorWeights
 from actbus.steer.graph import install_gates, install_steering
 from actbus.steer.worker import Steerer
-from tests.steer.test_steer_graph import D, K, N_LAYERS, AddNorm, Model, _wire
+from tests.steer.test_steer_graph import N_LAYERS, AddNorm, D, K, Model, _wire
 
 # Monitors: "early" at layer 0 post_block (before layers 1 and 2), "late" at layer 2
 # post_attn (after layer 0's points).
@@ -189,3 +190,121 @@ def test_gates_match_eager_and_leave_closed_tokens_bitwise_alone():
     late = torch.sigmoid(3.0 * torch.cat(seen["late"])[6:9])
     assert bool((late > 0.01).all())
     assert steerer.gates is not None and len(steerer._gate_free) == 4  # the slot is back
+
+
+# ---------------------------------------------------------------- config, no graph
+def _frontend(monitors=True):
+    from actbus.monitor.config import MonitorConfig
+    from actbus.steer.config import SteerConfig
+    from actbus.steer.frontend import SteerFrontend
+
+    w = [0.5, -0.25, 0.0, 1.0]
+    mcfg = MonitorConfig.from_dict(
+        {
+            "monitors": {
+                "p": {"weight": w, "layers": [1]},  # post_block
+                "two": {"weight": w, "layers": [0, 2], "hook": "pre_attn"},
+                "sae": {"sae": "runs/x", "features": [3, 17], "layers": [1], "hook": "mlp_out"},
+            }
+        }
+    )
+    steer = SteerConfig.from_dict({"hooks": ["pre_attn", "post_attn", "post_block"]})
+    fe = SteerFrontend(steer, num_layers=4, hidden_size=4, monitors=mcfg if monitors else None)
+    fe.registry.register("v", np.ones(4))
+    return fe
+
+
+GOOD = [
+    (
+        {"monitor": "p", "threshold": 0.5},
+        2,
+        "pre_attn",
+        ("p", 1, "post_block", -1, 0.5, 0.0, "token"),
+    ),
+    (
+        {"monitor": "two", "layer": 0, "threshold": -1, "sharpness": 4, "source": "token"},
+        0,
+        "post_attn",
+        ("two", 0, "pre_attn", -1, -1.0, 4.0, "token"),
+    ),
+    (  # the previous token's score may come from a later point
+        {"monitor": "sae", "feature": 17, "threshold": 0.0, "source": "previous"},
+        0,
+        "pre_attn",
+        ("sae", 1, "mlp_out", 17, 0.0, 0.0, "previous"),
+    ),
+    (  # mlp_out is scored before post_block steering of the same layer
+        {"monitor": "sae", "feature": 3, "threshold": 1.0},
+        1,
+        "post_block",
+        ("sae", 1, "mlp_out", 3, 1.0, 0.0, "token"),
+    ),
+]
+
+
+def test_gates_resolve_against_the_engines_monitors():
+    fe = _frontend()
+    for gate, layer, hook, want in GOOD:
+        rs = fe.request([{"vector": "v", "layers": layer, "hooks": hook, "gate": gate}], True, "s")
+        assert rs is not None and rs.entries[0].gate == want
+        assert rs.to_wire()["entries"][0][7] == list(want)
+
+
+BAD = [
+    ("on", "steer[0].gate: expected a mapping"),
+    ({"monitor": "p"}, "steer[0].gate.threshold: required"),
+    ({"threshold": 1}, "steer[0].gate.monitor: required"),
+    ({"monitor": "p", "threshold": 1, "column": 0}, "steer[0].gate.column: unknown key"),
+    ({"monitor": "p", "threshold": float("nan")}, "steer[0].gate.threshold: expected a threshold"),
+    ({"monitor": "p", "threshold": 1, "sharpness": 0}, "steer[0].gate.sharpness: 0 makes"),
+    ({"monitor": "p", "threshold": 1, "source": "next"}, "steer[0].gate.source: expected 'token'"),
+    ({"monitor": "p", "threshold": 1, "layer": -1}, "steer[0].gate.layer: expected an int >= 0"),
+    ({"monitor": "q", "threshold": 1}, "steer[0].gate.monitor: no monitor named 'q'"),
+    ({"monitor": "two", "threshold": 1}, "steer[0].gate.layer: required: monitor 'two'"),
+    (
+        {"monitor": "two", "layer": 1, "threshold": 1},
+        "not evaluated at layer 1 (its layers: [0, 2])",
+    ),
+    ({"monitor": "sae", "threshold": 1}, "steer[0].gate.feature: monitor 'sae' scores several"),
+    ({"monitor": "sae", "feature": 5, "threshold": 1}, "features [3, 17] (got 5)"),
+    (
+        {"monitor": "p", "feature": 0, "threshold": 1},
+        "steer[0].gate.feature: monitor 'p' is a weight",
+    ),
+    (  # same point: the monitor reads the steered stream, after it
+        {"monitor": "two", "layer": 2, "threshold": 1},
+        "steer[0].gate.source: 'token' reads this token's score, but monitor 'two' at layer 2 "
+        "pre_attn is scored after the steered point (layer 2 pre_attn)",
+    ),
+]
+
+
+@pytest.mark.parametrize("gate,needle", BAD)
+def test_bad_gates_name_the_field_and_the_fix(gate, needle):
+    from actbus.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _frontend().request(
+            [{"vector": "v", "layers": 2, "hooks": "pre_attn", "gate": gate}], True, "steer"
+        )
+    assert needle in str(e.value), str(e.value)
+
+
+def test_a_gate_needs_monitors_and_salts_the_prefill_cache():
+    from actbus.errors import ConfigError
+
+    entry = {"vector": "v", "layers": 2, "gate": {"monitor": "p", "threshold": 0.5}}
+    with pytest.raises(ConfigError, match=r"steer\[0\]\.gate\.monitor: .*none configured"):
+        _frontend(monitors=False).request([entry], True, "steer")
+    fe = _frontend()
+
+    def salt(e):
+        return fe.request([e], True, "steer").cache_salt(10)
+
+    plain = {k: v for k, v in entry.items() if k != "gate"}
+    assert salt(entry) is not None and salt(entry) != salt(plain)
+    assert salt(entry) != salt({**entry, "gate": {"monitor": "p", "threshold": 0.6}})
+    assert salt({**entry, "tier": "decode"}) is None
+    # the engine's global entries take gates too
+    fe.set_global([entry])
+    assert fe.global_entries[0].gate is not None
