@@ -48,7 +48,7 @@ from actbus.steer.worker import Steerer
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's
 # compile cache (keyed on additional_config) never reuses a graph of another shape.
-GRAPH_VERSION = 3
+GRAPH_VERSION = 4
 
 
 def capture_config(vllm_config: Any) -> CaptureConfig | None:

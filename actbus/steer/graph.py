@@ -59,6 +59,20 @@ class SteerTables:
         return list(self.index)
 
 
+@torch.library.custom_op("actbus::gate_read", mutates_args=("scores",))
+def gate_read(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``scores.flatten()[index]``. It does not write ``scores``; it says it does so that
+    the compiler orders it after the monitor's write of ``scores`` earlier in the same
+    forward (two writes of one buffer keep their order; a plain read of a graph input
+    was seen scheduled before the write, under vLLM's compile on CPU)."""
+    return scores.reshape(-1).index_select(0, index.reshape(-1)).reshape(index.shape)
+
+
+@gate_read.register_fake
+def _gate_read_fake(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.empty(index.shape, dtype=scores.dtype, device=scores.device)
+
+
 @dataclass
 class GateTables:
     """The gate buffers of every steerable point, and what the worker keeps between
@@ -90,10 +104,10 @@ def gate_values(
     """``[n, K]`` float32: each slot's gate (1 where ungated)."""
     s, i = src[:n], idx[:n]
     score = carry[:n]
-    for j, buf in enumerate(inputs):  # one gather per monitor point read here
+    for j, buf in enumerate(inputs):  # one gather per monitor point read here (the op
+        # orders it after the monitor's write in this forward)
         hit = s == j
-        flat = torch.where(hit, i, 0).reshape(-1)
-        got = buf.reshape(-1).index_select(0, flat).reshape(i.shape)
+        got = torch.ops.actbus.gate_read(buf, torch.where(hit, i, 0))
         score = torch.where(hit, got, score)
     thr, sharp = par[:n, :, 0], par[:n, :, 1]
     hard = (score > thr).float()
