@@ -166,6 +166,7 @@ class _Frontend:
                 cfg.steer,
                 num_layers=self.num_layers,
                 hidden_size=vllm_config.model_config.get_hidden_size(),
+                monitors=cfg.monitor,
             )
             if cfg.steer is not None
             else None

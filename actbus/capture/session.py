@@ -42,13 +42,13 @@ from actbus.monitor.graph import install_monitors
 from actbus.monitor.weights import MonitorWeights, load_weights
 from actbus.monitor.worker import MonitorHarvest, Published
 from actbus.steer.frontend import SteerFrontend
-from actbus.steer.graph import install_steering
+from actbus.steer.graph import install_gates, install_steering
 from actbus.steer.worker import Steerer
 
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's
 # compile cache (keyed on additional_config) never reuses a graph of another shape.
-GRAPH_VERSION = 3
+GRAPH_VERSION = 4
 
 
 def capture_config(vllm_config: Any) -> CaptureConfig | None:
@@ -98,7 +98,12 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     cfg = checked[0]
     mc = vllm_config.model_config
     if cfg.steer is not None:  # named vectors load and global entries resolve, or fail now
-        SteerFrontend(cfg.steer, num_layers=_num_layers(mc), hidden_size=mc.get_hidden_size())
+        SteerFrontend(
+            cfg.steer,
+            num_layers=_num_layers(mc),
+            hidden_size=mc.get_hidden_size(),
+            monitors=cfg.monitor,
+        )
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
         monitor_weights(cfg.monitor, _num_layers(mc), mc.get_hidden_size())
     raw = vllm_config.additional_config["actbus"]
@@ -176,8 +181,13 @@ def monitor_weights(mcfg: MonitorConfig, num_layers: int, hidden: int) -> dict[s
 
 
 def _attach_monitors(model: nn.Module, mcfg: MonitorConfig, mc: Any, *, max_rows: int, device):
-    """The monitor tables on this stage's layers (TP rank 0, like the taps: scores are
-    read there), what the publisher tells subscribers of them, and what each publishes."""
+    """The monitor tables on this stage's layers, what the publisher tells subscribers
+    of them, and what each publishes. Installed once per model (kept on it): on TP
+    rank 0 for the scores' harvest, and on every rank when steering can be gated by
+    them (each rank's gates must read the same scores)."""
+    done = getattr(model, "_actbus_monitors", None)
+    if done is not None:
+        return done
     n = _num_layers(mc)
     weights = monitor_weights(mcfg, n, mc.get_hidden_size())
     points = {
@@ -206,6 +216,7 @@ def _attach_monitors(model: nn.Module, mcfg: MonitorConfig, mc: Any, *, max_rows
         for name, w in weights.items()
     }
     log.info("actbus: monitors %s at %s", list(mcfg.monitors), sorted(tables.points))
+    model._actbus_monitors = (tables, info, published)
     return tables, info, published
 
 
@@ -240,7 +251,30 @@ def attach_steering(
     for i in layers:
         wrap_layer(decoder[i])
     log.info("actbus: steering layers %s at %s", list(layers), list(sc.hooks))
-    return Steerer(tables)
+    mcfg = checked[0].monitor
+    if mcfg is None:
+        return Steerer(tables)
+    # Gates read monitor scores: every rank scores the monitors, before the first forward.
+    mon, _info, published = _attach_monitors(model, mcfg, mc, max_rows=max_rows, device=device)
+    gates = install_gates(
+        decoder,
+        tables,
+        {p: pt.scores for p, pt in mon.points.items()},
+        slots=2 * max_seqs + 1,
+    )
+    columns = {  # (monitor, layer) -> (its point's index, {feature or -1: table column})
+        (name, layer): (
+            gates.monitor_points.index((layer, hook)),
+            {
+                (pub.labels[i] if pub.labels else -1): pt.segments[name].lo + int(c)
+                for i, c in enumerate(pub.cols)
+            },
+        )
+        for (layer, hook), pt in mon.points.items()
+        for name, pub in published.items()
+        if name in pt.segments
+    }
+    return Steerer(tables, gates, columns)
 
 
 def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]:

@@ -10,7 +10,8 @@ A steering entry adds one vector at some decoder layers and hook points::
 floats). ``tier`` says in which phase it applies: ``base`` (every token), ``prefill``
 (prompt tokens) or ``decode`` (generated tokens); ``positions`` narrows it further,
 as in capture selections. With ``norm_match`` the vector is rescaled per token to
-``scale x ||stream||``, the norm of the residual stream at that point.
+``scale x ||stream||``, the norm of the residual stream at that point. With ``gate``
+the vector is multiplied, per token, by a gate read off a monitor's score (``Gate``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,83 @@ STEER_HOOKS = ("pre_attn", "post_attn", "post_block")
 """Where a vector can be added: the stream entering a layer, after attention is added,
 and leaving it (``mlp_out`` is not a point of the stream)."""
 TIERS = ("base", "prefill", "decode")
-ENTRY_KEYS = ("vector", "layers", "hooks", "scale", "norm_match", "tier", "positions")
+ENTRY_KEYS = ("vector", "layers", "hooks", "scale", "norm_match", "tier", "positions", "gate")
+GATE_KEYS = ("monitor", "layer", "feature", "threshold", "sharpness", "source")
+GATE_SOURCES = ("token", "previous")
+# Where each point runs inside a decoder layer (``actbus.capture.taps.wrap_layer``):
+# steering at a point comes before the monitor there, so a monitor reads the steered
+# stream; post_attn steering runs inside the layer, before the post_attn monitor.
+_STEER_RANK = {"pre_attn": 0, "post_attn": 2, "post_block": 5}
+_MONITOR_RANK = {"pre_attn": 1, "post_attn": 3, "mlp_out": 4, "post_block": 6}
+
+
+def monitor_runs_before(monitor: tuple[int, str], steer: tuple[int, str]) -> bool:
+    """Whether a monitor at ``monitor`` (layer, hook) is scored, in one forward, before
+    steering at ``steer`` is added: only then can a gate read the same token's score."""
+    return (monitor[0], _MONITOR_RANK[monitor[1]]) < (steer[0], _STEER_RANK[steer[1]])
+
+
 SOURCE_KINDS = ("file", "sae", "probe")
 # (tier, positions) pairs that select no token at all.
 _EMPTY = (("prefill", "generated"), ("decode", "prompt"), ("decode", "last_prompt"))
 MAX_ENTRIES = 64
 """Entries one request may carry (after layers and hooks are expanded)."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A steering entry's gate: the vector is multiplied by ``g(score)`` per token, where
+    ``score`` is column ``feature`` (SAE monitors) of monitor ``monitor`` at ``layer``,
+    read off the same token (``source="token"``: the monitor must run before the
+    steered point) or off the token before it (``"previous"``). ``g`` is a hard
+    threshold (``score > threshold``: 1, else 0) when ``sharpness`` is None, else
+    ``sigmoid(sharpness * (score - threshold))``."""
+
+    monitor: str
+    threshold: float
+    layer: int | None = None
+    """None: the monitor's only layer (required when it has several)."""
+    feature: int | None = None
+    """An SAE monitor's latent (one of its ``features``); None for probes and weights."""
+    sharpness: float | None = None
+    source: str = "token"
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> Gate:
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{where}: expected a mapping such as {{'monitor': 'toxic', 'threshold': 0.5}}, "
+                f"got {raw!r:.60}"
+            )
+        for k in raw:
+            if k not in GATE_KEYS:
+                raise ConfigError(
+                    f"{where}.{k}: unknown key; valid keys are {', '.join(GATE_KEYS)}"
+                )
+        for k in ("monitor", "threshold"):
+            if k not in raw:
+                raise ConfigError(f"{where}.{k}: required")
+        monitor = check_name(raw["monitor"], f"{where}.monitor")
+        threshold = check_finite(raw["threshold"], f"{where}.threshold", "a threshold")
+        for k in ("layer", "feature"):
+            v = raw.get(k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ConfigError(f"{where}.{k}: expected an int >= 0 or null, got {v!r:.40}")
+        sharpness = raw.get("sharpness")
+        if sharpness is not None:
+            sharpness = check_finite(sharpness, f"{where}.sharpness", "a sharpness")
+            if sharpness == 0.0:
+                raise ConfigError(
+                    f"{where}.sharpness: 0 makes the gate a constant 0.5; give a non-zero "
+                    "number (negative: open below the threshold) or null for a hard threshold"
+                )
+        source = raw.get("source", "token")
+        if source not in GATE_SOURCES:
+            raise ConfigError(
+                f"{where}.source: expected 'token' (this token's score at an earlier point) or "
+                f"'previous' (the token before's), got {source!r:.40}"
+            )
+        return cls(monitor, threshold, raw.get("layer"), raw.get("feature"), sharpness, source)
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +120,7 @@ class SteerSpec:
     norm_match: bool = False
     tier: str = "base"
     positions: str | tuple[int, ...] = "all"
+    gate: Gate | None = None
 
     @property
     def point(self) -> tuple[int, str]:
@@ -295,8 +368,9 @@ def parse_steer(
             raise ConfigError(
                 f"{w}.positions: {positions!r} selects no token of tier {tier!r}; drop one of them"
             )
+        gate = Gate.from_dict(e["gate"], f"{w}.gate") if e.get("gate") is not None else None
         out.extend(
-            SteerSpec(layer, hook, vec, scale, norm_match, tier, positions)
+            SteerSpec(layer, hook, vec, scale, norm_match, tier, positions, gate)
             for layer in ls
             for hook in hs
         )

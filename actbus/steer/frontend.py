@@ -9,7 +9,9 @@ requests admitted afterwards, and no request changes vector mid-way.
 
 Steering that touches prompt tokens changes their KV cache, so such a request gets a
 cache salt derived from that steering (same steering, shared cache; different or
-none, separate). Decode-only steering leaves the prompt's cache shared.
+none, separate). Decode-only steering leaves the prompt's cache shared. A gated
+entry's gate is part of that steering (its monitor, column, threshold, sharpness and
+source), so gated prefill steering never shares prompt blocks with other requests.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import json
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actbus.errors import ConfigError
-from actbus.steer.config import SteerConfig, SteerSpec, parse_steer
+from actbus.steer.config import SteerConfig, SteerSpec, monitor_runs_before, parse_steer
 from actbus.steer.vectors import Vector, VectorRegistry
+
+if TYPE_CHECKING:
+    from actbus.monitor.config import MonitorConfig
 
 GLOBAL_WHERE = "actbus.steer.global"
 
@@ -34,6 +39,9 @@ class Resolved:
 
     spec: SteerSpec
     vector: Vector
+    gate: tuple | None = None
+    """The gate as the worker reads it: (monitor, layer, hook, feature or -1, threshold,
+    sharpness or 0.0 for a hard gate, source)."""
 
     @property
     def coef(self) -> tuple[float, float]:
@@ -43,7 +51,8 @@ class Resolved:
     def key(self) -> list[Any]:
         s = self.spec
         pos = s.positions if isinstance(s.positions, str) else list(s.positions)
-        return [s.layer, s.hook, self.vector.digest, *self.coef, s.tier, pos]
+        key = [s.layer, s.hook, self.vector.digest, *self.coef, s.tier, pos]
+        return key if self.gate is None else [*key, list(self.gate)]
 
     def touches_prompt(self, prompt_len: int) -> bool:
         s = self.spec
@@ -76,8 +85,16 @@ class SteerFrontend:
     """The engine's steering as the front end sees it: steerable points, the named
     vectors and the global entries. Changes while serving apply to new requests."""
 
-    def __init__(self, cfg: SteerConfig, *, num_layers: int, hidden_size: int) -> None:
+    def __init__(
+        self,
+        cfg: SteerConfig,
+        *,
+        num_layers: int,
+        hidden_size: int,
+        monitors: MonitorConfig | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.monitors = monitors
         self.num_layers = num_layers
         self.layers = cfg.resolve_layers(num_layers)
         self.hooks = cfg.hooks
@@ -102,8 +119,57 @@ class SteerFrontend:
                 vec = Vector.of(s.vector, f"{where}[{i}].vector", self.registry.width)
             if s.norm_match and vec.norm == 0.0:
                 raise ConfigError(f"{where}[{i}].norm_match: the vector is zero; nothing to match")
-            out.append(Resolved(s, vec))
+            gate = self._gate(s, f"{where}[{i}].gate") if s.gate is not None else None
+            out.append(Resolved(s, vec, gate))
         return tuple(out)
+
+    def _gate(self, s: SteerSpec, where: str) -> tuple:
+        """A gate checked against the engine's monitors, in the worker's form."""
+        g = s.gate
+        assert g is not None
+        mons = self.monitors.monitors if self.monitors is not None else {}
+        d = mons.get(g.monitor)
+        if d is None:
+            known = ", ".join(sorted(mons)[:20]) or "none configured"
+            raise ConfigError(
+                f"{where}.monitor: no monitor named {g.monitor!r:.60} on this engine (known: "
+                f"{known}); a gate reads a monitor of the engine's actbus.monitor.monitors"
+            )
+        layer = g.layer
+        if layer is None:
+            if len(d.layers) > 1:
+                raise ConfigError(
+                    f"{where}.layer: required: monitor {g.monitor!r} is evaluated at layers "
+                    f"{list(d.layers)}; say which one's score gates"
+                )
+            layer = d.layers[0]
+        elif layer not in d.layers:
+            raise ConfigError(
+                f"{where}.layer: monitor {g.monitor!r} is not evaluated at layer {layer} "
+                f"(its layers: {list(d.layers)})"
+            )
+        feature = -1
+        if d.kind == "sae":
+            if g.feature is None or g.feature not in d.features:
+                raise ConfigError(
+                    f"{where}.feature: monitor {g.monitor!r} scores several SAE latents; give "
+                    f"the one that gates, one of its features {list(d.features)[:20]}"
+                    + ("" if g.feature is None else f" (got {g.feature})")
+                )
+            feature = g.feature
+        elif g.feature is not None:
+            raise ConfigError(
+                f"{where}.feature: monitor {g.monitor!r} is a {d.kind} monitor with one score; "
+                "drop 'feature'"
+            )
+        if g.source == "token" and not monitor_runs_before((layer, d.hook), s.point):
+            raise ConfigError(
+                f"{where}.source: 'token' reads this token's score, but monitor {g.monitor!r} "
+                f"at layer {layer} {d.hook} is scored after the steered point (layer {s.layer} "
+                f"{s.hook}); gate with a monitor at an earlier point, or use source 'previous'"
+            )
+        sharp = 0.0 if g.sharpness is None else g.sharpness
+        return (g.monitor, layer, d.hook, feature, g.threshold, sharp, g.source)
 
     def set_global(self, raw: list[dict[str, Any]]) -> None:
         """Replace the global entries (checked, names resolved now)."""

@@ -17,11 +17,20 @@ vLLM keeps the stream split as ``(hidden_states, residual)``; the vector goes in
 ``residual`` (or, entering the first layer, into the embeddings), so everything
 downstream sees it. ``post_attn`` is inside the layer, between attention and the
 MLP: the norm that adds attention's output to the residual is wrapped.
+
+Gated steering (``install_gates``, on engines with monitors): each point also owns,
+per (token, slot), a gate source ``src`` (-1: ungated; ``j < J``: the score buffer of
+the ``j``-th monitor point that runs before it, read at flat index ``idx``; ``J``: the
+``carry`` value the worker copied in before the forward, the previous token's score
+kept from an earlier step) and ``(threshold, sharpness)``. The slot's coefficient is
+multiplied by ``score > threshold`` (sharpness 0) or ``sigmoid(sharpness * (score -
+threshold))``. A token whose every coefficient is 0 (unsteered, or every gate closed)
+keeps its stream as it was, bit for bit (a ``where``, so even ``-0.0`` stays).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -50,29 +59,108 @@ class SteerTables:
         return list(self.index)
 
 
-def steer_delta(
-    stream: torch.Tensor, table: torch.Tensor, index: torch.Tensor, coef: torch.Tensor
+@torch.library.custom_op("actbus::gate_read", mutates_args=("scores",))
+def gate_read(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``scores.flatten()[index]``. It does not write ``scores``; it says it does so that
+    the compiler orders it after the monitor's write of ``scores`` earlier in the same
+    forward (two writes of one buffer keep their order; a plain read of a graph input
+    was seen scheduled before the write, under vLLM's compile on CPU)."""
+    return scores.reshape(-1).index_select(0, index.reshape(-1)).reshape(index.shape)
+
+
+@gate_read.register_fake
+def _gate_read_fake(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.empty(index.shape, dtype=scores.dtype, device=scores.device)
+
+
+@dataclass
+class GateTables:
+    """The gate buffers of every steerable point, and what the worker keeps between
+    steps for gates on the previous token (``last``: per request slot, the score row
+    of its last token, per monitor point)."""
+
+    monitor_points: list[tuple[int, str]]  # index m: a monitor point on this rank
+    scores: list[torch.Tensor]  # m -> its score buffer [max_rows, C_m]
+    last: list[torch.Tensor]  # m -> [slots, C_m]; row 0 unused
+    inputs: dict[tuple[int, str], list[int]]  # steer point -> m of its sources j
+    src: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [max_rows, K]
+    idx: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [max_rows, K]
+    par: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [max_rows, K, 2]
+    carry: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # [max_rows, K]
+
+    @property
+    def slots(self) -> int:
+        return int(self.last[0].shape[0]) if self.last else 0
+
+
+def gate_values(
+    n: int,
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    par: torch.Tensor,
+    carry: torch.Tensor,
+    inputs: list[torch.Tensor],
 ) -> torch.Tensor:
-    """``[n, hidden]`` float32: what one point adds to each of the ``n`` tokens."""
-    n = stream.shape[0]
-    idx, c = index[:n], coef[:n]
+    """``[n, K]`` float32: each slot's gate (1 where ungated)."""
+    s, i = src[:n], idx[:n]
+    score = carry[:n]
+    for j, buf in enumerate(inputs):  # one gather per monitor point read here (the op
+        # orders it after the monitor's write in this forward)
+        hit = s == j
+        got = torch.ops.actbus.gate_read(buf, torch.where(hit, i, 0))
+        score = torch.where(hit, got, score)
+    thr, sharp = par[:n, :, 0], par[:n, :, 1]
+    hard = (score > thr).float()
+    soft = torch.sigmoid(sharp * (score - thr))
+    g = torch.where(sharp == 0, hard, soft)
+    return torch.where(s < 0, torch.ones_like(g), g)
+
+
+def steer_weights(
+    stream: torch.Tensor, coef: torch.Tensor, gate: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[n, K]`` float32: each slot's multiplier of its vector (``a + b ||stream||``,
+    times its gate)."""
+    c = coef[: stream.shape[0]]
     norm = torch.linalg.vector_norm(stream.float(), dim=-1, keepdim=True)  # [n, 1]
-    w = c[:, :, 0] + c[:, :, 1] * norm  # [n, K]
+    w = c[:, :, 0] + c[:, :, 1] * norm
+    return w if gate is None else w * gate
+
+
+def steer_sum(w: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[n, hidden]`` float32: ``sum_k w[:, k] * table[index[:, k]]``."""
+    idx = index[: w.shape[0]]
     delta = w[:, 0:1] * table.index_select(0, idx[:, 0]).float()
     for k in range(1, idx.shape[1]):  # one [n, hidden] at a time, never [n, K, hidden]
         delta = delta + w[:, k : k + 1] * table.index_select(0, idx[:, k]).float()
     return delta
 
 
+def steer_delta(
+    stream: torch.Tensor, table: torch.Tensor, index: torch.Tensor, coef: torch.Tensor
+) -> torch.Tensor:
+    """``[n, hidden]`` float32: what one point adds to each of the ``n`` tokens."""
+    return steer_sum(steer_weights(stream, coef), table, index)
+
+
 def steer_point(layer: nn.Module, hook: str, stream: torch.Tensor, target: torch.Tensor):
-    """``target + delta``, with delta computed from ``stream`` at ``(layer, hook)``."""
-    delta = steer_delta(
-        stream,
-        layer._actbus_steer_table,
-        getattr(layer, f"_actbus_steer_{hook}_index"),
-        getattr(layer, f"_actbus_steer_{hook}_coef"),
-    )
-    return target + delta.to(target.dtype)
+    """``target + delta``, with delta computed from ``stream`` at ``(layer, hook)``;
+    ``target`` itself for tokens with nothing (or only closed gates) to add."""
+    gate = None
+    n_inputs = getattr(layer, "_actbus_gate_inputs", {}).get(hook)
+    if n_inputs is not None:
+        gate = gate_values(
+            stream.shape[0],
+            getattr(layer, f"_actbus_gate_{hook}_src"),
+            getattr(layer, f"_actbus_gate_{hook}_idx"),
+            getattr(layer, f"_actbus_gate_{hook}_par"),
+            getattr(layer, f"_actbus_gate_{hook}_carry"),
+            [getattr(layer, f"_actbus_gate_{hook}_in{j}") for j in range(n_inputs)],
+        )
+    w = steer_weights(stream, getattr(layer, f"_actbus_steer_{hook}_coef"), gate)
+    delta = steer_sum(w, layer._actbus_steer_table, getattr(layer, f"_actbus_steer_{hook}_index"))
+    touched = (w != 0).any(dim=-1, keepdim=True)
+    return torch.where(touched, target + delta.to(target.dtype), target)
 
 
 def install_steering(
@@ -107,6 +195,43 @@ def install_steering(
         if "post_attn" in hooks:
             _wrap_post_attn_norm(layer, POST_ATTN_NORM.get(architecture, DEFAULT_POST_ATTN_NORM))
     return tables
+
+
+def install_gates(
+    decoder: nn.ModuleList,
+    steer: SteerTables,
+    monitor_scores: dict[tuple[int, str], torch.Tensor],
+    *,
+    slots: int,
+) -> GateTables:
+    """Give every steerable point gate buffers and, as its inputs, the score buffers
+    of the monitor points that run before it (``monitor_scores``: point -> buffer)."""
+    from actbus.steer.config import monitor_runs_before
+
+    mpoints = sorted(monitor_scores)
+    scores = [monitor_scores[m] for m in mpoints]
+    dev = steer.table.device
+    last = [torch.zeros(slots, b.shape[1], dtype=torch.float32, device=dev) for b in scores]
+    gates = GateTables(mpoints, scores, last, {})
+    rows, k = steer.max_rows, steer.per_token
+    for point in steer.points:
+        layer_idx, hook = point
+        layer = decoder[layer_idx]
+        ins = [m for m, mp in enumerate(mpoints) if monitor_runs_before(mp, point)]
+        gates.inputs[point] = ins
+        bufs = {
+            "src": torch.full((rows, k), -1, dtype=torch.int64, device=dev),
+            "idx": torch.zeros(rows, k, dtype=torch.int64, device=dev),
+            "par": torch.zeros(rows, k, 2, dtype=torch.float32, device=dev),
+            "carry": torch.zeros(rows, k, dtype=torch.float32, device=dev),
+        }
+        for what, buf in bufs.items():
+            layer.register_buffer(f"_actbus_gate_{hook}_{what}", buf, persistent=False)
+            getattr(gates, what)[point] = buf
+        for j, m in enumerate(ins):
+            layer.register_buffer(f"_actbus_gate_{hook}_in{j}", scores[m], persistent=False)
+        layer._actbus_gate_inputs = {**getattr(layer, "_actbus_gate_inputs", {}), hook: len(ins)}
+    return gates
 
 
 def _wrap_post_attn_norm(layer: nn.Module, name: str) -> None:

@@ -7,6 +7,16 @@ entries as (layer, hook, digest, a, b, tier, positions). A vector gets a row of 
 device table while some request in flight uses it (rows are shared by digest and
 counted); ``fill`` writes each steered point's indices and coefficients for this
 step's tokens, and zeroes a point's buffers once no token is steered there.
+
+Gated entries (``GateTables``) also get, per (token, slot), where their gate's score
+is read: this step's score buffer of a monitor point that runs before the steered
+point (the same token, or the token before when it is in this step too), or the
+``carry`` buffer, which ``fill`` fills on the device from ``last``: per request, the
+scores of its last token in the step before, saved at the start of the next ``fill``
+(before the next forward overwrites the score buffers; stream order on CUDA, no host
+sync). A gate on the previous token is closed for position 0, and for every prompt
+token when its monitor runs after the steered point (a prompt's scores at that point
+are not computed yet when the point is steered in the same forward).
 """
 
 from __future__ import annotations
@@ -18,7 +28,8 @@ import numpy as np
 import torch
 
 from actbus.capture.scheduler import StepRequests
-from actbus.steer.graph import SteerTables
+from actbus.steer.config import monitor_runs_before
+from actbus.steer.graph import GateTables, SteerTables
 
 log = logging.getLogger("actbus.steer")
 
@@ -47,6 +58,7 @@ class _Upload:
         self._inflight.append((host, done))
 
 
+_GATE_ARRAYS = ("kind", "m", "col", "thr", "sharp")
 TIER_CODES = {"base": 0, "prefill": 1, "decode": 2}
 POSITION_CODES = {"all": 0, "prompt": 1, "generated": 2, "last_prompt": 3}
 LISTED = 4  # an explicit list of positions
@@ -65,6 +77,29 @@ class _Request:
     mode: np.ndarray  # int8: POSITION_CODES, or LISTED
     listed: dict[int, np.ndarray]  # entry -> its sorted positions (mode LISTED)
     digests: list[str]
+    gate: _Gates | None = None
+
+
+@dataclass
+class _Gates:
+    """One request's gates, one element per entry (kind 0: ungated)."""
+
+    kind: np.ndarray  # int8: 0 none, 1 this token's score, 2 the previous token's
+    m: np.ndarray  # int64: the monitor point (``GateTables.monitor_points``), -1 none
+    col: np.ndarray  # int64: the column in that point's score buffer
+    thr: np.ndarray  # float32
+    sharp: np.ndarray  # float32 (0: a hard threshold)
+    slot: int = 0  # its row of ``GateTables.last`` (0: it has no previous-token gate)
+
+    @classmethod
+    def none(cls, n: int) -> _Gates:
+        return cls(
+            np.zeros(n, np.int8),
+            np.full(n, -1, np.int64),
+            np.zeros(n, np.int64),
+            np.zeros(n, np.float32),
+            np.zeros(n, np.float32),
+        )
 
 
 @dataclass
@@ -84,6 +119,8 @@ class _Batch:
     mode: np.ndarray
     req: np.ndarray
     listed: dict[int, np.ndarray]  # entry -> its positions (mode LISTED)
+    gate: _Gates | None = None  # concatenated; ``slot`` unused
+    gate_slot: np.ndarray | None = None  # per steered request: its row of ``last``
 
 
 def _entry_mask(
@@ -104,9 +141,34 @@ def _entry_mask(
 class Steerer:
     """Owns a model's steering tables on one rank."""
 
-    def __init__(self, tables: SteerTables) -> None:
+    def __init__(
+        self,
+        tables: SteerTables,
+        gates: GateTables | None = None,
+        columns: dict[tuple[str, int], tuple[int, dict[int, int]]] | None = None,
+    ) -> None:
+        """``gates`` and ``columns`` ((monitor, layer) -> its monitor point and each
+        feature's column, -1 for a single score) on engines whose steering can be gated."""
         self.tables = tables
         self.points = tables.points
+        self.gates = gates
+        self.columns = columns or {}
+        self._gate_free: list[int] = []
+        self._save: list | None = None  # (m, slots, rows) of the step just run, on device
+        self._save_plan: list | None = None  # the same, for the step being laid out
+        self._carry: list[tuple] = []  # (point, m, dst, src) device index pairs
+        if gates is not None:
+            mp = gates.monitor_points
+            self._jmap = np.full((len(self.points), len(mp)), -1, dtype=np.int64)
+            for p, point in enumerate(self.points):
+                for j, m in enumerate(gates.inputs[point]):
+                    self._jmap[p, m] = j
+            self._n_in = np.array([len(gates.inputs[pt]) for pt in self.points], dtype=np.int64)
+            self._before = np.array(
+                [[monitor_runs_before(m, pt) for m in mp] for pt in self.points], dtype=bool
+            ).reshape(len(self.points), len(mp))
+            self._width = np.array([b.shape[1] for b in gates.scores], dtype=np.int64)
+            self._gate_free = list(range(gates.slots - 1, 0, -1))  # row 0 unused
         self._point_ids = {p: i for i, p in enumerate(self.points)}
         self.dtype = tables.table.dtype
         self._rows: dict[str, list[int]] = {}  # digest -> [table row, requests using it]
@@ -125,6 +187,8 @@ class Steerer:
             st = self._reqs.pop(rid, None)
             if st is not None:
                 self._release(st.digests)
+                if st.gate is not None and st.gate.slot:
+                    self._gate_free.append(st.gate.slot)
                 self._last = self._steady = None
         for rid, prompt_len, wire in sr.new:
             if rid in self._reqs:  # resumed after preemption
@@ -157,6 +221,11 @@ class Steerer:
             self._rows[d] = [row, 1]
         mine = [e for e in steer["entries"] if (int(e[0]), str(e[1])) in self._point_ids]
         # (entries of layers this rank does not hold belong to another pipeline stage)
+        gated = self._gates_of(rid, mine)
+        gate = None
+        if gated is not None:
+            gate, keep = gated
+            mine = [e for e, k in zip(mine, keep, strict=True) if k]
         listed = {
             j: np.asarray(e[6], dtype=np.int64)
             for j, e in enumerate(mine)
@@ -175,6 +244,42 @@ class Steerer:
             ),
             listed,
             list(vectors),
+            gate,
+        )
+
+    def _gates_of(self, rid: str, mine: list) -> tuple[_Gates, list[bool]] | None:
+        """The gates of a request's entries (None: none is gated), and which entries
+        this rank can steer (a gate whose monitor it does not score is left out)."""
+        raw = [e[7] if len(e) > 7 else None for e in mine]
+        if not any(raw):
+            return None
+        g = _Gates.none(len(mine))
+        keep = [True] * len(mine)
+        for j, gate in enumerate(raw):
+            if not gate:
+                continue
+            name, layer, _hook, feature, thr, sharp, source = gate
+            where = self.columns.get((str(name), int(layer)))
+            if where is None or int(feature) not in where[1]:
+                log.error(
+                    "actbus: request %s: monitor %s at layer %s is not scored on this rank; "
+                    "its gated steering there is left out", rid, name, layer,
+                )  # fmt: skip
+                keep[j] = False
+                continue
+            g.kind[j] = 1 if source == "token" else 2
+            g.m[j], g.col[j] = where[0], where[1][int(feature)]
+            g.thr[j], g.sharp[j] = float(thr), float(sharp)
+        if (g.kind == 2).any():
+            if not self._gate_free:
+                log.error("actbus: request %s: no slot left for previous-token gates", rid)
+                keep = [k and g.kind[j] != 2 for j, k in enumerate(keep)]
+            else:
+                g.slot = self._gate_free.pop()
+        sel = np.asarray(keep, dtype=bool)
+        return (
+            _Gates(g.kind[sel], g.m[sel], g.col[sel], g.thr[sel], g.sharp[sel], g.slot),
+            keep,
         )
 
     def _release(self, digests: list[str]) -> None:
@@ -191,28 +296,63 @@ class Steerer:
 
         Vectorized over (entry, token) pairs: the host cost of a step is a handful of
         numpy calls whatever the batch, not a Python loop over requests x entries."""
+        self._save_last()
         n = int(offsets[-1]) if len(offsets) else 0
         batch = self._batch(req_ids) if self._reqs and n else None
         if batch is None:
-            active: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            active: dict[int, tuple[np.ndarray, ...]] = {}
             self._steady = None
+            self._carry, self._save_plan = [], None
         else:
             offsets = np.asarray(offsets, dtype=np.int64)
             first = np.array([starts.get(rid, 0) for rid in batch.key], dtype=np.int64)
             steady = self._steady_key(batch, offsets, first)
             if steady is not None and steady == self._steady:
+                self._fill_carry()  # the previous tokens' scores are new each step
+                self._save = self._save_plan
                 return  # the same decode batch as last step: the tables already hold it
             self._steady = steady
             active = self._lay_out(batch, offsets, first, n)
-        for p, (idx, coef) in active.items():
+        gates = self.gates
+        for p, (idx, coef, *gate) in active.items():
             point = self.points[p]
             self._upload(self.tables.index[point][:n], torch.from_numpy(idx))
             self._upload(self.tables.coef[point][:n], torch.from_numpy(coef))
+            if gates is not None:
+                src, gidx, par = gate
+                self._upload(gates.src[point][:n], torch.from_numpy(src))
+                self._upload(gates.idx[point][:n], torch.from_numpy(gidx))
+                self._upload(gates.par[point][:n], torch.from_numpy(par))
         now = {self.points[p] for p in active}
         for point in self._dirty - now:
             self.tables.index[point].zero_()
             self.tables.coef[point].zero_()
         self._dirty = now
+        self._fill_carry()
+        self._save = self._save_plan
+
+    def _device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.empty(a.shape, dtype=torch.int64, device=self.tables.table.device)
+        self._upload(t, torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)))
+        return t
+
+    def _save_last(self) -> None:
+        """Keep, per request with a previous-token gate, the score rows of its last
+        token in the step just run (its monitor points' buffers still hold them)."""
+        if self._save is None or self.gates is None:
+            return
+        g = self.gates
+        for m, slots, rows in self._save:
+            g.last[m].index_copy_(0, slots, g.scores[m].index_select(0, rows))
+        self._save = None
+
+    def _fill_carry(self) -> None:
+        """Copy each carried gate's previous score from ``last`` into its point's buffer."""
+        if self.gates is None:
+            return
+        g = self.gates
+        for point, m, dst, src in self._carry:
+            g.carry[point].view(-1).index_copy_(0, dst, g.last[m].view(-1).index_select(0, src))
 
     @staticmethod
     def _steady_key(bt: _Batch, offsets: np.ndarray, first: np.ndarray) -> tuple | None:
@@ -254,13 +394,21 @@ class Steerer:
             req=np.repeat(np.arange(len(cat)), per_req),
             listed={int(base[k] + j): v for k, st in enumerate(cat) for j, v in st.listed.items()},
         )
+        if any(st.gate is not None for st in cat):
+            gs = [st.gate or _Gates.none(len(st.point)) for st in cat]
+            self._last.gate = _Gates(
+                *(np.concatenate([getattr(g, f) for g in gs]) for f in _GATE_ARRAYS)
+            )
+            self._last.gate_slot = np.array([g.slot for g in gs], dtype=np.int64)
         return self._last
 
     def _lay_out(
         self, bt: _Batch, offsets: np.ndarray, first: np.ndarray, n: int
-    ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Point index -> (indices [n, K], coefficients [n, K, 2]) for the points this
-        step steers; tokens and slots nobody steers stay 0 (row 0 of the table)."""
+    ) -> dict[int, tuple[np.ndarray, ...]]:
+        """Point index -> (indices [n, K], coefficients [n, K, 2], and with gates: gate
+        sources [n, K], flat indices [n, K], (threshold, sharpness) [n, K, 2]) for the
+        points this step steers; tokens and slots nobody steers stay 0 (row 0 of the
+        table). Also plans the gates' carried scores (``_carry``, ``_save_plan``)."""
         lo = offsets[bt.where]
         count = offsets[bt.where + 1] - lo
         req, point, slot, a, b = bt.req, bt.point, bt.slot, bt.a, bt.b
@@ -275,19 +423,29 @@ class Steerer:
         for entry, positions in bt.listed.items():
             sel = pair == entry
             keep[sel] &= np.isin(pos[sel], positions)
-        pair, row = pair[keep], row[keep]
+        gt = bt.gate
+        if gt is not None:  # previous-token gates closed where there is no such score
+            prev = gt.kind[pair] == 2
+            before = self._before[point[pair], np.maximum(gt.m[pair], 0)]
+            keep &= ~(prev & ((pos == 0) | (~before & (pos < bt.prompt_len[r]))))
+        pair, row, within, r = pair[keep], row[keep], within[keep], r[keep]
+        self._carry, self._save_plan = [], None
+        if gt is not None:
+            self._plan_save(bt, lo, count)
         if not len(pair):
             return {}
         p = point[pair]
         # Each (point, row)'s entries take slots 0, 1, ... in order (the front end
         # admits at most per_token entries per point).
         order = np.lexsort((pair, row, p))
-        pair, row, p = pair[order], row[order], p[order]
+        pair, row, p, within, r = pair[order], row[order], p[order], within[order], r[order]
         key = p * n + row
         run_start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
         k = np.arange(len(key)) - np.repeat(run_start, np.diff(np.r_[run_start, len(key)]))
         k_max = self.tables.per_token
-        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if gt is not None:
+            g_src, g_idx, carried = self._gate_sources(bt, pair, p, row, within, r)
+        out: dict[int, tuple[np.ndarray, ...]] = {}
         for pid in np.unique(p):
             m = p == pid
             idx = np.zeros((n, k_max), dtype=np.int64)
@@ -296,8 +454,68 @@ class Steerer:
             idx[rr, kk] = slot[ee]
             coef[rr, kk, 0] = a[ee]
             coef[rr, kk, 1] = b[ee]
-            out[int(pid)] = (idx, coef)
+            if self.gates is None:
+                out[int(pid)] = (idx, coef)
+                continue
+            src = np.full((n, k_max), -1, dtype=np.int64)
+            gidx = np.zeros((n, k_max), dtype=np.int64)
+            par = np.zeros((n, k_max, 2), dtype=np.float32)
+            if gt is not None:
+                src[rr, kk] = g_src[m]
+                gidx[rr, kk] = g_idx[m]
+                par[rr, kk, 0] = gt.thr[ee]
+                par[rr, kk, 1] = gt.sharp[ee]
+                c = m & carried
+                if c.any():
+                    self._plan_carry(int(pid), gt, pair[c], row[c] * k_max + k[c], r[c], bt)
+            out[int(pid)] = (idx, coef, src, gidx, par)
         return out
+
+    def _gate_sources(self, bt: _Batch, pair, p, row, within, r):
+        """Per kept pair: its gate source (-1 ungated, j: the point's j-th monitor
+        buffer, J: carried), its flat index in that buffer, and whether it is carried."""
+        gt = bt.gate
+        assert gt is not None
+        kind, m = gt.kind[pair], np.maximum(gt.m[pair], 0)
+        j = self._jmap[p, m]
+        width = self._width[m]
+        col = gt.col[pair]
+        # The previous token in this step, scored before this point: read it there.
+        in_step = (kind == 2) & (within > 0) & (j >= 0)
+        carried = (kind == 2) & ~in_step
+        src = np.where(kind == 0, -1, np.where(carried, self._n_in[p], j))
+        src_row = np.where(in_step, row - 1, row)
+        return src, src_row * width + col, carried
+
+    def _plan_carry(self, pid: int, gt: _Gates, entries, dst, r, bt: _Batch) -> None:
+        """Device index pairs copying ``last[m][slot, col]`` into the point's carry."""
+        m = gt.m[entries]
+        slots = bt.gate_slot[r]
+        for mm in np.unique(m):
+            sel = m == mm
+            src = slots[sel] * self._width[mm] + gt.col[entries[sel]]
+            self._carry.append(
+                (self.points[pid], int(mm), self._device(dst[sel]), self._device(src))
+            )
+
+    def _plan_save(self, bt: _Batch, lo: np.ndarray, count: np.ndarray) -> None:
+        """Which score rows to keep after this step: each previous-gated request's last
+        token, at each monitor point its gates read."""
+        gt = bt.gate
+        assert gt is not None and bt.gate_slot is not None
+        prev = gt.kind == 2
+        if not prev.any():
+            return
+        slots, rows, ms = [], [], []
+        for m in np.unique(gt.m[prev]):
+            reqs = np.unique(bt.req[prev & (gt.m == m)])
+            reqs = reqs[count[reqs] > 0]
+            if len(reqs):
+                ms.append(int(m))
+                slots.append(bt.gate_slot[reqs])
+                rows.append(lo[reqs] + count[reqs] - 1)
+        plan = zip(ms, slots, rows, strict=True)
+        self._save_plan = [(m, self._device(sl), self._device(rw)) for m, sl, rw in plan]
 
     @property
     def rows_in_use(self) -> int:

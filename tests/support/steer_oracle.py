@@ -5,10 +5,16 @@ compiled graph: ``pre_attn`` to the layer's input, ``post_attn`` to the stream a
 attention (in place, on the input of the norm before the MLP, so the residual HF keeps
 is the same tensor and sees it too) and ``post_block`` to the layer's output. The
 captured points read the steered stream, as actbus's taps do.
+
+A gated entry (``HFGate``) multiplies its vector by the gate of a monitor's score,
+computed here from the hooked stream at the monitor's point: the same token's (read
+earlier in the same forward), or the token before's (this forward's when its point
+runs earlier; else the previous greedy step's, and closed on prompt tokens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +23,42 @@ from tests.support.oracle import hf_model
 
 _POST_ATTN = {"llama": "post_attention_layernorm", "gemma": "pre_feedforward_layernorm"}
 _MLP_OUT = {"llama": ("mlp", "out"), "gemma": ("post_feedforward_layernorm", "out")}
+
+
+_STEER_RANK = {"pre_attn": 0, "post_attn": 2, "post_block": 5}
+_MONITOR_RANK = {"pre_attn": 1, "post_attn": 3, "mlp_out": 4, "post_block": 6}
+
+
+@dataclass
+class HFGate:
+    """A gate: ``score`` maps the stream ``[seq, hidden]`` at ``point`` to ``[seq]``."""
+
+    point: tuple[int, str]
+    score: Callable[[torch.Tensor], torch.Tensor]
+    threshold: float
+    sharpness: float | None = None
+    source: str = "token"
+
+    def values(self, at: tuple[int, str], acts, history, prompt_len: int, seq: int):
+        """``[seq]``: the gate of each token for steering at ``at``."""
+        m, s = self.point, at
+        before = (m[0], _MONITOR_RANK[m[1]]) < (s[0], _STEER_RANK[s[1]])
+        pos = torch.arange(seq)
+        if self.source == "token":
+            score, closed = self.score(acts[m]), torch.zeros(seq, dtype=torch.bool)
+        elif before:
+            score = torch.cat([torch.zeros(1), self.score(acts[m])[:-1]])
+            closed = pos == 0
+        else:
+            past = history.get(m, torch.zeros(0))
+            score = torch.zeros(seq)
+            score[1 : min(seq, len(past) + 1)] = past[: seq - 1]
+            closed = pos < prompt_len
+        if self.sharpness is None:
+            g = (score > self.threshold).float()
+        else:
+            g = torch.sigmoid(self.sharpness * (score - self.threshold))
+        return torch.where(closed, 0.0, g)
 
 
 @dataclass
@@ -30,6 +72,7 @@ class HFSteer:
     norm_match: bool = False
     tier: str = "base"
     positions: object = "all"
+    gate: HFGate | None = None
 
     def mask(self, n: int, prompt_len: int) -> torch.Tensor:
         pos = torch.arange(n)
@@ -49,8 +92,9 @@ class HFSteer:
             m &= torch.isin(pos, torch.tensor(list(p)))
         return m
 
-    def delta(self, stream: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """``[seq, hidden]`` added to ``stream`` (``[seq, hidden]``)."""
+    def delta(self, stream: torch.Tensor, prompt_len: int, ctx=None) -> torch.Tensor:
+        """``[seq, hidden]`` added to ``stream`` (``[seq, hidden]``); ``ctx``: (acts of
+        this forward so far, the previous forward's gate scores) for a gated entry."""
         v = self.vector.to(stream.device, torch.float32)
         s = stream.float()
         if self.norm_match:
@@ -58,13 +102,17 @@ class HFSteer:
         else:
             coef = torch.full((s.shape[0], 1), self.scale, device=s.device)
         mask = self.mask(s.shape[0], prompt_len)[:, None].to(s.device, torch.float32)
+        if self.gate is not None:
+            acts, history = ctx
+            g = self.gate.values((self.layer, self.hook), acts, history, prompt_len, s.shape[0])
+            mask = mask * g[:, None].to(s.device)
         return (coef * mask * v).to(stream.dtype)
 
 
-def _sum(steers, stream, prompt_len):
+def _sum(steers, stream, prompt_len, ctx=None):
     out = torch.zeros_like(stream)
     for s in steers:
-        out = out + s.delta(stream, prompt_len)
+        out = out + s.delta(stream, prompt_len, ctx)
     return out
 
 
@@ -77,12 +125,16 @@ def hf_steered_forward(
     *,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    history: dict | None = None,
 ) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
-    """Logits ``[seq, vocab]`` and the captured points of ``capture`` layers (every hook)."""
+    """Logits ``[seq, vocab]`` and the captured points of ``capture`` layers (every hook).
+    ``history``: the gates' scores of the previous forward, replaced by this one's."""
     model = hf_model(str(path), dtype, device)
     family = "gemma" if "Gemma" in type(model).__name__ else "llama"
     acts: dict[tuple[int, str], torch.Tensor] = {}
     handles = []
+    history = {} if history is None else history
+    ctx = (acts, dict(history))
     at = {}
     for s in steers:
         at.setdefault((s.layer, s.hook), []).append(s)
@@ -90,7 +142,7 @@ def hf_steered_forward(
 
         def pre(_m, args, kwargs, i=i):
             x = args[0] if args else kwargs["hidden_states"]
-            x = x + _sum(at.get((i, "pre_attn"), []), x[0], prompt_len)[None]
+            x = x + _sum(at.get((i, "pre_attn"), []), x[0], prompt_len, ctx)[None]
             acts[(i, "pre_attn")] = x[0].clone()
             if args:
                 return (x, *args[1:]), kwargs
@@ -98,12 +150,12 @@ def hf_steered_forward(
 
         def mid(_m, args, i=i):
             x = args[0]
-            x.add_(_sum(at.get((i, "post_attn"), []), x[0], prompt_len)[None])  # in place
+            x.add_(_sum(at.get((i, "post_attn"), []), x[0], prompt_len, ctx)[None])  # in place
             acts[(i, "post_attn")] = x[0].clone()
 
         def post(_m, _args, out, i=i):
             h = out[0] if isinstance(out, tuple) else out
-            h = h + _sum(at.get((i, "post_block"), []), h[0], prompt_len)[None]
+            h = h + _sum(at.get((i, "post_block"), []), h[0], prompt_len, ctx)[None]
             acts[(i, "post_block")] = h[0].clone()
             return (h, *out[1:]) if isinstance(out, tuple) else h
 
@@ -120,6 +172,9 @@ def hf_steered_forward(
     finally:
         for h in handles:
             h.remove()
+    for s in steers:
+        if s.gate is not None:
+            history[s.gate.point] = s.gate.score(acts[s.gate.point].float().cpu())
     return logits, {k: v for k, v in acts.items() if k[0] in capture}
 
 
@@ -129,9 +184,9 @@ def hf_steered_greedy(
     """Greedy tokens (the whole sequence recomputed per token: steering depends only on
     positions, so this equals incremental decoding) and the activations of every fed
     token (``prompt + output[:-1]``)."""
-    ids = list(prompt)
+    ids, history = list(prompt), {}
     for _ in range(max_tokens):
-        logits, _ = hf_steered_forward(path, ids, len(prompt), steers, [])
+        logits, _ = hf_steered_forward(path, ids, len(prompt), steers, [], history=history)
         ids.append(int(logits[-1].argmax()))
-    _, acts = hf_steered_forward(path, ids[:-1], len(prompt), steers, capture)
+    _, acts = hf_steered_forward(path, ids[:-1], len(prompt), steers, capture, history=history)
     return ids[len(prompt) :], acts
