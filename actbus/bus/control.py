@@ -10,7 +10,7 @@ writable by the engine's user only.
 A peer sends ``encode_push`` frames (or ``{"op": "status"}``) and gets one msgpack
 reply: ``{"ok": true, "monitor", "version", "received"}`` or ``{"ok": false, "field",
 "error"}``. Every message is checked here, on this thread (size, shape, finite values,
-known monitor, increasing version: ``actbus.monitor.push``); a refused one changes
+known monitor, increasing version: ``actbus.bus.pushwire``); a refused one changes
 nothing. Memory is bounded whatever peers send: at most one pending push per monitor
 (a newer one replaces a pending one that no step used yet), a message size cap
 (``ZMQ_MAXMSGSIZE``: a larger one drops that peer's connection) and a receive queue
@@ -36,9 +36,9 @@ import msgpack
 import zmq
 
 from actbus.bus.addresses import check_address
+from actbus.bus.pushwire import Push, PushError, Slot, check_push, encode_push
 from actbus.bus.security import ClientAuth, ServerAuth, check_server_keys
 from actbus.errors import ConfigError
-from actbus.monitor.push import Push, PushError, Slot, check_push, encode_push
 
 log = logging.getLogger("actbus.control")
 

@@ -9,10 +9,11 @@ An aborted request's rows are then marked partial downstream.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
+
+from actbus.monitor.push import PUSH_ATTR
 
 ATTR = "_actbus_end_reasons"
 _REASONS = {
@@ -32,7 +33,6 @@ def patch() -> bool:
         return False
     if getattr(Scheduler, "_actbus_patched", False):
         return True
-    Scheduler.__init__ = _wrap_init(Scheduler.__init__)
     Scheduler._free_request = _wrap_free_request(Scheduler._free_request)
     Scheduler.schedule = _wrap_schedule(Scheduler.schedule)
     Scheduler._actbus_patched = True
@@ -65,45 +65,6 @@ def _wrap_free_request(orig):
     return _free_request
 
 
-def _wrap_init(orig):
-    @functools.wraps(orig)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        orig(self, *args, **kwargs)
-        # The control endpoint lives beside the scheduler that hands its pushes out; a
-        # bad address or key fails the engine's start here.
-        self._actbus_control = _start_control(self) if _active(self) else None
-
-    return __init__
-
-
-def _start_control(scheduler: Any) -> Any:
-    from actbus.capture.session import capture_config, monitor_weights
-
-    vllm_config = scheduler.vllm_config
-    cfg = capture_config(vllm_config)
-    if cfg is None or cfg.control is None or cfg.monitor is None:
-        return None
-    import atexit
-
-    from actbus.bus.control import ControlServer
-    from actbus.bus.endpoints import for_rank
-    from actbus.monitor.push import Slot
-
-    mc = vllm_config.model_config
-    weights = monitor_weights(
-        cfg.monitor, int(mc.hf_text_config.num_hidden_layers), mc.get_hidden_size()
-    )
-    rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-    control = dataclasses.replace(
-        cfg.control, address=for_rank(cfg.control.address, rank, "actbus.control.address")
-    )
-    server = ControlServer(
-        control, {n: Slot.of(w) for n, w in weights.items()}, {n: 1 for n in weights}
-    )
-    atexit.register(server.close)
-    return server
-
-
 def _wrap_schedule(orig):
     @functools.wraps(orig)
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -111,12 +72,10 @@ def _wrap_schedule(orig):
         ended = self.__dict__.get("_actbus_ended")
         if ended:
             setattr(out, ATTR, {r: ended.pop(r) for r in out.finished_req_ids if r in ended})
-        control = self.__dict__.get("_actbus_control")
+        control = self.__dict__.get("_actbus_control")  # actbus.capture.control
         if control is not None and out.total_num_scheduled_tokens:  # a step with a forward
             pushes = control.take()
             if pushes:
-                from actbus.monitor.push import PUSH_ATTR
-
                 setattr(out, PUSH_ATTR, pushes)
         return out
 

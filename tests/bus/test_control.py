@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from actbus.bus.control import ControlClient, ControlConfig, ControlServer, PushRefused
+from actbus.bus.pushwire import Slot
 from actbus.bus.security import generate_keys
 from actbus.errors import ConfigError
-from actbus.monitor.push import Slot
 
 SLOTS = {"p": Slot(1, 8, "sigmoid"), "j": Slot(3, 8, "jumprelu")}
 

@@ -143,7 +143,8 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
     p = json.loads((probe_out / "summary.json").read_text())
     print(f"probe {p['steps']} steps, metrics {p['metrics']}, push {p['push']}")
     assert p["steps"] >= 5
-    _check_pushes(sched_engine, p["push"], scores, probe_out / "probe-logistic")
+    (saved,) = [d for d in probe_out.iterdir() if (d / "probe.json").exists()]
+    _check_pushes(sched_engine, p["push"], scores, saved)
 
     # Checkpoint in SAELens layout, and both offline W&B runs hold their metrics.
     (ckpt,) = [d for d in sae_out.iterdir() if (d / "cfg.json").exists()]
