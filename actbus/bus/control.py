@@ -294,8 +294,21 @@ class ControlClient:
         return self._call([msgpack.packb({"op": "status", "id": self._calls})])
 
     def _call(self, frames: list[bytes]) -> dict[str, Any]:
-        self._sock.send_multipart(frames)
         deadline = time.monotonic() + self.timeout_s
+        while True:  # a DEALER with no connection (a refused handshake) cannot send
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                why = self._auth.failure()
+                if why:
+                    raise PermissionError(why.replace("publisher", "control endpoint")) from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"could not reach the control endpoint at {self.address} in "
+                        f"{self.timeout_s}s"
+                    ) from None
+                time.sleep(0.02)
         while time.monotonic() < deadline:
             if self._sock.poll(50):
                 reply = msgpack.unpackb(self._sock.recv(), raw=False)
