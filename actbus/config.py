@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from actbus.bus.addresses import check_address
+from actbus.bus.control import ControlConfig
 from actbus.bus.endpoints import RANK_EXAMPLE, for_rank, has_rank
 from actbus.bus.security import check_server_keys
 from actbus.errors import ConfigError
@@ -76,6 +77,9 @@ class CaptureConfig:
     monitor: MonitorConfig | None = None
     """Monitors (``actbus.monitor.config``): named probes and SAE features scored in the
     compiled graph, their scores published on the bus; None: no monitor in the graph."""
+    control: ControlConfig | None = None
+    """Live weight pushes (``actbus.bus.control``): the engine core's authenticated
+    endpoint that swaps monitors' weights between steps; None: no endpoint."""
     all_layers: bool = field(default=False, repr=False)
 
     @classmethod
@@ -156,6 +160,13 @@ class CaptureConfig:
             kw["steer"] = SteerConfig.from_dict(raw["steer"])
         if "monitor" in raw:
             kw["monitor"] = MonitorConfig.from_dict(raw["monitor"])
+        if "control" in raw:
+            if "monitor" not in kw:
+                raise ConfigError(
+                    "actbus.control: pushes change monitors' weights, and this engine has "
+                    "none; add an actbus.monitor entry or remove actbus.control"
+                )
+            kw["control"] = ControlConfig.from_raw(raw["control"], kw)
         return cls(**kw)
 
     def publish_address(self, dp_rank: int = 0) -> str:

@@ -101,7 +101,83 @@ def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser
     t.add_argument("--no-progress", action="store_true", help="no rich progress bar")
     t.add_argument("--ledger", help=argparse.SUPPRESS)  # every trained (request, position)
     t.add_argument("--summary", help="write final metrics as JSON to this file")
+    _push_arguments(p.add_argument_group("live pushes to a serving engine's monitor"), kind)
     return p
+
+
+def _push_arguments(g: argparse._ArgumentGroup, kind: str) -> None:
+    g.add_argument(
+        "--push",
+        metavar="ADDR",
+        help="the engine's control endpoint (its actbus.control): push this model's weights "
+        "to one of its monitors as training goes",
+    )
+    g.add_argument("--push-every", type=int, default=100, help="optimizer steps between pushes")
+    g.add_argument(
+        "--push-monitor",
+        metavar="NAME",
+        help="the engine's monitor to update (default: the model's --name)",
+    )
+    if kind == "probe":
+        g.add_argument("--push-head", metavar="LABEL", help="the label whose head is pushed")
+    else:
+        g.add_argument(
+            "--push-features",
+            metavar="I,J,...",
+            help="the latents the engine's monitor scores, in its order (its 'features')",
+        )
+    g.add_argument("--push-server-key", help="CURVE: the engine's server.key")
+    g.add_argument("--push-client-secret-key", help="CURVE: this trainer's NAME.key_secret")
+
+
+def _push_target(opts: argparse.Namespace, configs: list) -> Any:
+    """What ``--push`` updates (a ``PushTarget``), checked with the other flags; or None."""
+    if not opts.push:
+        return None
+    from trainers.push import PushTarget
+
+    if len(configs) != 1:
+        raise ValueError(
+            f"--push: this run trains {len(configs)} models; a push updates one monitor "
+            "from one model (give single values to the sweep flags)"
+        )
+    c = configs[0]
+    kind = "probe" if isinstance(c, ProbeConfig) else "sae"
+    features: tuple[int, ...] = ()
+    if kind == "sae":
+        raw = getattr(opts, "push_features", None)
+        if not raw:
+            raise ValueError("--push-features: required with --push for an SAE")
+        try:
+            features = tuple(int(x) for x in str(raw).split(","))
+        except ValueError:
+            raise ValueError(
+                f"--push-features: expected I,J,... latent indices, got {raw!r}"
+            ) from None
+    if opts.push_every < 1:
+        raise ValueError(f"--push-every: expected a number of steps >= 1, got {opts.push_every}")
+    return PushTarget(
+        monitor=opts.push_monitor or c.name,
+        model=c.name,
+        kind=kind,
+        head=getattr(opts, "push_head", None),
+        features=features,
+    )
+
+
+def _push_callback(opts: argparse.Namespace) -> Any:
+    """The ``PushWeights`` callback ``--push`` asks for, or None."""
+    if opts.push_target is None:
+        return None
+    from trainers.push import PushWeights
+
+    return PushWeights(
+        opts.push,
+        opts.push_target,
+        opts.push_every,
+        server_key=opts.push_server_key,
+        client_secret_key=opts.push_client_secret_key,
+    )
 
 
 def _sae_parser() -> argparse.ArgumentParser:
@@ -224,6 +300,9 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
             opts.max_duty,
         )
     callbacks: list = [DataStats(dm, opts.log_every), StopOnSignal(), duty]  # + the module's
+    push = _push_callback(opts)
+    if push is not None:
+        callbacks.append(push)
     if not opts.no_progress:
         callbacks.append(MetricsProgressBar())
     devices: Any = int(opts.devices) if str(opts.devices).isdigit() else opts.devices
@@ -250,6 +329,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         "steps": trainer.global_step,
         **module.fit_summary(),
         "duty": round(duty.duty, 4),
+        **({"push": vars(push.stats)} if push is not None else {}),
         "data": dm.stats(),
         "wandb_dir": str(out / "wandb"),
     }
@@ -306,6 +386,7 @@ def _parse(
         )
     try:
         configs, data_cfg = build(opts, sub, _d_in(opts, sub))
+        opts.push_target = _push_target(opts, configs)
     except (ValueError, TimeoutError, FileNotFoundError) as e:
         parser.error(name_flag(parser, str(e)))
     return opts, configs, data_cfg

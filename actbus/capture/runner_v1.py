@@ -20,6 +20,7 @@ import torch
 from actbus.capture.scheduler import read_step
 from actbus.capture.session import wrap_load_model
 from actbus.capture.worker import StepView
+from actbus.monitor.push import apply_pushes
 
 log = logging.getLogger("actbus.capture")
 _EMPTY = torch.zeros(0, dtype=torch.int64)
@@ -54,6 +55,7 @@ def patch() -> bool:
 def _wrap_execute_model(orig):
     @functools.wraps(orig)
     def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
+        apply_pushes(self, scheduler_output)  # new monitor weights, before this step's forward
         steer = getattr(self, "_actbus_steer", None)
         requests = None
         if steer is not None:  # before the forward: its tables are filled in _prepare_inputs

@@ -21,6 +21,7 @@ from actbus.capture.scheduler import read_step
 from actbus.capture.session import wrap_load_model
 from actbus.capture.worker import StepView
 from actbus.errors import VllmVersionError
+from actbus.monitor.push import apply_pushes
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
@@ -46,6 +47,8 @@ def _wrap_execute_model(orig):
     @functools.wraps(orig)
     def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
         dummy = kwargs.get("dummy_run") or (len(args) >= 2 and args[1])
+        if not dummy:  # new monitor weights, before this step's forward
+            apply_pushes(self, scheduler_output)
         steer = getattr(self, "_actbus_steer", None)
         requests = None
         if steer is not None and not dummy:  # filled in prepare_inputs, before the forward

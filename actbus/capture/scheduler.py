@@ -13,6 +13,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from actbus.monitor.push import PUSH_ATTR
+
 ATTR = "_actbus_end_reasons"
 _REASONS = {
     "FINISHED_STOPPED": "stop",
@@ -70,6 +72,11 @@ def _wrap_schedule(orig):
         ended = self.__dict__.get("_actbus_ended")
         if ended:
             setattr(out, ATTR, {r: ended.pop(r) for r in out.finished_req_ids if r in ended})
+        control = self.__dict__.get("_actbus_control")  # actbus.capture.control
+        if control is not None and out.total_num_scheduled_tokens:  # a step with a forward
+            pushes = control.take()
+            if pushes:
+                setattr(out, PUSH_ATTR, pushes)
         return out
 
     return schedule

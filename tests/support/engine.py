@@ -40,6 +40,9 @@ class Engine:
     arch: str
     monitor: dict | None = None
     """The engine's ``actbus.monitor`` entry (the Llama engine's), or None."""
+    control: dict | None = None
+    """The Llama engine's control endpoint: ``address`` and the CURVE files a pushing
+    client uses (``server_key``, ``client_secret_key``), or None."""
 
 
 def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
@@ -49,12 +52,15 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
     address = f"ipc://{sock_dir}/bus.sock"
     t0 = time.monotonic()
     sched = arch == SCHED_ARCH
-    monitor = {}
+    monitor: dict = {}
+    control = None
     if sched:  # monitors of every kind at every hook point (tests/monitor)
         from tests.support.monitors import build_monitor_sources
 
         hidden = json.loads((model_path / "config.json").read_text())["hidden_size"]
         monitor = {"monitor": build_monitor_sources(model_path, sock_dir / "monitors", hidden)}
+        control = _control_endpoint(sock_dir)
+        monitor["control"] = {k: control[k] for k in ("address", *SERVER_KEYS)}
     llm = LLM(
         str(model_path),
         dtype="float32",
@@ -86,8 +92,37 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
     )
     print(f"\n[engine {arch}] started in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return Engine(
-        llm=llm, address=address, model_path=model_path, arch=arch, monitor=monitor.get("monitor")
+        llm=llm,
+        address=address,
+        model_path=model_path,
+        arch=arch,
+        monitor=monitor.get("monitor"),
+        control=control,
     )
+
+
+SERVER_KEYS = ("server_secret_key", "authorized_keys")
+
+
+def _control_endpoint(sock_dir: Path) -> dict:
+    """A CURVE control endpoint on a loopback port (tests/monitor/test_monitor_push.py),
+    its keys made with ``actbus keys``' code: what the server binds and what a client
+    holds."""
+    import socket
+
+    from actbus.bus.security import generate_keys
+
+    keys = generate_keys(sock_dir / "control-keys", client="trainer")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {
+        "address": f"tcp://127.0.0.1:{port}",
+        "server_secret_key": str(keys.server_secret),
+        "authorized_keys": str(keys.authorized_keys),
+        "server_key": str(keys.server_public),
+        "client_secret_key": str(keys.client_secret),
+    }
 
 
 def stop_engine(engine: Engine) -> None:

@@ -3,7 +3,10 @@ tagged with a label, and an SAE and a probe training live from the bus (each its
 ``actbus run`` process, default ``drop_oldest`` policy) while requests flow.
 
 The SAE's FVU must fall, both offline W&B runs must hold the metrics (read back
-from their ``.wandb`` files), and every drop is accounted for.
+from their ``.wandb`` files), and every drop is accounted for. The probe closes the
+loop: it pushes its weights into the engine's ``probe`` monitor every few steps
+(``--push``), the monitor scores of later requests carry increasing versions, and
+after training they are the saved probe's scores.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from actbus.bus import Event, Subscriber, Subscription
+from tests.monitor.test_monitor_engine import REL_TOL, ScoreLog
 from tests.support.procs import stop, wait_for
 from trainers.wandb_log import read_history, run_files
 
@@ -85,7 +89,14 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
         "--checkpoint-every",
         "50",
     )
-    probe = _trainer("probe", address, probe_out, *data, "--label", "label", "--heldout", "0.3")
+    ctl = sched_engine.control
+    push = ["--push", ctl["address"], "--push-every", "3", "--push-monitor", "probe"]
+    push += ["--push-server-key", ctl["server_key"]]
+    push += ["--push-client-secret-key", ctl["client_secret_key"]]
+    probe = _trainer(
+        "probe", address, probe_out, *data, "--label", "label", "--heldout", "0.3", *push
+    )
+    scores = ScoreLog(address, monitors=("probe",))
     try:
         wait_for(
             lambda: {"sae", "probe"} <= set(_subscribers(address)),
@@ -102,7 +113,7 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
             params = [
                 SamplingParams(
                     max_tokens=24,
-                    extra_args={"actbus": {"tags": {"label": label}}},
+                    extra_args={"actbus": {"tags": {"label": label}, "monitor": ["probe"]}},
                 )
                 for _, label in batch
             ]
@@ -114,6 +125,7 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
     finally:
         stop(sae)
         stop(probe)
+        scores.close()
 
     s = json.loads((sae_out / "summary.json").read_text())
     fvu = next(iter(s["fvu_history"].values()))
@@ -129,8 +141,10 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
     assert d["bus/received"] > 0
 
     p = json.loads((probe_out / "summary.json").read_text())
-    print(f"probe {p['steps']} steps, metrics {p['metrics']}")
+    print(f"probe {p['steps']} steps, metrics {p['metrics']}, push {p['push']}")
     assert p["steps"] >= 5
+    (saved,) = [d for d in probe_out.iterdir() if (d / "probe.json").exists()]
+    _check_pushes(sched_engine, p["push"], scores, saved)
 
     # Checkpoint in SAELens layout, and both offline W&B runs hold their metrics.
     (ckpt,) = [d for d in sae_out.iterdir() if (d / "cfg.json").exists()]
@@ -142,3 +156,54 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
         assert any(k.startswith("data/") for k in keys)
         if out is probe_out:
             assert any(k.endswith("label/heldout_accuracy") for k in keys), sorted(keys)
+
+
+def _check_pushes(engine, push: dict, scores: ScoreLog, saved: Path) -> None:
+    """The trainer pushed every few steps and at the end, the engine took every push
+    (versions increasing), requests were scored by newer and newer versions while it
+    trained, and a request after training is scored by the saved probe."""
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+
+    from tests.monitor.test_monitor_push import _client
+    from tests.support.monitors import SPECS
+    from tests.support.oracle import hf_activations
+    from trainers.checkpoint import load_probe
+    from trainers.push import PushTarget, folded
+
+    assert push["errors"] == [] and push["sent"] >= 2, push
+    versions = push["versions"]
+    assert versions == sorted(set(versions)), versions
+    seen: set[int] = set()
+    for key, rows in scores.rows.items():  # each request's scores, in arrival order
+        got = [r[3] for r in rows]
+        assert got == sorted(got), f"{key}: a later score came from an older version: {got}"
+        seen |= set(got)
+    assert len(seen) >= 2, seen  # scored by more than one version while it trained
+    layers = next(s.layers for s in SPECS if s.name == "probe")
+    log = ScoreLog(engine.address, monitors=("probe",))
+    try:
+        ids = [5, 9, 14, 3, 27, 11, 8]
+        sp = SamplingParams(
+            max_tokens=2, temperature=0, extra_args={"actbus": {"monitor": ["probe"]}}
+        )
+        out = engine.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        log.wait_ended([(out.request_id, 0)])
+    finally:
+        log.close()
+    fed = (ids + list(out.outputs[0].token_ids))[:-1]
+    probe = load_probe(saved)
+    for layer in layers:
+        rows = sorted(log.rows[(out.request_id, 0, "probe", layer)], key=lambda r: r[0])
+        assert {r[3] for r in rows} == {versions[-1]}, {r[3] for r in rows}
+        x = hf_activations(engine.model_path, fed, [layer], ["post_block"])[(layer, "post_block")]
+        with torch.no_grad():
+            ref = torch.sigmoid(probe(x.float()))
+        got = torch.from_numpy(np.stack([r[2] for r in rows]))
+        err = float(((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+        assert err <= REL_TOL, (layer, err)
+    src = engine.monitor["monitors"]["probe"]["probe"]  # the engine's own probe back
+    mw = folded(load_probe(src), PushTarget("probe", "probe", "probe"))
+    with _client(engine) as c:
+        c.push("probe", mw.weight, mw.bias)

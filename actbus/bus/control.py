@@ -1,0 +1,336 @@
+"""The engine's control endpoint: authenticated pushes of monitor weights while serving.
+
+The engine core binds a ROUTER socket at ``actbus.control`` (one per data-parallel
+engine core, like the publisher). Its rules are the publisher's (``security``): an
+ipc path or loopback by default; any other interface only with CURVE keys, and then
+only clients whose public key is in ``authorized_keys`` get through the handshake.
+Control writes into the model's monitors, so an ipc socket file is made readable and
+writable by the engine's user only.
+
+A peer sends ``encode_push`` frames (or ``{"op": "status"}``) and gets one msgpack
+reply: ``{"ok": true, "monitor", "version", "received"}`` or ``{"ok": false, "field",
+"error"}``. Every message is checked here, on this thread (size, shape, finite values,
+known monitor, increasing version: ``actbus.bus.pushwire``); a refused one changes
+nothing. Memory is bounded whatever peers send: at most one pending push per monitor
+(a newer one replaces a pending one that no step used yet), a message size cap
+(``ZMQ_MAXMSGSIZE``: a larger one drops that peer's connection) and a receive queue
+bound.
+
+``take`` hands the pending pushes to the scheduler for the next step and records,
+per version, when it was received and when the step that uses it was scheduled
+(``status``: the ``swap_ms`` figures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from actbus.bus.addresses import check_address
+from actbus.bus.pushwire import Push, PushError, Slot, check_push, encode_push
+from actbus.bus.security import ClientAuth, ServerAuth, check_server_keys
+from actbus.errors import ConfigError
+
+log = logging.getLogger("actbus.control")
+
+MAX_HEADER_BYTES = 4096
+MAX_FRAMES = 4
+RECV_HWM = 64
+SWAPS_KEPT = 4096
+FIELD = "actbus.control"
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """``actbus.control``: an address, or ``{"address", "server_secret_key",
+    "authorized_keys", "insecure_allow_any_interface"}`` (keys default to the engine's
+    own ``actbus.server_secret_key`` / ``actbus.authorized_keys``)."""
+
+    address: str
+    server_secret_key: str | None = None
+    authorized_keys: str | None = None
+    insecure_allow_any_interface: bool = False
+
+    @classmethod
+    def from_raw(cls, raw: Any, defaults: dict[str, Any]) -> ControlConfig:
+        if isinstance(raw, str):
+            raw = {"address": raw}
+        if not isinstance(raw, dict) or "address" not in raw:
+            raise ConfigError(
+                f"{FIELD}: expected an address such as 'ipc:///tmp/actbus-control.sock' or "
+                "{'address': ..., 'server_secret_key': ..., 'authorized_keys': ...}"
+            )
+        valid = ("address", "server_secret_key", "authorized_keys", "insecure_allow_any_interface")
+        for k in raw:
+            if k not in valid:
+                raise ConfigError(f"{FIELD}.{k}: unknown key; valid keys are {', '.join(valid)}")
+        keys = {
+            k: raw.get(k, defaults.get(k))
+            for k in ("server_secret_key", "authorized_keys")
+            if raw.get(k, defaults.get(k)) is not None
+        }
+        if keys:
+            check_server_keys(**keys, prefix=f"{FIELD}.")
+            keys = {k: os.path.abspath(v) for k, v in keys.items()}
+        insecure = raw.get("insecure_allow_any_interface", False)
+        if not isinstance(insecure, bool):
+            raise ConfigError(f"{FIELD}.insecure_allow_any_interface: expected true or false")
+        check_address(
+            raw["address"],
+            field_name=f"{FIELD}.address",
+            curve=bool(keys),
+            insecure_allow_any_interface=insecure,
+        )
+        return cls(raw["address"], insecure_allow_any_interface=insecure, **keys)
+
+
+class ControlServer:
+    """The endpoint's socket thread and the pushes waiting for a step. Thread-safe."""
+
+    def __init__(
+        self, cfg: ControlConfig, slots: dict[str, Slot], versions: dict[str, int]
+    ) -> None:
+        self.cfg = cfg
+        self.slots = slots
+        self.versions = dict(versions)  # latest accepted, pending included
+        self.in_use = dict(versions)  # latest handed to a step
+        self.accepted = 0
+        self.refused = 0
+        self.superseded = 0
+        self._pending: dict[str, Push] = {}
+        self._swaps: deque[dict[str, Any]] = deque(maxlen=SWAPS_KEPT)
+        self._lock = threading.Lock()
+        self._auth = ServerAuth(
+            cfg.address,
+            server_secret_key=cfg.server_secret_key,
+            authorized_keys=cfg.authorized_keys,
+            insecure_allow_any_interface=cfg.insecure_allow_any_interface,
+            prefix=f"{FIELD}.",
+        )
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.rcvhwm = RECV_HWM
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(s.nbytes for s in slots.values()) + 65536)
+        self._auth.apply(self._ctx, self._sock)
+        self._sock.bind(cfg.address)
+        if cfg.address.startswith("ipc://"):
+            os.chmod(cfg.address[len("ipc://") :], 0o600)
+        self._call_id: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="actbus-control", daemon=True)
+        self._thread.start()
+        log.info("actbus: control endpoint on %s (monitors %s)", cfg.address, sorted(slots))
+
+    # ----------------------------------------------------------- scheduler side
+    def take(self) -> list[Push]:
+        """The pending pushes, for the step being scheduled now."""
+        if not self._pending:  # unlocked peek: a push arriving now waits one step
+            return []
+        now = time.time()
+        with self._lock:
+            out = list(self._pending.values())
+            self._pending.clear()
+            for p in out:
+                self.in_use[p.name] = p.version
+                self._swaps.append(
+                    {
+                        "monitor": p.name,
+                        "version": p.version,
+                        "received": p.received,
+                        "scheduled": now,
+                        "swap_ms": (now - p.received) * 1e3,
+                    }
+                )
+        return out
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "ok": True,
+                "monitors": {
+                    n: {"version": self.versions[n], "in_use": self.in_use[n]} for n in self.slots
+                },
+                "accepted": self.accepted,
+                "refused": self.refused,
+                "superseded": self.superseded,
+                "swaps": list(self._swaps),
+            }
+
+    # -------------------------------------------------------------- socket side
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                msg = self._sock.recv_multipart(copy=True)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                log.exception("actbus: control socket error")
+                continue
+            ident, frames = msg[0], msg[1:]
+            self._call_id = None
+            try:
+                reply = self._handle(frames)
+            except PushError as e:
+                with self._lock:
+                    self.refused += 1
+                reply = {"ok": False, "field": e.field, "error": str(e)}
+                log.warning("actbus: refused a push: %s", e)
+            except Exception as e:  # never let one peer's message end the endpoint
+                log.exception("actbus: control message failed")
+                reply = {"ok": False, "field": "message", "error": f"{type(e).__name__}: {e}"}
+            if self._call_id is not None:
+                reply["id"] = self._call_id
+            with contextlib.suppress(zmq.ZMQError):  # the peer left
+                self._sock.send_multipart([ident, msgpack.packb(reply)], zmq.NOBLOCK)
+
+    def _handle(self, frames: list[bytes]) -> dict[str, Any]:
+        if not frames or len(frames) > MAX_FRAMES or len(frames[0]) > MAX_HEADER_BYTES:
+            raise PushError(
+                "message", f"expected a header and at most {MAX_FRAMES - 1} array frames"
+            )
+        try:
+            header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+        except Exception:
+            raise PushError("message", "the header is not msgpack") from None
+        if not isinstance(header, dict):
+            raise PushError("message", "the header is not a map")
+        if isinstance(header.get("id"), int):
+            self._call_id = header["id"]  # echoed, so a client matches replies to calls
+        op = header.get("op")
+        if op == "status":
+            return self.status()
+        if op != "push":
+            raise PushError("op", f"{str(op)[:20]!r} is not one of push, status")
+        with self._lock:
+            push = check_push(header, frames[1:], self.slots, self.versions)
+            if push.name in self._pending:
+                self.superseded += 1
+            self._pending[push.name] = push
+            self.versions[push.name] = push.version
+            self.accepted += 1
+        return {
+            "ok": True,
+            "monitor": push.name,
+            "version": push.version,
+            "received": push.received,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+        self._auth.close()
+        self._ctx.term()
+
+
+class PushRefused(RuntimeError):
+    """The engine refused a push; ``field`` names what was wrong."""
+
+    def __init__(self, reply: dict[str, Any]) -> None:
+        super().__init__(str(reply.get("error")))
+        self.field = reply.get("field")
+
+
+class ControlClient:
+    """A trainer's (or a script's) side: push monitor weights, ask for the status.
+
+    ``server_key`` / ``client_secret_key``: CURVE, as for a subscriber (``actbus keys``).
+    Each call waits for the engine's reply up to ``timeout_s``; a refused CURVE
+    handshake is reported as such, not as a silent timeout."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        server_key: str | None = None,
+        client_secret_key: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.address = check_address(address, field_name="--push", allow_remote=True)
+        self.timeout_s = timeout_s
+        self._auth = ClientAuth(
+            address,
+            server_key=server_key,
+            client_secret_key=client_secret_key,
+            fields=("--push-server-key", "--push-client-secret-key"),
+        )
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._auth.apply(self._sock)
+        self._sock.connect(address)
+        self._calls = 0
+
+    def push(
+        self,
+        monitor: str,
+        weight: Any,
+        bias: Any,
+        threshold: Any = None,
+        version: int | None = None,
+    ) -> dict[str, Any]:
+        """Send new weights for ``monitor``; the engine's reply (its ``version``).
+        Raises ``PushRefused`` naming the field, or ``TimeoutError``."""
+        self._calls += 1
+        frames = encode_push(monitor, weight, bias, threshold, version, call_id=self._calls)
+        return self._call(frames)
+
+    def status(self) -> dict[str, Any]:
+        self._calls += 1
+        return self._call([msgpack.packb({"op": "status", "id": self._calls})])
+
+    def _call(self, frames: list[bytes]) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # a DEALER with no connection (a refused handshake) cannot send
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                why = self._auth.failure()
+                if why:
+                    raise PermissionError(why.replace("publisher", "control endpoint")) from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"could not reach the control endpoint at {self.address} in "
+                        f"{self.timeout_s}s"
+                    ) from None
+                time.sleep(0.02)
+        while time.monotonic() < deadline:
+            if self._sock.poll(50):
+                reply = msgpack.unpackb(self._sock.recv(), raw=False)
+                if reply.get("id", self._calls) != self._calls:
+                    continue  # the late answer to a call that timed out
+                if not reply.get("ok"):
+                    raise PushRefused(reply)
+                return reply
+            why = self._auth.failure()
+            if why:
+                raise PermissionError(why.replace("publisher", "control endpoint"))
+        raise TimeoutError(
+            f"no reply from the control endpoint at {self.address} in {self.timeout_s}s"
+        )
+
+    def close(self) -> None:
+        self._auth.close()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,150 @@
+"""What a push of monitor weights is on the control channel: its frames and its checks.
+
+A push replaces one monitor's weights with the folded form a checkpoint loads into
+(``weight [cols, hidden]``, ``bias [cols]``, ``threshold [cols]`` for JumpReLU:
+``actbus.monitor.weights``). The frames are a msgpack header (``op``, ``monitor``,
+``shape``, optional ``version`` and call ``id``) and the raw float32 arrays. The
+engine core checks every push against the ``Slot`` of each monitor (fixed when the
+engine starts: the compiled graph's shape) before anything changes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from actbus.errors import ConfigError
+
+MAX_VERSION = 2**62
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What one monitor's table takes: fixed when the engine starts."""
+
+    cols: int
+    hidden: int
+    activation: str
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.cols * (self.hidden + 2)
+
+
+@dataclass(frozen=True, eq=False)
+class Push:
+    """One accepted push, as the workers receive it (pickled with the step)."""
+
+    name: str
+    version: int
+    weight: np.ndarray  # float32 [cols, hidden]
+    bias: np.ndarray  # float32 [cols]
+    theta: np.ndarray  # float32 [cols]
+    received: float
+    """Unix time the engine accepted it."""
+
+
+class PushError(ConfigError):
+    """A refused push; ``field`` is the part of it that was wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def encode_push(
+    monitor: str,
+    weight: Any,
+    bias: Any,
+    threshold: Any = None,
+    version: int | None = None,
+    *,
+    call_id: int | None = None,
+) -> list[bytes]:
+    """The frames of a push: a msgpack header, then the float32 weight, bias and
+    (JumpReLU) threshold bytes."""
+    import msgpack
+
+    w = np.ascontiguousarray(np.asarray(weight, dtype=np.float32))
+    if w.ndim == 1:
+        w = w[None, :]
+    b = np.ascontiguousarray(np.asarray(bias, dtype=np.float32).reshape(-1))
+    header: dict[str, Any] = {"op": "push", "monitor": monitor, "shape": list(w.shape)}
+    if version is not None:
+        header["version"] = version
+    if call_id is not None:
+        header["id"] = call_id
+    frames = [msgpack.packb(header), w.tobytes(), b.tobytes()]
+    if threshold is not None:
+        frames.append(np.asarray(threshold, dtype=np.float32).reshape(-1).tobytes())
+    return frames
+
+
+def check_push(
+    header: dict[str, Any],
+    frames: list[bytes],
+    slots: dict[str, Slot],
+    versions: dict[str, int],
+) -> Push:
+    """A push checked against the engine's monitors, or ``PushError`` naming the field.
+    ``versions``: each monitor's latest accepted version (pending ones included)."""
+    name = header.get("monitor")
+    if not isinstance(name, str) or name not in slots:
+        known = ", ".join(sorted(slots)[:20]) or "none"
+        raise PushError(
+            "monitor",
+            f"no monitor named {str(name)[:60]!r} on this engine (known: {known}); pushes "
+            "change the weights of monitors the engine was started with",
+        )
+    slot = slots[name]
+    shape = header.get("shape")
+    if shape != [slot.cols, slot.hidden]:
+        raise PushError(
+            "weight",
+            f"shape {str(shape)[:40]} does not fit monitor {name!r}: it takes "
+            f"[{slot.cols}, {slot.hidden}] (columns x the model's residual width)",
+        )
+    jump = slot.activation == "jumprelu"
+    want = 3 if jump else 2
+    if len(frames) != want:
+        what = "weight, bias and threshold" if jump else "weight and bias (no threshold)"
+        raise PushError(
+            "frames", f"monitor {name!r} ({slot.activation}) takes {what}: {len(frames)} given"
+        )
+    arrays = []
+    for field, raw, n in zip(
+        ("weight", "bias", "threshold"),
+        frames,
+        (slot.cols * slot.hidden, slot.cols, slot.cols),
+        strict=False,
+    ):
+        if len(raw) != 4 * n:
+            raise PushError(field, f"{len(raw)} bytes; monitor {name!r} takes {n} float32")
+        a = np.frombuffer(raw, dtype=np.float32).copy()
+        if not np.isfinite(a).all():
+            raise PushError(field, f"holds NaN or Inf values; monitor {name!r} keeps its weights")
+        arrays.append(a)
+    theta = arrays[2] if jump else np.zeros(slot.cols, dtype=np.float32)
+    current = versions.get(name, 1)
+    version = header.get("version")
+    if version is None:
+        version = current + 1
+    elif not isinstance(version, int) or isinstance(version, bool) or version > MAX_VERSION:
+        raise PushError("version", f"expected an integer, got {str(version)[:40]}")
+    elif version <= current:
+        raise PushError(
+            "version",
+            f"{version} is not above monitor {name!r}'s current version {current}; versions "
+            "only increase (leave it out and the engine numbers the push)",
+        )
+    return Push(
+        name,
+        version,
+        arrays[0].reshape(slot.cols, slot.hidden),
+        arrays[1],
+        theta,
+        time.time(),
+    )

@@ -1,0 +1,60 @@
+"""Engine-core side of live pushes: the control endpoint beside the scheduler.
+
+Wraps the scheduler's ``__init__`` so an engine core whose actbus config has
+``control`` binds its endpoint (``actbus.bus.control``) as it starts: a bad address
+or key fails the start. The scheduler's ``schedule`` (``actbus.capture.scheduler``)
+hands the endpoint's pending pushes to the workers with the next step that runs a
+forward.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+from typing import Any
+
+from actbus.bus.control import ControlServer
+from actbus.bus.endpoints import for_rank
+from actbus.bus.pushwire import Slot
+from actbus.capture.session import capture_config, monitor_weights
+
+
+def patch() -> bool:
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:
+        return False
+    if getattr(Scheduler, "_actbus_control_patched", False):
+        return True
+    Scheduler.__init__ = _wrap_init(Scheduler.__init__)
+    Scheduler._actbus_control_patched = True
+    return True
+
+
+def _wrap_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        self._actbus_control = start_control(getattr(self, "vllm_config", None))
+
+    return __init__
+
+
+def start_control(vllm_config: Any) -> ControlServer | None:
+    """This engine core's endpoint, bound; None without ``actbus.control``."""
+    cfg = capture_config(vllm_config) if vllm_config is not None else None
+    if cfg is None or cfg.control is None or cfg.monitor is None:
+        return None
+    mc = vllm_config.model_config
+    weights = monitor_weights(
+        cfg.monitor, int(mc.hf_text_config.num_hidden_layers), mc.get_hidden_size()
+    )
+    rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    control = dataclasses.replace(
+        cfg.control, address=for_rank(cfg.control.address, rank, "actbus.control.address")
+    )
+    slots = {n: Slot(w.cols, int(w.weight.shape[1]), w.activation) for n, w in weights.items()}
+    server = ControlServer(control, slots, {n: 1 for n in weights})
+    atexit.register(server.close)
+    return server

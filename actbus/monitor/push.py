@@ -1,0 +1,57 @@
+"""Live weight pushes into a serving engine's monitors: how a worker applies them.
+
+A push (``actbus.bus.pushwire``) replaces one monitor's weights with the same folded
+form a checkpoint loads into (``actbus.monitor.weights``), so pushed and
+checkpoint-loaded weights score alike. Only values change: the monitor's points,
+activation, columns and TopK ``k`` shape the compiled graph and stay as the engine
+started.
+
+Path of a push: the engine core's control endpoint (``actbus.bus.control``, started
+by ``actbus.capture.control``) checks it and keeps it pending; the scheduler puts the
+pending pushes on the next ``SchedulerOutput`` that runs a forward (``PUSH_ATTR``), so
+every worker gets them with that step, and the worker writes them into its tables
+before launching that step's forward (``apply_pushes``). The copy is in stream order
+with the forwards, so a step reads entirely the old weights or entirely the new ones;
+the monitor's version changes at the same point, so every score message names the
+weights that made it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from actbus.bus.pushwire import Push
+from actbus.monitor.weights import MonitorWeights
+
+log = logging.getLogger("actbus.monitor")
+
+PUSH_ATTR = "_actbus_pushes"
+"""The ``SchedulerOutput`` attribute carrying a step's pushes to the workers."""
+
+
+def apply_pushes(runner: Any, scheduler_output: Any) -> None:
+    """Write this step's pushes into the runner's monitor tables; called before the
+    step's forward is launched. Ranks without monitor tables (tensor-parallel ranks
+    other than 0) have nothing to write."""
+    pushes: list[Push] | None = getattr(scheduler_output, PUSH_ATTR, None)
+    if not pushes:
+        return
+    cap = getattr(runner, "_actbus", None)
+    harvest = getattr(cap, "monitors", None)
+    if harvest is None:
+        return
+    tables = harvest.tables
+    for p in pushes:
+        segs = [pt.segments[p.name] for pt in tables.points.values() if p.name in pt.segments]
+        seg = segs[0] if segs else None
+        if seg is None:  # the monitor's layers are on another pipeline stage
+            continue
+        mw = MonitorWeights(p.weight, p.bias, seg.activation, p.theta, k=seg.k)
+        tables.write(p.name, mw)
+        tables.versions[p.name] = p.version  # the engine core numbered it
+        log.info(
+            "actbus: monitor %s version %d in use from step %d, %.1f ms after the push arrived",
+            p.name, p.version, cap.step, (time.time() - p.received) * 1e3,
+        )  # fmt: skip
