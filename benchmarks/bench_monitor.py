@@ -6,8 +6,16 @@ graphs). Each configuration runs in its own process (a fresh engine):
 
     plain              actbus not loaded
     monitor_probe_4    a probe direction (sigmoid) at layers 4, 12, 20, 28 on every token
-                       of every request, scores read by a lossless (``block``) subscriber
+                       of every request, scores returned to the caller
+                       (``"monitor_return": true``: ``CompletionOutput.monitor_scores``)
     monitor_sae_1      64 features of a ReLU SAE (1024 latents) at layer 16, the same way
+    gated_steer        every request steered at layer 16 by a vector gated (hard, 0.5) by
+                       a sigmoid probe monitor at layer 12 of the same token
+    monitor_probe_4_bus  (only when named) monitor_probe_4 with the scores read by a
+                       lossless (``block``) bus subscriber instead of returned
+
+Returned scores are counted: every request must get prompt + generated - 1 rows per
+monitor layer, or the arm fails.
 
 Capture is restricted to no request (``requests: selected``), so only monitoring is
 measured. Prints a table, then one JSON line with every figure and ``ratio_<config>``
@@ -50,12 +58,18 @@ DEFAULTS = {
 class Arm:
     kind: str  # "probe" | "sae"
     layers: list[int]
+    returned: bool = True  # scores back to the caller, else to a bus subscriber
+    gate_layer: int | None = None  # steer this layer (16) gated by the monitor's score
 
 
 CONFIGS: dict[str, Arm | None] = {
     "plain": None,
     "monitor_probe_4": Arm("probe", [4, 12, 20, 28]),
     "monitor_sae_1": Arm("sae", [16]),
+    "gated_steer": Arm("probe", [12], returned=False, gate_layer=16),
+}
+EXTRA_CONFIGS: dict[str, Arm] = {
+    "monitor_probe_4_bus": Arm("probe", [4, 12, 20, 28], returned=False),
 }
 SAE_LATENTS = 1024
 SAE_FEATURES = list(range(64))
@@ -117,18 +131,37 @@ def read_scores(address: str) -> int:
     return 0
 
 
+def _count_returned(outs: list, layers: int) -> dict:
+    """Returned score rows, against prompt + generated - 1 per request and layer."""
+    rows = expected = incomplete = 0
+    for o in outs:
+        ms = getattr(o.outputs[0], "monitor_scores", None)
+        expected += layers * (len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1)
+        if ms is None:
+            incomplete += 1
+            continue
+        rows += sum(len(v) for v in ms.values.values())
+        incomplete += not ms.complete
+    return {"rows": rows, "expected": expected, "incomplete": incomplete,
+            "exact": rows == expected and not incomplete}  # fmt: skip
+
+
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """One configuration, in this process: start the engine, generate, time it."""
     from vllm import SamplingParams
 
     path, config = model(args.tiny)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mon-"))
-    arm = CONFIGS[name]
+    arm = CONFIGS.get(name) or EXTRA_CONFIGS.get(name)
     extra: dict = {}
     sub = None
+
+    def layer(x: int) -> int:
+        return TINY_LAYERS[x] if args.tiny else x
+
     if arm is not None:
         address = f"ipc://{tmp}/bus.sock"
-        layers = [TINY_LAYERS[x] for x in arm.layers] if args.tiny else arm.layers
+        layers = [layer(x) for x in arm.layers]
         extra = {
             "actbus": {
                 "publish": address,
@@ -138,6 +171,10 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
                 "monitor": _monitor(arm, tmp, config["hidden_size"], layers),
             }
         }
+        if arm.gate_layer is not None:
+            extra["actbus"]["monitor"]["global"] = []  # the gate reads it: scored anyway
+            extra["actbus"]["steer"] = {"layers": [layer(arm.gate_layer)]}
+    if arm is not None and not arm.returned and arm.gate_layer is None:
         sub = subprocess.Popen(
             [sys.executable, __file__, "--read", address],
             stdout=subprocess.PIPE,
@@ -149,16 +186,31 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     llm = make_llm(path, tiny=args.tiny, input_len=args.input, output_len=args.output, extra=extra)
     start_s = time.monotonic() - t0
     prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
-    params = SamplingParams(
-        temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False
-    )
+    base = dict(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
+    params = SamplingParams(**base)
+    if arm is not None and arm.returned:
+        params = SamplingParams(**base, extra_args={"actbus": {"monitor_return": True}})
+    if arm is not None and arm.gate_layer is not None:
+        import torch
+
+        from actbus.steer.api import vectors
+
+        g = torch.Generator().manual_seed(2)
+        vectors(llm).register("v", torch.randn(config["hidden_size"], generator=g))
+        gate = {"monitor": "m", "threshold": 0.5, "source": "token"}
+        entry = {"vector": "v", "layers": [layer(arm.gate_layer)], "scale": 0.5, "gate": gate}
+        params = SamplingParams(**base, extra_args={"actbus": {"steer": [entry]}})
     warm_up(llm, prompts)
-    _, timed = timed_generate(llm, prompts, params)
+    outs, timed = timed_generate(llm, prompts, params)
     result = {
         "config": name,
         "engine_start_s": round(start_s, 1),
         **timed,
     }
+    if arm is not None and arm.returned:
+        result["returned"] = _count_returned(outs, len(arm.layers))
+        if not result["returned"]["exact"]:
+            raise SystemExit(f"{name}: returned scores miscounted: {result['returned']}")
     llm.llm_engine.engine_core.shutdown()
     if sub is not None:
         try:
@@ -194,9 +246,9 @@ def main() -> int:
         print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
     names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in CONFIGS and n not in EXTRA_CONFIGS]
     if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+        ap.error(f"--configs: unknown {unknown}; choose from {[*CONFIGS, *EXTRA_CONFIGS]}")
     argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
     argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
     results = run_arms(
@@ -215,6 +267,9 @@ def main() -> int:
         summary[f"tok_per_s_{name}"] = r["tok_per_s"]
         if name != "plain":
             summary[f"ratio_{name}"] = round(ratio, 4)
+        if r.get("returned"):
+            summary[f"returned_rows_{name}"] = r["returned"]["rows"]
+            summary[f"returned_exact_{name}"] = r["returned"]["exact"]
         if r.get("subscriber"):
             summary[f"received_rows_{name}"] = r["subscriber"].get("rows", 0)
             summary[f"missed_{name}"] = r["subscriber"].get("missed", 0)
