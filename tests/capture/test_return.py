@@ -144,7 +144,16 @@ def async_engine(tiny_models, tmp_path_factory):
     engine.actbus_loop = asyncio.new_event_loop()
     yield engine, tiny_models["llama"]
     engine.shutdown()
-    engine.actbus_loop.close()
+    # As asyncio.run ends its loop: cancel what is left (vLLM's output handler) and let
+    # it finish, so no task keeps vLLM's ZeroMQ sockets half-open in garbage, whose
+    # context would block the next gc.collect() in term().
+    loop = engine.actbus_loop
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 def async_monitors(model_path) -> dict:
