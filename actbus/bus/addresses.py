@@ -96,6 +96,14 @@ def is_loopback_address(addr: str) -> bool:
     return bool(m) and _is_loopback(m.group("host").strip("[]"))
 
 
+def connectable(addr: str) -> str:
+    """A bind address as this host connects to it (a wildcard bind: on loopback)."""
+    host, _, port = addr.removeprefix("tcp://").rpartition(":")
+    if addr.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]"):
+        return f"tcp://127.0.0.1:{port}"
+    return addr
+
+
 def _prefix(field_name: str) -> str:
     """``actbus.`` of ``actbus.publish``: where the fix's keys live."""
     return field_name.rpartition(".")[0] + "." if "." in field_name else ""

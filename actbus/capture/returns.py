@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from actbus.bus.addresses import connectable
 from actbus.bus.endpoints import Endpoints
 from actbus.bus.fanin import subscribe
 from actbus.bus.protocol import Subscription
@@ -174,7 +175,7 @@ class ReturnCollector:
                 "(--data-parallel-hybrid-lb or external load balancing), or subscribe to "
                 "the bus instead"
             )
-        addrs = [_reachable(cfg.publish_address(r)) for r in (dp.served if dp else (0,))]
+        addrs = [connectable(cfg.publish_address(r)) for r in (dp.served if dp else (0,))]
         key = ",".join(addrs)
         with _LOCK:
             if key not in _COLLECTORS:
@@ -405,14 +406,6 @@ def _as_items(rows: np.ndarray) -> np.ndarray:
     return rows.view(f"V{rows.shape[1]}").reshape(len(rows))
 
 
-def _reachable(addr: str) -> str:
-    """A bind address as this host connects to it (a wildcard bind: on loopback)."""
-    host, _, port = addr.removeprefix("tcp://").rpartition(":")
-    if addr.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]"):
-        return f"tcp://127.0.0.1:{port}"
-    return addr
-
-
 def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
     """Rows per tap that positions ``0 .. limit-1`` give under ``sel`` (None: ``last``,
     whose one row comes with the request's end), by the worker's own row mask."""
@@ -439,7 +432,7 @@ def close_collectors(addresses: list[str]) -> int:
     """Close the collectors that read any of these publishers, whose engine stopped:
     their subscribers would otherwise wait for it, and say so every few seconds, for as
     long as the process lives. Returns how many were closed."""
-    gone = {_reachable(a) for a in addresses}
+    gone = {connectable(a) for a in addresses}
     with _LOCK:
         keys = [k for k in _COLLECTORS if gone.intersection(k.split(","))]
         closing = [_COLLECTORS.pop(k) for k in keys]

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from actbus.bus.addresses import connectable
 from actbus.bus.endpoints import Endpoints
 from actbus.bus.fanin import subscribe
 from actbus.bus.protocol import Subscription
@@ -232,7 +233,7 @@ class ScoreCollector:
                 f"{list(dp.remote)} on other nodes, whose publishers it cannot reach; run "
                 "each node's ranks behind a front end of its own, or read scores with ScoreReader"
             )
-        addrs = [reachable(cfg.publish_address(r)) for r in (dp.served if dp else (0,))]
+        addrs = [connectable(cfg.publish_address(r)) for r in (dp.served if dp else (0,))]
         key = ",".join(addrs)
         with _LOCK:
             if key not in _COLLECTORS:
@@ -412,14 +413,6 @@ class ScoreCollector:
                 _OWNER.pop(caller_id, None)
 
 
-def reachable(addr: str) -> str:
-    """A bind address as this host connects to it (a wildcard bind: on loopback)."""
-    host, _, port = addr.removeprefix("tcp://").rpartition(":")
-    if addr.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]"):
-        return f"tcp://127.0.0.1:{port}"
-    return addr
-
-
 _LOCK = threading.Lock()
 _COLLECTORS: dict[str, ScoreCollector] = {}
 _OWNER: dict[str, ScoreCollector] = {}
@@ -438,7 +431,7 @@ def forget(caller_ids: list[str]) -> None:
 
 def close_collectors(addresses: list[str]) -> int:
     """Close the collectors reading any of these publishers, whose engine stopped."""
-    gone = {reachable(a) for a in addresses}
+    gone = {connectable(a) for a in addresses}
     with _LOCK:
         keys = [k for k in _COLLECTORS if gone.intersection(k.split(","))]
         closing = [_COLLECTORS.pop(k) for k in keys]

@@ -56,13 +56,9 @@ def test_ddp_two_ranks_train_each_token_once(tmp_path):
     finally:
         pub.stop()
     assert r.returncode == 0, r.stderr[-4000:]
-    seen = []
-    for rank in (0, 1):
-        lines = Path(f"{ledger}.rank{rank}").read_text().splitlines()
-        seen.append({tuple(line.split("\t")[1:]) for line in lines})
-        assert len(lines) == len(seen[-1]), f"rank {rank} trained a token twice"
-        assert len(lines) > 0, f"rank {rank} got nothing: not load-balanced"
-    assert not seen[0] & seen[1]
+    seen = _tokens_per_rank(ledger)
+    for rank, tokens in enumerate(seen):
+        assert tokens, f"rank {rank} got nothing: not load-balanced"
     ids = [f"s{s}-r{i}" for s in range(messages) for i in range(8)]
     expected = {(r, str(p)) for r in ids for p in range(32)}
     assert seen[0] | seen[1] == expected
@@ -97,13 +93,9 @@ def test_ddp_two_ranks_share_two_publishers_each_token_once(tmp_path):
         for p in pubs:
             p.stop()
     assert r.returncode == 0, r.stderr[-4000:]
-    seen = []
-    for rank in (0, 1):
-        lines = Path(f"{ledger}.rank{rank}").read_text().splitlines()
-        seen.append({tuple(line.split("\t")[1:]) for line in lines})
-        assert len(lines) == len(seen[-1]), f"rank {rank} trained a token twice"
-        assert {rid[:2] for rid, _ in seen[-1]} == {"p0", "p1"}, f"rank {rank}: not both"
-    assert not seen[0] & seen[1]
+    seen = _tokens_per_rank(ledger)
+    for rank, tokens in enumerate(seen):
+        assert {rid[:2] for rid, _ in tokens} == {"p0", "p1"}, f"rank {rank}: not both"
     ids = [f"p{k}s{s}-r{i}" for k in range(2) for s in range(messages) for i in range(8)]
     assert seen[0] | seen[1] == {(r, str(p)) for r in ids for p in range(32)}
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -152,13 +144,9 @@ def test_two_nodes_one_rank_each_train_each_token_once(tmp_path):
         pub.stop()
     for node, (n, out) in enumerate(zip(nodes, outs, strict=True)):
         assert n.returncode == 0, f"node {node}: {out[-4000:]}"
-    seen = []
-    for rank in (0, 1):
-        lines = Path(f"{ledger}.rank{rank}").read_text().splitlines()
-        seen.append({tuple(line.split("\t")[1:]) for line in lines})
-        assert len(lines) == len(seen[-1]), f"rank {rank} trained a token twice"
-        assert len(lines) > 0, f"rank {rank} got nothing: not load-balanced"
-    assert not seen[0] & seen[1]
+    seen = _tokens_per_rank(ledger)
+    for rank, tokens in enumerate(seen):
+        assert tokens, f"rank {rank} got nothing: not load-balanced"
     ids = [f"s{s}-r{i}" for s in range(messages) for i in range(8)]
     assert seen[0] | seen[1] == {(r, str(p)) for r in ids for p in range(32)}
 
@@ -172,6 +160,18 @@ def test_num_nodes_without_the_cluster_env_is_refused_by_name(tmp_path):
     )  # fmt: skip
     assert r.returncode == 2
     assert "--num-nodes: set NODE_RANK" in r.stderr
+
+
+def _tokens_per_rank(ledger: Path) -> list[set[tuple[str, ...]]]:
+    """Each rank's trained (request id, position) pairs from its ledger; no token twice
+    within a rank, none shared between the two ranks."""
+    seen = []
+    for rank in (0, 1):
+        lines = Path(f"{ledger}.rank{rank}").read_text().splitlines()
+        seen.append({tuple(line.split("\t")[1:]) for line in lines})
+        assert len(lines) == len(seen[-1]), f"rank {rank} trained a token twice"
+    assert not seen[0] & seen[1]
+    return seen
 
 
 def _free_port() -> int:
