@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_arms import (
+    FAILED,
     LLAMA3_8B,
     RESULT,
     make_llm,
@@ -122,6 +123,7 @@ def main() -> int:
         if s:
             summary[f"dropped_{name}"] = sum(s.get("dropped_by_publisher", {}).values())
             summary[f"received_msgs_{name}"] = s.get("messages", 0)
+    summary.update(FAILED)
     print(json.dumps(summary))
     return 0
 

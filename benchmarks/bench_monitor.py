@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_arms import (
+    FAILED,
     RESULT,
     ROOT,
     make_llm,
@@ -273,6 +274,7 @@ def main() -> int:
         if r.get("subscriber"):
             summary[f"received_rows_{name}"] = r["subscriber"].get("rows", 0)
             summary[f"missed_{name}"] = r["subscriber"].get("missed", 0)
+    summary.update(FAILED)
     print(json.dumps(summary))
     return 0
 

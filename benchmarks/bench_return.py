@@ -36,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_arms import (
+    FAILED,
     RESULT,
     make_llm,
     model,
@@ -198,7 +199,7 @@ def main() -> int:
         layers = ",".join(map(str, r["layers"]))
         tps = r["tok_per_s"]
         print(f"{name:10s} {layers:>14s} {tps:>10.1f} {ratio:>9.3f} {rows:>12s}  {check}")
-    print(json.dumps(summarize(results, args)))
+    print(json.dumps({**summarize(results, args), **FAILED}))
     return 0
 
 

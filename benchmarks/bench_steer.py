@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 from engine_arms import (
+    FAILED,
     RESULT,
     make_llm,
     model,
@@ -182,6 +183,7 @@ def main() -> int:
             summary[f"ratio_{name}"] = round(ratio, 4)
         if r.get("subscriber"):
             summary[f"received_msgs_{name}"] = r["subscriber"].get("messages", 0)
+    summary.update(FAILED)
     print(json.dumps(summary))
     return 0
 

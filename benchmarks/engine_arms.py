@@ -104,7 +104,8 @@ def timed_generate(llm: Any, prompts: list[Any], params: Any) -> tuple[list[Any]
     """The timed generation (after ``warm_up``): its outputs, and the arm's figures
     ``gen_s``, ``generated_tokens`` and ``tok_per_s`` (generated tokens per second)."""
     t0 = time.monotonic()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    # BENCH_PROGRESS=1: a progress bar on stderr, to see an arm's rate if it times out.
+    outs = llm.generate(prompts, params, use_tqdm=os.environ.get("BENCH_PROGRESS") == "1")
     gen_s = time.monotonic() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return outs, {
@@ -151,6 +152,11 @@ def stop_bus_subscriber(name: str, sub: subprocess.Popen) -> dict[str, Any]:
     return stats
 
 
+FAILED: dict[str, float] = {}
+"""Arms that timed out in this run (``timed_out_<arm>``: the limit, in s), for the
+summary's JSON line."""
+
+
 def run_arms(
     script: str,
     names: list[str],
@@ -166,7 +172,17 @@ def run_arms(
         if (only := plugins(name)) is not None:
             env["VLLM_PLUGINS"] = only
         cmd = [sys.executable, script, *argv, "--one", name]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            # Go on with the other arms; the tail (progress bar, last log lines)
+            # tells a slow arm from a stuck one.
+            tail = e.stderr or b""
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            print(f"arm {name} timed out after {timeout:.0f} s; stderr ended:", file=sys.stderr)
+            print(tail[-4000:], file=sys.stderr)
+            FAILED[f"timed_out_{name}"] = timeout
+            continue
         line = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
         if proc.returncode or not line:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
