@@ -13,6 +13,8 @@ graphs). Each configuration runs in its own process (a fresh engine):
                        a sigmoid probe monitor at layer 12 of the same token
     monitor_probe_4_bus  (only when named) monitor_probe_4 with the scores read by a
                        lossless (``block``) bus subscriber instead of returned
+    monitor_probe_4_graph, monitor_sae_1_graph  (only when named) scored in the graph
+                       and read by no one: what the graph itself costs
 
 Returned scores are counted: every request must get prompt + generated - 1 rows per
 monitor layer, or the arm fails.
@@ -61,6 +63,7 @@ class Arm:
     layers: list[int]
     returned: bool = True  # scores back to the caller, else to a bus subscriber
     gate_layer: int | None = None  # steer this layer (16) gated by the monitor's score
+    read: bool = True  # False: scored in the graph, read by no one (the graph's own cost)
 
 
 CONFIGS: dict[str, Arm | None] = {
@@ -71,6 +74,8 @@ CONFIGS: dict[str, Arm | None] = {
 }
 EXTRA_CONFIGS: dict[str, Arm] = {
     "monitor_probe_4_bus": Arm("probe", [4, 12, 20, 28], returned=False),
+    "monitor_probe_4_graph": Arm("probe", [4, 12, 20, 28], returned=False, read=False),
+    "monitor_sae_1_graph": Arm("sae", [16], returned=False, read=False),
 }
 SAE_LATENTS = 1024
 SAE_FEATURES = list(range(64))
@@ -78,18 +83,20 @@ SAE_FEATURES = list(range(64))
 
 def _sae_checkpoint(path: Path, hidden: int) -> None:
     """A ReLU SAE in the format ``actbus run sae`` writes (SAELens' inference format)."""
-    import torch
-    from safetensors.torch import save_file
+    # numpy, not torch: a torch CPU op big enough to start OpenMP threads in this
+    # process hangs the engine core vLLM then forks (at its first parallel op).
+    import numpy as np
+    from safetensors.numpy import save_file
 
-    g = torch.Generator().manual_seed(0)
-    w_dec = torch.nn.functional.normalize(torch.randn(SAE_LATENTS, hidden, generator=g), dim=1)
+    w_dec = np.random.default_rng(0).standard_normal((SAE_LATENTS, hidden), dtype=np.float32)
+    w_dec /= np.linalg.norm(w_dec, axis=1, keepdims=True)
     path.mkdir(parents=True, exist_ok=True)
     save_file(
         {
-            "W_enc": w_dec.t().contiguous(),
-            "b_enc": torch.zeros(SAE_LATENTS),
+            "W_enc": np.ascontiguousarray(w_dec.T),
+            "b_enc": np.zeros(SAE_LATENTS, dtype=np.float32),
             "W_dec": w_dec,
-            "b_dec": torch.zeros(hidden),
+            "b_dec": np.zeros(hidden, dtype=np.float32),
         },
         str(path / "sae_weights.safetensors"),
     )
@@ -175,7 +182,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         if arm.gate_layer is not None:
             extra["actbus"]["monitor"]["global"] = []  # the gate reads it: scored anyway
             extra["actbus"]["steer"] = {"layers": [layer(arm.gate_layer)]}
-    if arm is not None and not arm.returned and arm.gate_layer is None:
+    if arm is not None and not arm.returned and arm.read and arm.gate_layer is None:
         sub = subprocess.Popen(
             [sys.executable, __file__, "--read", address],
             stdout=subprocess.PIPE,

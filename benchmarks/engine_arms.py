@@ -177,10 +177,10 @@ def run_arms(
         except subprocess.TimeoutExpired as e:
             # Go on with the other arms; the tail (progress bar, last log lines)
             # tells a slow arm from a stuck one.
-            tail = e.stderr or b""
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            print(f"arm {name} timed out after {timeout:.0f} s; stderr ended:", file=sys.stderr)
-            print(tail[-4000:], file=sys.stderr)
+            print(f"arm {name} timed out after {timeout:.0f} s; its output ended:", file=sys.stderr)
+            for out, n in ((e.stdout, 3000), (e.stderr, 3000)):  # vLLM logs to stdout
+                text = out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+                print(text[-n:], file=sys.stderr)
             FAILED[f"timed_out_{name}"] = timeout
             continue
         line = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
