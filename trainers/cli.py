@@ -93,6 +93,14 @@ def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser
         "costs generation, and what the trainer cannot take is dropped and counted",
     )
     t.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch's CPU threads (default: all cores when training on the CPU, else at most "
+        "4: batches are drawn and pinned on the CPU, and an engine on the same host needs "
+        "its cores more than spinning thread pools do)",
+    )
+    t.add_argument(
         "--wandb-project",
         default=os.environ.get("WANDB_PROJECT", "actbus"),
         help="W&B project (default $WANDB_PROJECT or actbus); group: $WANDB_RUN_GROUP",
@@ -103,6 +111,23 @@ def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser
     t.add_argument("--summary", help="write final metrics as JSON to this file")
     _push_arguments(p.add_argument_group("live pushes to a serving engine's monitor"), kind)
     return p
+
+
+def _cpu_threads(asked: int | None, accelerator: str) -> None:
+    """Size torch's CPU thread pool. Training on a GPU uses the CPU only to draw and pin
+    batches; torch's default pool (one thread per core) then spins on cores that the
+    engine, usually on the same host, needs for scheduling and output processing."""
+    import torch
+
+    if asked is None and (accelerator == "cpu" or not torch.cuda.is_available()):
+        return
+    torch.set_num_threads(asked or min(4, os.cpu_count() or 1))
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _push_arguments(g: argparse._ArgumentGroup, kind: str) -> None:
@@ -329,6 +354,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         "steps": trainer.global_step,
         **module.fit_summary(),
         "duty": round(duty.duty, 4),
+        "cpu_threads": _torch_threads(),
         **({"push": vars(push.stats)} if push is not None else {}),
         "data": dm.stats(),
         "wandb_dir": str(out / "wandb"),
@@ -379,6 +405,9 @@ def _parse(
         parser.error(f"--max-duty: expected a share of time in (0, 1], got {opts.max_duty}")
     if opts.num_nodes < 1:
         parser.error(f"--num-nodes: expected 1 or more hosts, got {opts.num_nodes}")
+    if opts.cpu_threads is not None and opts.cpu_threads < 1:
+        parser.error(f"--cpu-threads: expected 1 or more threads, got {opts.cpu_threads}")
+    _cpu_threads(opts.cpu_threads, opts.accelerator)
     if opts.num_nodes > 1 and "NODE_RANK" not in os.environ:
         parser.error(
             "--num-nodes: set NODE_RANK (this host's index), MASTER_ADDR and MASTER_PORT "

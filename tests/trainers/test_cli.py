@@ -224,10 +224,13 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
 
     # --max-duty: the trainer rests after each step, spending at most that share of its
     # time in steps (uncapped it is busy nearly all the time), and trains on the same rows.
+    # --cpu-threads sizes torch's CPU pool (on a CPU-only host it is left alone unless asked).
     r = _run("sae", *common, "--k", "8", "--expansion", "2", "--out", str(tmp_path / "capped"),
-             "--max-duty", "0.25", "--summary", str(tmp_path / "capped.json"))  # fmt: skip
+             "--max-duty", "0.25", "--summary", str(tmp_path / "capped.json"),
+             "--cpu-threads", "1")  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     capped = json.loads((tmp_path / "capped.json").read_text())
+    assert capped["cpu_threads"] == 1
     assert capped["data"]["tokens/L2/post_block"] == 40 * 256
     assert capped["duty"] <= 0.26 < 0.5 < s["duty"], (capped["duty"], s["duty"])
 
@@ -260,6 +263,9 @@ def test_bad_flags_are_named():
     r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
              "--max-duty", "0")  # fmt: skip
     assert r.returncode == 2 and "--max-duty: expected a share of time in (0, 1]" in r.stderr
+    r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
+             "--cpu-threads", "0")  # fmt: skip
+    assert r.returncode == 2 and "--cpu-threads: expected 1 or more threads" in r.stderr
 
 
 def test_several_saes_from_one_subscription(tmp_path):
