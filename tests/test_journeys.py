@@ -1,11 +1,11 @@
-"""The README's three journeys, run as their scripts in ``examples/`` are run, on CPU with
+"""The README's journeys, run as their scripts in ``examples/`` are run, on CPU with
 the tiny Llama, and what each made checked: checkpoints that load, rows stored and
 replayed, W&B runs with metrics, the dashboard's view, activations returned with the
-right shapes.
+right shapes, the closed loop's scores against HF transformers.
 
 Two engines in all: one ``actbus serve`` that journeys 1 (serve and train) and 2 (store
-and replay) drive as a running server (``--connect/--url``), and journey 3's own offline
-``LLM``. Ctrl-C of a server the script started itself is tested in
+and replay) and the closed loop drive as a running server (``--connect/--url``), and
+journey 3's own offline ``LLM``. Ctrl-C of a server the script started itself is tested in
 ``tests/capture/test_server.py``.
 """
 
