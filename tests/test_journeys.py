@@ -151,22 +151,6 @@ def test_serve_and_train_live(server, tmp_path):
     }
 
 
-def test_return_activations_in_process(tmp_path):
-    """Journey 3, its own offline LLM: every request's rows come back, one per token fed
-    (one for the request that asked for its last prompt token), at both layers."""
-    out = tmp_path / "return"
-    r = _script("return_in_process.py", "--out", str(out))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    saved = torch.load(out / "activations.pt")
-    assert len(saved) == 8
-    for i, req in enumerate(saved):
-        n = len(req["positions"])
-        assert n == 1 if i == 0 else n > 10
-        for layer in LAYERS:
-            assert req[f"L{layer}/post_block"].shape == (n, 128)
-        assert req["token_ids"].shape == (n,)
-
-
 def test_closed_loop(server, tiny_models, tmp_path):
     """The closed loop against the server: a probe trains live from tagged requests and
     pushes into the monitor (later requests scored by newer versions); on held-out
@@ -239,3 +223,19 @@ def test_closed_loop(server, tiny_models, tmp_path):
     for m in flagged:
         assert m["plain"]["logprobs"] != m["steered"]["logprobs"], m
     assert any(m["plain"]["text"] != m["steered"]["text"] for m in flagged)
+
+
+def test_return_activations_in_process(tmp_path):
+    """Journey 3, its own offline LLM: every request's rows come back, one per token fed
+    (one for the request that asked for its last prompt token), at both layers."""
+    out = tmp_path / "return"
+    r = _script("return_in_process.py", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    saved = torch.load(out / "activations.pt")
+    assert len(saved) == 8
+    for i, req in enumerate(saved):
+        n = len(req["positions"])
+        assert n == 1 if i == 0 else n > 10
+        for layer in LAYERS:
+            assert req[f"L{layer}/post_block"].shape == (n, 128)
+        assert req["token_ids"].shape == (n,)
