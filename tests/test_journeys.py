@@ -169,7 +169,8 @@ def test_closed_loop(server, tiny_models, tmp_path):
         "closed_loop.py", "--connect", address, "--url", url, "--control", control,
         "--out", str(out),
     )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # What it saw is checked here first; its own verdict (exit status) last.
+    assert (out / "closed_loop.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "closed_loop.json").read_text())
     push, layer = res["push"], res["layer"]
     assert push["errors"] == [] and len(push["versions"]) >= 3, push
@@ -223,6 +224,7 @@ def test_closed_loop(server, tiny_models, tmp_path):
     for m in flagged:
         assert m["plain"]["logprobs"] != m["steered"]["logprobs"], m
     assert any(m["plain"]["text"] != m["steered"]["text"] for m in flagged)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_return_activations_in_process(tmp_path):
