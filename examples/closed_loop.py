@@ -100,14 +100,13 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)  # a run starts clean
     out.mkdir(parents=True)
     layer, steer_layer = model.layers[0], model.layers[0] + 1
-    total = 4
 
     server = None
     if args.connect is None:
         run = tempfile.mkdtemp(prefix="actbus-loop-")
         address, control = f"ipc://{run}/bus.sock", f"ipc://{run}/control.sock"
         url = f"http://127.0.0.1:{args.port or _free_port()}"
-        common.step(1, total, f"actbus serve {model.path}: monitor 'probe' at layer {layer}")
+        common.step(1, 4, f"actbus serve {model.path}: monitor 'probe' at layer {layer}")
         server = common.actbus(
             "serve", model.path, "--layers", str(layer), "--publish", address,
             "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], *model.serve_flags(),
@@ -117,7 +116,7 @@ def main() -> int:
         common.wait_http(f"{url}/health", 900, server)  # about a minute on CPU
     else:
         address, url, control = args.connect, args.url, args.control
-        common.step(1, total, f"a running server: {url}, bus {address}, control {control}")
+        common.step(1, 4, f"a running server: {url}, bus {address}, control {control}")
     served = common.get_json(f"{url}/v1/models")["data"][0]["id"]
     result: dict[str, Any] = {"layer": layer, "steer_layer": steer_layer}
     try:
@@ -144,7 +143,17 @@ def engine_config(model_path: str, layer: int, steer_layer: int, control: str) -
     }
 
 
-def run_loop(args, model, out: Path, address, url, control, served, result: dict) -> bool:
+def run_loop(
+    args: argparse.Namespace,
+    model: common.Model,
+    out: Path,
+    address: str,
+    url: str,
+    control: str,
+    served: str,
+    result: dict[str, Any],
+) -> bool:
+    """Steps 2 to 4 against the server; what they saw goes into ``result``."""
     layer, steer_layer = result["layer"], result["steer_layer"]
     common.step(2, 4, f"actbus run probe --push {control}; tagged requests over HTTP")
     probe = common.actbus(
