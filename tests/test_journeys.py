@@ -1,11 +1,11 @@
-"""The README's three journeys, run as their scripts in ``examples/`` are run, on CPU with
+"""The README's journeys, run as their scripts in ``examples/`` are run, on CPU with
 the tiny Llama, and what each made checked: checkpoints that load, rows stored and
 replayed, W&B runs with metrics, the dashboard's view, activations returned with the
-right shapes.
+right shapes, the closed loop's scores against HF transformers.
 
 Two engines in all: one ``actbus serve`` that journeys 1 (serve and train) and 2 (store
-and replay) drive as a running server (``--connect/--url``), and journey 3's own offline
-``LLM``. Ctrl-C of a server the script started itself is tested in
+and replay) and the closed loop drive as a running server (``--connect/--url``), and
+journey 3's own offline ``LLM``. Ctrl-C of a server the script started itself is tested in
 ``tests/capture/test_server.py``.
 """
 
@@ -49,7 +49,8 @@ def _script(name: str, *args: str, timeout: float = 600) -> subprocess.Completed
 def server(tiny_models, tmp_path_factory):
     """``actbus serve`` as the README starts it (tiny Llama, layers 1 and 3)."""
     tmp = tmp_path_factory.mktemp("journey-server")
-    address = f"ipc://{tempfile.mkdtemp(prefix='actbus-jt-')}/bus.sock"
+    run = tempfile.mkdtemp(prefix="actbus-jt-")
+    address, control = f"ipc://{run}/bus.sock", f"ipc://{run}/control.sock"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -57,7 +58,8 @@ def server(tiny_models, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "actbus.cli", "serve", str(tiny_models["llama"]),
          "--layers", "1,3", "--publish", address, "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.3"],
+         "--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.3",
+         "--actbus-config", json.dumps(_loop_config(tiny_models["llama"], control))],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -73,7 +75,7 @@ def server(tiny_models, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "the server was not up within 600 s"
             time.sleep(1)
-        yield address, url
+        yield address, url, control
     finally:
         proc.terminate()
         try:
@@ -83,13 +85,26 @@ def server(tiny_models, tmp_path_factory):
         log.close()
 
 
+def _loop_config(model_path: Path, control: str) -> dict:
+    """What the closed loop needs of the server (``examples/closed_loop.py`` starts its
+    own with the same): a sigmoid monitor at layer 1 to push the probe into, the
+    control endpoint, steering at layer 2."""
+    hidden = json.loads((model_path / "config.json").read_text())["hidden_size"]
+    probe = {"weight": [0.0] * hidden, "sigmoid": True, "layers": [1]}
+    return {
+        "monitor": {"monitors": {"probe": probe}},
+        "control": control,
+        "steer": {"layers": [2], "hooks": ["post_block"]},
+    }
+
+
 def test_store_train_from_disk_and_replay(server, tmp_path):
     """Journey 2 against the server: the run holds every row fed at both layers, intact;
     the SAE trained from disk on label=1 requests loads; the replayed copy is the same."""
     from consumers.fs import ActivationRun
     from trainers.checkpoint import load_sae
 
-    address, url = server
+    address, url, _ = server
     out = tmp_path / "store"
     r = _script("store_and_replay.py", "--connect", address, "--url", url, "--out", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -114,7 +129,7 @@ def test_serve_and_train_live(server, tmp_path):
     from consumers.wandb_offline import history
     from trainers.checkpoint import load_sae
 
-    address, url = server
+    address, url, _ = server
     out = tmp_path / "serve"
     r = _script("serve_and_train.py", "--connect", address, "--url", url, "--out", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -134,6 +149,82 @@ def test_serve_and_train_live(server, tmp_path):
     assert board["bus"]["tokens"] > 0 and {"L1.post_block", "L3.post_block"} <= {
         f"L{t['layer']}.{t['hook']}" for t in board["acts"]["taps"].values()
     }
+
+
+def test_closed_loop(server, tiny_models, tmp_path):
+    """The closed loop against the server: a probe trains live from tagged requests and
+    pushes into the monitor (later requests scored by newer versions); on held-out
+    untagged requests the live monitor's decisions, read from the HTTP responses, are
+    the saved probe's own on HF transformers' hidden states (so the same accuracy), and
+    that accuracy is the trainer's held-out accuracy; the probe's direction, gated by
+    the monitor, changes only the requests the monitor flags."""
+    import numpy as np
+
+    from tests.support.oracle import hf_activations
+    from trainers.checkpoint import load_probe
+
+    address, url, control = server
+    out = tmp_path / "loop"
+    r = _script(
+        "closed_loop.py", "--connect", address, "--url", url, "--control", control,
+        "--out", str(out),
+    )  # fmt: skip
+    # What it saw is checked here first; its own verdict (exit status) last.
+    assert (out / "closed_loop.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "closed_loop.json").read_text())
+    push, layer = res["push"], res["layer"]
+    assert push["errors"] == [] and len(push["versions"]) >= 3, push
+    assert push["versions"] == sorted(set(push["versions"])), push
+    rounds = res["round_versions"]  # the newest version scoring each round's requests
+    assert rounds == sorted(rounds) and len(set(rounds)) >= 3, rounds
+
+    # (a) Held-out accuracy: every score is the final push's, and is what the saved
+    # probe reads off HF's stream (float32 both sides: 1e-4 is the oracle tolerance
+    # of tests/monitor). A token's decision could differ only if its probability were
+    # within that of 0.5; those are counted and bound the accuracy difference.
+    probe = load_probe(res["probe"])
+    right_live = right_ref = borderline = n = 0
+    for row in res["heldout"]:
+        assert set(row["versions"]) == {push["versions"][-1]}, row["versions"]
+        ids = row["token_ids"]
+        x = hf_activations(tiny_models["llama"], ids, [layer], ["post_block"])[
+            (layer, "post_block")
+        ]
+        with torch.no_grad():
+            ref = torch.sigmoid(probe(x.float()))[:, 0].double()
+        got = torch.from_numpy(np.array(row["scores"], dtype=np.float32)).double()
+        assert got.shape == ref.shape, (got.shape, ref.shape)
+        assert float((got - ref).abs().max()) <= 1e-4, (got - ref).abs().max()
+        borderline += int(((ref - 0.5).abs() <= 1e-4).sum())
+        right_live += int(((got > 0.5).long() == row["label"]).sum())
+        right_ref += int(((ref > 0.5).long() == row["label"]).sum())
+        n += len(ids)
+    live, own = right_live / n, right_ref / n
+    print(f"held-out accuracy: live {live:.4f}, saved probe {own:.4f}, {borderline} borderline")
+    assert live == res["live_accuracy"]
+    assert abs(live - own) <= borderline / n, (live, own, borderline)
+    assert live > 0.75, live  # numbers against words: the probe learned the label
+    # The trainer's own held-out accuracy (its last window of held-out tagged requests,
+    # at most one push older): other requests of the same kind, ~1000 tokens each, so a
+    # binomial standard error near 0.01 on each side; 0.05 is about four of them.
+    trainer = res["trainer_heldout_accuracy"]
+    assert abs(live - trainer) <= 0.05, (live, trainer)
+
+    # (b) Gated steering: requests whose highest score stays under the threshold are
+    # bitwise the unsteered run (text, log probabilities, scores); flagged ones change.
+    mixed = res["mixed"]
+    flagged = [m for m in mixed if m["flagged"]]
+    quiet = [m for m in mixed if not m["flagged"]]
+    assert len(flagged) >= 2 and len(quiet) >= 2, [m["flagged"] for m in mixed]
+    for m in mixed:
+        assert m["flagged"] == (max(m["plain"]["scores"]) > res["threshold"])
+        assert set(m["plain"]["versions"]) == {push["versions"][-1]}
+    for m in quiet:
+        assert m["plain"] == m["steered"], m
+    for m in flagged:
+        assert m["plain"]["logprobs"] != m["steered"]["logprobs"], m
+    assert any(m["plain"]["text"] != m["steered"]["text"] for m in flagged)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_return_activations_in_process(tmp_path):
