@@ -214,12 +214,12 @@ def main() -> int:
         timeout_s=30,
     ) as client:
         version = client.push("raw", w.numpy(), [0.5])["version"]
-        status = client.status()
-    pushed = llm.generate(
-        [TokensPrompt(prompt_token_ids=prompts[1])],
-        [params({"actbus": {"monitor": ["raw"], "monitor_return": True, "return": True}})],
-        use_tqdm=False,
-    )[0].outputs[0]
+        pushed = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[1])],
+            [params({"actbus": {"monitor": ["raw"], "monitor_return": True, "return": True}})],
+            use_tqdm=False,
+        )[0].outputs[0]
+        status = client.status()  # with the swap's figures (arrival to first step)
     after = llm.collective_rpc(_counts)
     ms = pushed.monitor_scores
     x = pushed.activations[(raw.layers[0], raw.hook)].float().cpu()
