@@ -17,7 +17,7 @@ from actbus.wire import MONITOR_HOOK, Header, MonitorInfo, RequestEnd, RowIndex
 from consumers.scores import ScoreStats, ScoreStatsConfig
 from consumers.stats import OTHER_TAG
 from consumers.wandb_dash import flatten_monitors
-from tests.support.dashboard_procs import Browser, DashboardProc, chromium_missing
+from tests.support.dashboard_procs import Browser, DashboardProc, chromium_missing, page_scores
 from tests.support.procs import wait_for
 
 
@@ -210,30 +210,6 @@ class ScorePublisher:
         self.done.set()
         self.thread.join(timeout=5)
         self.pub.close()
-
-
-PAGE_SCORES = """JSON.stringify({
-  status: document.querySelector('#monitor-status').textContent,
-  rows: [...document.querySelectorAll('#monitors tbody tr')].map(r => ({
-    series: r.dataset.series, col: +r.dataset.col,
-    column: r.querySelector('.column').textContent,
-    version: +r.querySelector('.version').dataset.v, rows: +r.querySelector('.rows').dataset.v,
-    mean: +r.querySelector('.mean').dataset.v, above: r.querySelector('.above').dataset.v})),
-  tags: [...document.querySelectorAll('#monitor-tags tbody tr')].map(r => ({
-    tag: r.dataset.tag, series: r.dataset.series, col: +r.dataset.col,
-    text: r.cells[0].textContent, mean: +r.querySelector('.mean').dataset.v})),
-  requests: [...document.querySelectorAll('#monitor-requests svg[data-series]')].map(s => ({
-    request: s.closest('.req').dataset.request, series: s.dataset.series, col: +s.dataset.col,
-    positions: s.dataset.positions.split(',').map(Number),
-    values: s.dataset.values.split(',').map(Number)})),
-  html_tags: document.querySelectorAll('#monitor-section i').length,
-})"""
-
-
-def page_scores(browser: Browser) -> dict:
-    import json
-
-    return json.loads(browser.eval(PAGE_SCORES))
 
 
 def test_the_page_shows_the_monitor_scores_the_bus_sent(tmp_path):
