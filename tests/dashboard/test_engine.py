@@ -341,7 +341,7 @@ def check_monitor_panel(browser: Browser, truth: ScoreTruth) -> None:
     for (key, col), r in rows.items():
         v = np.concatenate(truth.values[key])[:, col].astype(np.float64)
         assert r["mean"] == pytest.approx(v.mean(), rel=1e-6), (key, col)
-        assert r["version"] == truth.versions[key] == 1
+        assert r["version"] == truth.versions[key] >= 1  # above 1 after a push (test_monitor_push)
     print(f"monitor panel: {[(k, r['rows'], r['mean']) for k, r in rows.items()]}")
     tags = {(t["text"], t["series"], t["col"]): t["mean"] for t in page["tags"]}
     for split in ("train", "eval"):

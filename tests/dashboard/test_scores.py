@@ -297,3 +297,45 @@ def test_no_monitor_scores_flag_leaves_them_out(tmp_path):
         rc = dash.stop()
         pub.close()
     assert rc == 0, (tmp_path / "dash.log").read_text()
+
+
+def test_wandb_logs_the_monitor_scores_the_bus_sent(tmp_path):
+    from consumers.wandb_offline import find_runs, history
+    from tests.support.dashboard_procs import start_wandb
+    from tests.support.procs import stop
+
+    address = f"ipc://{tmp_path}/bus.sock"
+    pub = ScorePublisher(address, steps=25, monitors=ScorePublisher.MONITORS)
+    proc = start_wandb(address, tmp_path, "--interval", "0.2", "--exit-on-end")
+    try:
+        wait_for(
+            lambda: (
+                {"wandb", "wandb-scores"} <= pub.pub.stats()["subscribers"].keys()
+                or proc.poll() is not None
+            ),
+            90,
+            "the W&B consumer to subscribe to activations and scores",
+        )
+        assert proc.poll() is None, (tmp_path / "wandb-consumer.log").read_text()
+        pub.go.set()
+        assert pub.done.wait(30)
+        wait_for(
+            lambda: not pub.pub.stats()["subscribers"]["wandb-scores"]["inflight"],
+            30,
+            "the scores to be read",
+        )
+    finally:
+        pub.close()
+        rc = proc.wait(timeout=60) if proc.poll() is None else stop(proc)
+    assert rc == 0, (tmp_path / "wandb-consumer.log").read_text()
+    [path] = find_runs(tmp_path)
+    last = history(path)[-1]
+    for name, cols in (("probe", ("c0",)), ("feats", ("f4", "f9"))):
+        assert last[f"monitor/{name}/L1/rows"] == 100 and last[f"monitor/{name}/L1/version"] == 3
+        for i, col in enumerate(cols):
+            sent = np.array([v[i] for rid in "ab" for _, v in pub.sent[name, rid]], np.float64)
+            assert last[f"monitor/{name}/L1/{col}/mean"] == pytest.approx(sent.mean(), rel=1e-9)
+            assert last[f"monitor/{name}/L1/{col}/max"] == pytest.approx(sent.max(), rel=1e-6)
+        train = np.array([v[0] for _, v in pub.sent[name, "a"]], np.float64)
+        key = f"monitor/tags/split=train/{name}.L1/{cols[0]}/mean"
+        assert last[key] == pytest.approx(train.mean(), rel=1e-9)
