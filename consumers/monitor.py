@@ -7,6 +7,12 @@ data-less connection (the same client ``actbus stats`` uses), so it can hand one
 complete snapshot to ``report``: the W&B logger logs it, the web dashboard
 serves it. It subscribes with ``sample:5/s`` by default (``DASHBOARD_POLICY``), so
 a slow dashboard loses sampled steps (counted by the publisher), never generation time.
+
+When the engine has monitors (its WELCOME lists them) and ``monitor_scores`` is on, it
+also subscribes to their scores alone, on a second connection (``NAME-scores``,
+``drop_newest``: scores are a few bytes per token, so every one of them comes unless
+the dashboard falls a whole window behind, and none can slow the engine), and digests
+them into ``ScoreStats`` (``consumers.scores``): the snapshot's ``monitors`` entry.
 """
 
 from __future__ import annotations
@@ -21,10 +27,14 @@ import torch
 
 from actbus.bus import Batch, Subscriber, statsview
 from actbus.bus.endpoints import Endpoints
-from actbus.bus.protocol import DASHBOARD_POLICY
+from actbus.bus.fanin import FanIn, subscribe
+from actbus.bus.protocol import DASHBOARD_POLICY, MAX_WINDOW, Subscription
 from actbus.consumer import Consumer
 from actbus.logcap import capped_text
+from actbus.monitor.reader import split_scores
+from actbus.wire import MONITOR_HOOK
 from consumers.priority import add_priority_arguments, lower_priority
+from consumers.scores import ScoreStats, ScoreStatsConfig, add_monitor_scores_argument
 from consumers.stats import ActivationStats, BusHealth, RecentRequests, StatsConfig
 
 log = logging.getLogger("actbus.monitor")
@@ -32,6 +42,14 @@ log = logging.getLogger("actbus.monitor")
 
 MAX_PENDING_BYTES = 64 << 20
 """Batches held for the next digest: past this, they are digested at once."""
+SCORE_POLICY = "drop_newest"
+SCORE_WINDOW_BYTES = 16 << 20
+"""Credit of the score subscription: ``MAX_WINDOW`` messages or this many bytes."""
+SCORE_DRAIN_S = 0.25
+"""Score messages are read at least this often while batches arrive (and at each
+heartbeat and report)."""
+MAX_DRAIN = 4 * MAX_WINDOW
+"""Score messages read in one go, at most: the main stream is never starved."""
 
 
 class Monitor(Consumer):
@@ -49,6 +67,8 @@ class Monitor(Consumer):
         server_key: str | None = None,
         client_secret_key: str | None = None,
         stats_timeout_s: float = 2.0,
+        monitor_scores: bool = True,
+        score_config: ScoreStatsConfig | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s: must be > 0 seconds, got {interval_s}")
@@ -76,6 +96,12 @@ class Monitor(Consumer):
         self._pending: list[Batch] = []
         self._pending_bytes = 0
         self.reports = 0
+        self.monitor_scores = monitor_scores
+        self.scores = ScoreStats(score_config)
+        self.scores_error: str | None = None
+        self._scores_sub: Subscriber | FanIn | None = None
+        self._match: dict[str, Any] | None = None
+        self._drained = 0.0
         self.publishers: dict[str, dict[str, Any]] = {}
         """What this dashboard received from each publisher (by address): its run,
         data-parallel rank, messages, rows and last step; under fan-in a panel each."""
@@ -93,6 +119,7 @@ class Monitor(Consumer):
             "--bins", type=int, default=32, help="histogram bins of the per-token norms"
         )
         add_priority_arguments(parser)
+        add_monitor_scores_argument(parser)
         parser.add_argument(
             "--outlier-k",
             type=float,
@@ -112,15 +139,22 @@ class Monitor(Consumer):
             "config": StatsConfig(bins=args.bins, outlier_k=args.outlier_k),
             "server_key": getattr(args, "server_key", None),
             "client_secret_key": getattr(args, "client_secret_key", None),
+            "monitor_scores": args.monitor_scores,
         }
 
     # ----------------------------------------------------------------- callbacks
     def on_welcome(self, info: dict[str, Any]) -> None:
         self.welcome = dict(info)
+        monitors = info.get("monitors")
+        if self.monitor_scores and isinstance(monitors, dict) and monitors:
+            self.scores.describe(monitors)
+            if self._scores_sub is None and self.scores_error is None:
+                self._open_scores()
 
     def subscription(self, policy: str | None = None, **kw: Any):  # type: ignore[override]
         sub = super().subscription(policy, **kw)
         sampling = sub.policy == "sample"
+        self._match = sub.match  # the score subscription keeps the same requests
         self.sample_per_s = sub.sample_per_s if sampling else 0.0
         self.sample_every = sub.sample_every if sampling and not self.sample_per_s else 1
         return sub
@@ -133,6 +167,8 @@ class Monitor(Consumer):
         self._count_publisher(batch)
         if self._pending_bytes >= MAX_PENDING_BYTES:
             self.digest()
+        if time.monotonic() - self._drained >= SCORE_DRAIN_S:
+            self.drain_scores()
         self._maybe_report()
 
     def _count_publisher(self, batch: Batch) -> None:
@@ -173,6 +209,7 @@ class Monitor(Consumer):
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:
         self.beat = dict(info)
+        self.drain_scores()
         self._maybe_report()
 
     def on_end(self) -> None:
@@ -183,6 +220,66 @@ class Monitor(Consumer):
         if self._side is not None:
             self._side.close()
             self._side = None
+        if self._scores_sub is not None:
+            self._scores_sub.close()
+            self._scores_sub = None
+
+    # ------------------------------------------------------------ monitor scores
+    def _open_scores(self) -> None:
+        server_key, client_key = self._keys
+        sub = Subscription(
+            policy=SCORE_POLICY,
+            window=MAX_WINDOW,
+            window_bytes=SCORE_WINDOW_BYTES,
+            hooks=(MONITOR_HOOK,),
+            match=self._match,
+            name=f"{self.name or 'dashboard'}-scores",
+        )
+        try:
+            self._scores_sub = subscribe(
+                self.address, sub, server_key=server_key, client_secret_key=client_key
+            )
+        except Exception as e:  # the dashboard goes on without scores, and says why
+            self._scores_failed(e)
+
+    def drain_scores(self) -> None:
+        """Digest the score messages waiting (never blocks)."""
+        self._drained = time.monotonic()
+        sub = self._scores_sub
+        if sub is None:
+            return
+        try:
+            for _ in range(MAX_DRAIN):
+                out = sub.recv(timeout=0)
+                if out is None:
+                    return
+                if isinstance(out, Batch) and out.header.hook == MONITOR_HOOK:
+                    self._digest_scores(out)
+        except Exception as e:  # the subscription itself failed (refused, closed)
+            self._scores_failed(e)
+
+    def _digest_scores(self, batch: Batch) -> None:
+        """One message; one the figures cannot take is counted and logged, like a batch
+        of activations (``digest``), and the next is read."""
+        try:
+            self.scores.add(split_scores(batch), batch.header.ended)
+        except Exception as e:
+            self.digest_errors += 1
+            n = self.digest_errors
+            if (n - 1).bit_length() < n.bit_length():  # at 1, 2, 4, 8... in all
+                log.error(
+                    "could not digest a score message (%d so far): %s",
+                    n,
+                    capped_text(f"{type(e).__name__}: {e}"),
+                    exc_info=n == 1,
+                )
+
+    def _scores_failed(self, e: BaseException) -> None:
+        self.scores_error = capped_text(f"{type(e).__name__}: {e}")
+        log.error("monitor scores left out: %s", self.scores_error)
+        if self._scores_sub is not None:
+            self._scores_sub.close()
+            self._scores_sub = None
 
     # ------------------------------------------------------------------ reports
     def flush(self) -> dict[str, Any]:
@@ -195,6 +292,7 @@ class Monitor(Consumer):
 
     def snapshot(self) -> dict[str, Any]:
         self.digest()
+        self.drain_scores()
         stats = self._publisher_stats()
         acts = self.acts.snapshot()
         bus = (
@@ -223,6 +321,12 @@ class Monitor(Consumer):
             },
             "acts": acts,
             "publishers": {a: dict(v) for a, v in self.publishers.items()},
+            "monitors": {
+                **self.scores.snapshot(),
+                "subscribed": self._scores_sub is not None,
+                "missed": self._scores_sub.stats.missed if self._scores_sub is not None else 0,
+                "error": self.scores_error,
+            },
         }
 
     @abstractmethod

@@ -7,7 +7,8 @@ tokens/s, bytes/s, per-subscriber lag, drops by reason, spill size, from the
 publisher's own counters), what this consumer sampled (steps counted, messages,
 drops), and per (layer, hook) the per-token norm histogram, mean/variance and
 their drift, the outlier-dimension fraction and the rows holding a NaN or an
-infinity (``acts/nonfinite_rows`` in all), plus per-tag breakdowns.
+infinity (``acts/nonfinite_rows`` in all), plus per-tag breakdowns; and, when the
+engine has monitors, their scores under ``monitor/`` (``flatten_monitors``).
 
 Convention: capture and training share one W&B project and group, so one
 workspace shows both; set ``WANDB_PROJECT`` and ``WANDB_RUN_GROUP`` once (W&B reads
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from consumers.monitor import Monitor
+from consumers.scores import ScoreStatsConfig
 from consumers.wandb_offline import has_credentials, offline_mode
 
 log = logging.getLogger("actbus.wandb")
@@ -113,6 +115,42 @@ def flatten(snap: dict[str, Any]) -> dict[str, Any]:
             base = f"tags/{_name(label)}/L{layer}.{_name(hook)}"
             row[f"{base}/rows"] = v["rows"]
             row[f"{base}/norm_mean"] = v["norm_mean"]
+    row.update(flatten_monitors(snap.get("monitors") or {}))
+    return row
+
+
+def column_name(label: int | None, index: int) -> str:
+    """A score column's metric segment: ``f17`` for SAE latent 17, ``c0`` otherwise."""
+    return f"f{label}" if label is not None else f"c{index}"
+
+
+def flatten_monitors(m: dict[str, Any]) -> dict[str, Any]:
+    """Monitor scores under ``monitor/``: per monitor, layer and column the mean since
+    the start, the recent mean, p90, max and share above the threshold, the weights'
+    version; per tag each column's mean (``monitor/tags/TAG/NAME.LLAYER/COLUMN``)."""
+    row: dict[str, Any] = {}
+    labels: dict[str, list[str]] = {}
+    for skey, s in (m.get("series") or {}).items():
+        base = f"monitor/{_name(s['monitor'])}/L{s['layer']}"
+        for k in ("version", "rows", "nonfinite_rows"):
+            row[f"{base}/{k}"] = s[k]
+        names = labels[skey] = [
+            column_name(c.get("label"), i) for i, c in enumerate(s.get("columns") or [])
+        ]
+        for name, c in zip(names, s.get("columns") or [], strict=True):
+            for k in ("mean", "recent_mean", "p90", "max", "above"):
+                if c.get(k) is not None:
+                    row[f"{base}/{name}/{k}"] = c[k]
+    if m.get("missed"):
+        row["monitor/missed"] = m["missed"]
+    for label, per in (m.get("tags") or {}).items():
+        for skey, v in per.items():
+            name, _, layer = skey.rpartition("@")
+            base = f"monitor/tags/{_name(label)}/{_name(name)}.L{layer}"
+            row[f"{base}/rows"] = v["rows"]
+            cols = labels.get(skey) or []
+            for i, mean in enumerate(v["means"]):
+                row[f"{base}/{cols[i] if i < len(cols) else f'c{i}'}/mean"] = mean
     return row
 
 
@@ -183,6 +221,7 @@ class WandbDashboard(Monitor):
             run_name=args.run_name,
             wandb_dir=args.wandb_dir,
             recent=None,
+            score_config=ScoreStatsConfig(keep_requests=0),  # per-token scores: the web page's
             **cls.common_kwargs(args),
         )
 

@@ -81,31 +81,7 @@ class ScoreReader:
         return ScoreStep(self.split(out), list(out.header.ended))
 
     def split(self, b: Batch) -> list[Scores]:
-        h, ri = b.header, b.header.rows
-        mon = h.monitor
-        if mon is None or (self.monitors is not None and mon.name not in self.monitors):
-            return []
-        values = b.tensor.numpy()
-        out = []
-        for i, rid in enumerate(ri.request_ids):
-            lo, hi = int(ri.offsets[i]), int(ri.offsets[i + 1])
-            out.append(
-                Scores(
-                    monitor=mon.name,
-                    version=mon.version,
-                    layer=h.layer,
-                    hook=mon.hook,
-                    step=h.step,
-                    request_id=rid,
-                    sample_index=ri.request_sample_index(i),
-                    positions=np.asarray(ri.positions[lo:hi]),
-                    token_ids=np.asarray(ri.token_ids[lo:hi]),
-                    values=values[lo:hi].copy(),
-                    labels=mon.labels,
-                    tags=ri.request_tags(i),
-                )
-            )
-        return out
+        return split_scores(b, self.monitors)
 
     def __iter__(self) -> Iterator[ScoreStep]:
         """Score steps until the publisher ends."""
@@ -124,3 +100,34 @@ class ScoreReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def split_scores(b: Batch, monitors: frozenset[str] | None = None) -> list[Scores]:
+    """A monitor message cut into one ``Scores`` per request (none for a message of
+    another hook, or of a monitor not in ``monitors``): what ``ScoreReader`` yields,
+    for consumers that read the messages off their own subscriber (the dashboards)."""
+    h, ri = b.header, b.header.rows
+    mon = h.monitor
+    if mon is None or (monitors is not None and mon.name not in monitors):
+        return []
+    values = b.tensor.numpy()
+    out = []
+    for i, rid in enumerate(ri.request_ids):
+        lo, hi = int(ri.offsets[i]), int(ri.offsets[i + 1])
+        out.append(
+            Scores(
+                monitor=mon.name,
+                version=mon.version,
+                layer=h.layer,
+                hook=mon.hook,
+                step=h.step,
+                request_id=rid,
+                sample_index=ri.request_sample_index(i),
+                positions=np.asarray(ri.positions[lo:hi]),
+                token_ids=np.asarray(ri.token_ids[lo:hi]),
+                values=values[lo:hi].copy(),
+                labels=mon.labels,
+                tags=ri.request_tags(i),
+            )
+        )
+    return out

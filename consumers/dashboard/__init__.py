@@ -15,6 +15,7 @@ from actbus.bus.options import SubscriberOptions
 from actbus.bus.protocol import DASHBOARD_POLICY
 from actbus.flags import HelpFormatter
 from consumers.priority import add_priority_arguments
+from consumers.scores import add_monitor_scores_argument
 
 DEFAULT_PORT = 8765
 
@@ -67,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
         "of the median dimension",
     )
     add_priority_arguments(d)
+    add_monitor_scores_argument(d)
     d.add_argument("--log-level", default="INFO", help="logging level")
     return p
 

@@ -35,6 +35,7 @@ from consumers.dashboard.board import Board
 from consumers.dashboard.consumer import WebDashboard
 from consumers.dashboard.events import Events, dumps
 from consumers.priority import lower_priority
+from consumers.scores import ScoreStatsConfig
 from consumers.stats import RecentRequests, StatsConfig
 
 STATIC = Path(__file__).parent / "static"
@@ -103,6 +104,8 @@ def serve(
         board,
         interval_s=args.interval,
         config=config,
+        monitor_scores=args.monitor_scores,
+        score_config=ScoreStatsConfig(keep_requests=args.requests),
         **options.keys,
     )
     stop = threading.Event()

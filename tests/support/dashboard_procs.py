@@ -165,6 +165,30 @@ def page_numbers(browser: Browser) -> dict[str, Any]:
     return json.loads(browser.eval(PAGE_NUMBERS))
 
 
+PAGE_SCORES = """JSON.stringify({
+  status: document.querySelector('#monitor-status').textContent,
+  rows: [...document.querySelectorAll('#monitors tbody tr')].map(r => ({
+    series: r.dataset.series, col: +r.dataset.col,
+    column: r.querySelector('.column').textContent,
+    version: +r.querySelector('.version').dataset.v, rows: +r.querySelector('.rows').dataset.v,
+    mean: +r.querySelector('.mean').dataset.v, above: r.querySelector('.above').dataset.v})),
+  tags: [...document.querySelectorAll('#monitor-tags tbody tr')].map(r => ({
+    tag: r.dataset.tag, series: r.dataset.series, col: +r.dataset.col,
+    text: r.cells[0].textContent, mean: +r.querySelector('.mean').dataset.v})),
+  requests: [...document.querySelectorAll('#monitor-requests svg[data-series]')].map(s => ({
+    request: s.closest('.req').dataset.request, sample: +s.closest('.req').dataset.sample,
+    series: s.dataset.series, col: +s.dataset.col,
+    positions: s.dataset.positions.split(',').map(Number),
+    values: s.dataset.values.split(',').map(Number)})),
+  html_tags: document.querySelectorAll('#monitor-section i').length,
+})"""
+
+
+def page_scores(browser: Browser) -> dict[str, Any]:
+    """The monitor panel as the page shows it, with each number's exact value."""
+    return json.loads(browser.eval(PAGE_SCORES))
+
+
 def png_is_not_blank(path: Path) -> tuple[bool, str]:
     """A PNG of more than one colour (PIL if installed, else header and size)."""
     data = path.read_bytes()

@@ -124,6 +124,7 @@ function render(s) {
   const sel = $("#tap"), keys = Object.keys(taps);
   if ([...sel.options].map((o) => o.value).join() !== keys.join()) sel.replaceChildren(...keys.map((k) => el("option", { value: k }, k)));
   if (s.tap) sel.value = s.tap;
+  renderMonitors(s.monitors || {});
   const reqs = $("#requests"); reqs.replaceChildren();
   for (const r of s.requests || []) {
     const d = el("div", { class: "req" });
@@ -132,6 +133,66 @@ function render(s) {
     d.firstChild.append(el("span", { class: "id" }, r.request_id + (r.sample_index ? `#${r.sample_index}` : "")),
       el("span", { class: "muted" }, `  ${r.positions.length} tokens sampled${r.ended ? ", ended: " + r.ended : ""}${tagText ? ", " + tagText : ""}`));
     if (r.norms.length) d.append(bars(r.norms, Math.min(900, 6 * r.norms.length + 20), 48, "#2a7d46", `positions ${r.positions[0]}..${r.positions.at(-1)}`));
+    reqs.append(d);
+  }
+}
+
+const scoreHistory = {};         // series/column -> recent means, for the time series
+function columnName(s, c, i) { return c.label !== null && c.label !== undefined ? `f${c.label}` : (s.width > 1 ? `c${i}` : "score"); }
+function exact(v) { return v === null || v === undefined ? "" : String(v); }
+function renderMonitors(m) {
+  // Monitor scores: every text goes in through textContent, so peer strings (monitor
+  // names, tags, request ids) are never parsed as HTML.
+  const series = Object.entries(m.series || {}), status = $("#monitor-status");
+  const notes = [];
+  if (m.error) notes.push(`scores left out: ${m.error}`);
+  else if (!series.length) notes.push(m.subscribed ? "No monitor scores yet: no request asked for a monitor." : "No monitor scores: the engine has no monitors (or --no-monitor-scores).");
+  if (m.missed) notes.push(`${fmt(m.missed)} score messages missed (the dashboard fell behind)`);
+  if (m.tag_overflow_rows) notes.push(`${fmt(m.tag_overflow_rows)} rows of tags past the limit, counted under (other)`);
+  status.textContent = notes.join("; ");
+  status.hidden = !notes.length;
+  const tbody = $("#monitors tbody"); tbody.replaceChildren();
+  for (const [key, s] of series) (s.columns || []).forEach((c, i) => {
+    const h = (scoreHistory[`${key}/${i}`] = scoreHistory[`${key}/${i}`] || []);
+    if (c.recent_mean !== undefined) { h.push(c.recent_mean); if (h.length > HISTORY) h.shift(); }
+    const tr = el("tr", { "data-series": key, "data-col": i }), ts = el("td");
+    ts.append(line(h, 140, 32, "#8e44ad"));
+    const num = (cls, v, digits) => el("td", { class: cls, "data-v": exact(v) }, fmt(v, digits));
+    tr.append(el("td", {}, s.monitor), el("td", {}, `${s.layer}/${s.hook}`), el("td", { class: "column" }, columnName(s, c, i)),
+      num("version", s.version), el("td", { class: "rows", "data-v": exact(s.rows) }, fmt(s.rows) + (s.nonfinite_rows ? ` (+${fmt(s.nonfinite_rows)} non-finite)` : "")),
+      num("mean", c.mean, 4), num("recent-mean", c.recent_mean, 4), num("p90", c.p90, 4), num("max", c.max, 4),
+      el("td", { class: "above", "data-v": exact(c.above), title: `share of recent scores above ${s.threshold}` },
+        c.above === undefined ? "-" : `${(100 * c.above).toFixed(1)} % > ${s.threshold}`), ts);
+    tbody.append(tr);
+  });
+  const names = Object.fromEntries(series.map(([k, s]) => [k, (s.columns || []).map((c, i) => columnName(s, c, i))]));
+  const tags = $("#monitor-tags tbody"); tags.replaceChildren();
+  for (const [label, per] of Object.entries(m.tags || {})) for (const [key, v] of Object.entries(per)) (v.means || []).forEach((mean, i) => {
+    const tr = el("tr", { "data-tag": label, "data-series": key, "data-col": i });
+    tr.append(el("td", {}, label), el("td", {}, key), el("td", {}, (names[key] || [])[i] || `c${i}`),
+      el("td", { class: "rows" }, fmt(v.rows)), el("td", { class: "mean", "data-v": exact(mean) }, fmt(mean, 4)));
+    tags.append(tr);
+  });
+  const reqs = $("#monitor-requests"); reqs.replaceChildren();
+  for (const r of m.requests || []) {
+    const d = el("div", { class: "req", "data-request": r.request_id, "data-sample": r.sample_index });
+    const tagText = Object.entries(r.tags || {}).map(([k, v]) => `${k}=${v}`).join(" ");
+    const head = el("div");
+    head.append(el("span", { class: "id" }, r.request_id + (r.sample_index ? `#${r.sample_index}` : "")),
+      el("span", { class: "muted" }, `${r.ended ? "  ended: " + r.ended : ""}${tagText ? ", " + tagText : ""}`));
+    d.append(head);
+    for (const [key, v] of Object.entries(r.series || {})) {
+      const row = el("div", { class: "mseries" });
+      row.append(el("span", { class: "muted" }, `${key} (${v.positions.length} tokens)`));
+      (v.values || []).forEach((vals, j) => {
+        const s = line(vals, Math.min(600, 4 * vals.length + 20), 28, "#8e44ad");
+        for (const [k, x] of Object.entries({ "data-series": key, "data-col": j, "data-positions": v.positions.join(","), "data-values": vals.map(exact).join(",") })) s.setAttribute(k, x);
+        const t = document.createElementNS(NS, "title");
+        t.textContent = `${key} ${(names[key] || [])[j] || "c" + j}: positions ${v.positions[0]}..${v.positions.at(-1)}, last ${fmt(vals.at(-1), 4)}`;
+        s.appendChild(t); row.append(s);
+      });
+      d.append(row);
+    }
     reqs.append(d);
   }
 }
