@@ -251,13 +251,28 @@ class _StreamRows:
                 for slot in np.flatnonzero(self.sid == sid).tolist():
                     self.move(slot, int(self.cap[slot]))
 
+    def pending(self, slot: int, limit: int) -> tuple[_Store, int, int] | None:
+        """The slot's rows not handed out yet with position below ``limit``: their
+        store, first row there and count (None: no rows came yet)."""
+        sid = int(self.sid[slot])
+        if sid < 0:
+            return None
+        st = self.stores[sid]
+        b, s, e = int(self.base[slot]), int(self.start[slot]), int(self.end[slot])
+        lo, n = b + s, e - s
+        last = int(self.last[slot])
+        if n and last >= limit:
+            first = int(st.pos[lo])
+            if last - first == n - 1:  # every position in between (the usual case)
+                n = max(0, min(n, limit - first))
+            else:
+                n = int(np.searchsorted(st.pos[lo : b + e], limit))
+        return st, lo, n
+
     def pending_below(self, slot: int, limit: int) -> int:
         """Rows of ``slot`` not handed out yet with position below ``limit``."""
-        s, e = int(self.start[slot]), int(self.end[slot])
-        if e == s or self.last[slot] < limit:
-            return e - s
-        b = int(self.base[slot])
-        return int(np.searchsorted(self.stores[int(self.sid[slot])].pos[b + s : b + e], limit))
+        got = self.pending(slot, limit)
+        return got[2] if got is not None else 0
 
     def held_below(self, slot: int, limit: int) -> int:
         """Rows of ``slot`` with position below ``limit``, handed out or not."""
@@ -467,24 +482,25 @@ class ScoreCollector(Collector):
         return True
 
     def _hand_out(self, p: _Pending, limit: int, delta: bool) -> MonitorScores:
+        """Rows below ``limit`` present in every stream: those not handed out yet
+        (DELTA, which marks them handed out) or all (CUMULATIVE); views, not copies."""
         slot = p.slot
         ts = [self._streams[s] for s in p.streams]
-        n = min((t.pending_below(slot, limit) if t.sid[slot] >= 0 else 0) for t in ts) if ts else 0
+        held = [t.pending(slot, limit) for t in ts]
+        n = min((h[2] if h is not None else 0) for h in held) if held else 0
         values, versions, labels = {}, {}, {}
         positions = token_ids = _EMPTY
-        for s, t in zip(p.streams, ts, strict=True):
-            sid = int(t.sid[slot])
-            if sid < 0:
+        for s, t, h in zip(p.streams, ts, held, strict=True):
+            if h is None:
                 values[s] = torch.zeros((0, 0), dtype=torch.float32)
                 versions[s] = torch.zeros(0, dtype=torch.int64)
                 continue
-            st = t.stores[sid]
-            lo = int(t.base[slot] + t.start[slot])
+            st, lo, _ = h
             positions, token_ids = st.pos[lo : lo + n], st.tok[lo : lo + n]
             values[s] = torch.from_numpy(st.val[lo : lo + n])
             versions[s] = torch.from_numpy(st.ver[lo : lo + n])
             labels[s[0]] = t.labels
-            if delta:
+            if delta and n:
                 t.start[slot] += n
         return MonitorScores(
             torch.from_numpy(positions),
