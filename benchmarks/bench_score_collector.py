@@ -18,6 +18,7 @@ processing, and reports how much of its rate it lost (``probe_slowdown``).
 
     python benchmarks/bench_score_collector.py [--requests 512 --prompt 256 --gen 256]
     python benchmarks/bench_score_collector.py --profile     # cProfile of this process
+    python benchmarks/bench_score_collector.py --bus         # a bare subscriber instead
 
 Ends with one JSON line.
 """
@@ -31,6 +32,7 @@ import pstats
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -188,6 +190,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out | {f"col_{k}": v for k, v in stats.items()}
 
 
+def run_bus(args: argparse.Namespace) -> dict[str, Any]:
+    """The same stream to a bare ``block`` subscriber on a thread of this process that
+    only receives (the collector's subscription): the bus' own share of the cost."""
+    from actbus.bus import Subscriber, Subscription
+    from actbus.bus.subscriber import Batch
+    from actbus.wire import MONITOR_HOOK
+
+    steps = len(_plan(args))
+    n = steps * args.taps
+    proc = _start_publisher(args)
+    sub = Subscriber(
+        args.address, Subscription(policy="block", hooks=(MONITOR_HOOK,), returned_only=True)
+    )
+    sub.wait_welcome(30)
+    got = [0]
+
+    def receive() -> None:
+        while got[0] < n:
+            out = sub.recv(timeout=30)
+            if out is None:
+                raise SystemExit(f"the bus subscriber got {got[0]} of {n} messages")
+            got[0] += isinstance(out, Batch)
+
+    th = threading.Thread(target=receive, daemon=True)
+    th.start()
+    th0 = thread = _thread_cpu(th.native_id)
+    _tell(proc, "go")
+    t0, c0 = time.monotonic(), time.process_time()
+    while th.is_alive():
+        th.join(0.005)
+        if th.is_alive():  # a finished thread's figures are gone from /proc
+            thread = _thread_cpu(th.native_id)
+    elapsed, cpu = time.monotonic() - t0, time.process_time() - c0
+    sub.close()
+    _tell(proc, "done")
+    proc.wait(timeout=60)
+    out = _figures(elapsed, cpu, thread - th0, 0.0, 0)
+    ms = round(1e3 * float(thread[0] + thread[1] - th0[0] - th0[1]) / steps, 3)
+    return out | {"steps": steps, "recv_ms_per_step": ms, "messages": got[0]}
+
+
 def _check(r: int, pieces: list[Any], args: argparse.Namespace) -> int:
     want = args.prompt + args.gen - 1
     assert pieces[-1].complete, f"request {r}: not complete"
@@ -217,6 +260,7 @@ def main() -> int:
     ap.add_argument("--delta", action="store_true", help="a DELTA output every step")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--probe", action="store_true", help="a GIL probe thread")
+    ap.add_argument("--bus", action="store_true", help="a bare subscriber instead")
     ap.add_argument("--publisher", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -227,6 +271,11 @@ def main() -> int:
         k: getattr(args, k) for k in ("requests", "prompt", "gen", "chunk", "taps", "width")
     }
     out["delta"] = args.delta
+    if args.bus:
+        r = run_bus(args)
+        print(f"\nbare subscriber: {r['recv_ms_per_step']:.2f} ms per step")
+        print(json.dumps(out | {f"bus_{k}": v for k, v in r.items()}))
+        return 0
     r = run(args)
     print(
         f"\n{r['steps']} steps in {r['s']:.2f} s; receiving thread "

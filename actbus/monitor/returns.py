@@ -11,14 +11,23 @@ Every output covers positions ``0 .. prompt_len + n_generated - 2``: the tokens 
 to the model so far (the last generated token is scored once it is fed, so never).
 A streamed output carries the scores that have arrived, the same prefix of positions
 for every (monitor, layer); DELTA outputs carry each position once, CUMULATIVE ones
-all so far. The final output waits, bounded by ``RETURN_TIMEOUT_S``, until every
+all so far. The final output waits (bounded: ``actbus.capture.collector``) until every
 position's score is there (or the request's end came on that monitor's stream) and
 says in ``complete`` whether it got them all.
 
-Memory per request is its scores alone (``tokens x width x 4`` bytes per monitor and
-layer); a DELTA reader's scores are let go once handed out. A request whose caller
-went away is forgotten at once (``forget``, from the output processor's abort) or,
-failing that, ``FORGET_AFTER_S`` after its end.
+The receiving thread shares the GIL with vLLM's output processing, so its work per
+message does not grow with Python calls per request: each (monitor, layer) stream
+keeps every pending request's scores in a region of shared arrays (``_Store``), found
+by the request's slot through per-slot numpy arrays (``_StreamRows``), and a message's
+scores, for all of its requests, are written with one numpy scatter. Regions are
+sized from the token budget and grow geometrically (rows a DELTA reader took are let
+go then; views handed out keep theirs: regions are never reused).
+
+Memory per request is its scores (``tokens x width x 4`` bytes per monitor and layer,
+and 24 bytes of position, token id and version per row). A store whose live requests
+hold under a quarter of it moves them out, so one long request keeps only its own rows.
+A request whose caller went away is forgotten at once (``forget``, from the output
+processor's abort) or, failing that, ``FORGET_AFTER_S`` after its end.
 """
 
 from __future__ import annotations
