@@ -89,6 +89,8 @@ class Collector:
     where: ClassVar[str] = "extra_args.actbus"
     """The request field named in errors."""
     thread_name: ClassVar[str] = "actbus-collector"
+    what: ClassVar[str] = "rows"
+    """What it collects, in log lines."""
     registry: ClassVar[Registry]
 
     def __init__(self, addresses: str | list[str]) -> None:
@@ -153,11 +155,11 @@ class Collector:
     def _wait_final(self, arrived: Callable[[], bool], bound: float) -> bool:
         """Under ``_cond``: wait (at most ``bound`` s, and while data keeps arriving)
         until ``arrived()``; returns it. Counted and, when long, logged."""
-        if arrived():
-            return True
+        ok = arrived()
+        if ok or bound <= 0:  # nothing to wait for, or an abort: nobody waits
+            return ok
         t0 = time.monotonic()
         deadline = t0 + bound
-        ok = False
         while True:
             now = time.monotonic()
             quiet = now - max(self._received_at, t0)
@@ -173,7 +175,7 @@ class Collector:
         if waited > SLOW_WAIT_S:
             log.warning(
                 "actbus: a final output waited %.2f s for its request's last %s (%s)",
-                waited, self.thread_name, "they came" if ok else "gave up",
+                waited, self.what, "they came" if ok else "gave up",
             )  # fmt: skip
         return ok
 
@@ -204,7 +206,10 @@ class Collector:
                 time.sleep(0.5)
                 continue
             if isinstance(out, Batch):
-                self._add(out)
+                try:
+                    self._add(out)
+                except Exception:  # a message that does not add up costs only itself
+                    log.exception("actbus: %s: a message was not filed", self.thread_name)
                 self._received_at = time.monotonic()
             self._forget_stale()
 

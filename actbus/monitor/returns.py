@@ -366,6 +366,7 @@ class ScoreCollector(Collector):
 
     where = WHERE
     thread_name = "actbus-scores"
+    what = "scores"
 
     def __init__(self, addresses: str | list[str]) -> None:
         self._slot: dict[tuple[str, int], int] = {}
