@@ -14,7 +14,10 @@ The figure that matters is the receiving thread's CPU time per engine step (from
 /proc; user time is mostly Python work that holds the front end's GIL, which vLLM's
 output processing needs): at 512 requests a step, the H100 runs a decode step in
 about 35 ms. ``--probe`` adds a thread of pure-Python work standing in for the output
-processing, and reports how much of its rate it lost (``probe_slowdown``).
+processing, and reports how much of its rate it lost (``probe_slowdown``). ``--step-ms 35`` paces
+the stream like an engine (step k sent at k x 35 ms, its outputs made at (k + 1) x
+35 ms): the time spent making outputs then is mostly final outputs waiting for their
+last scores, which holds up vLLM's output processing.
 
     python benchmarks/bench_score_collector.py [--requests 512 --prompt 256 --gen 256]
     python benchmarks/bench_score_collector.py --profile     # cProfile of this process
@@ -88,7 +91,10 @@ def publisher_main(args: argparse.Namespace) -> int:
     plan = _plan(args)
     print("ready", flush=True)
     sys.stdin.readline()  # go
+    t0 = time.monotonic()
     for step, (rows, ended) in enumerate(plan):
+        if args.step_ms:  # an engine's pace: step k is sent at k steps' time
+            time.sleep(max(0.0, t0 + step * args.step_ms / 1e3 - time.monotonic()))
         ids = [f"r{r}" for r, _ in rows]
         counts = [len(p) for _, p in rows]
         positions = np.concatenate([[], *(p for _, p in rows)]).astype(np.int64)
@@ -117,8 +123,8 @@ def publisher_main(args: argparse.Namespace) -> int:
 
 def _start_publisher(args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--publisher", "--address", args.address]
-    for k in ("requests", "prompt", "gen", "chunk", "taps", "width"):
-        cmd += [f"--{k}", str(getattr(args, k))]
+    for k in ("requests", "prompt", "gen", "chunk", "taps", "width", "step_ms"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
@@ -153,7 +159,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     take_s = 0.0
     if prof:
         prof.enable()
-    for rows, _ in plan:
+    for step, (rows, _) in enumerate(plan):
+        if args.step_ms:  # step k's outputs come when the engine has run it
+            time.sleep(max(0.0, t0 + (step + 1) * args.step_ms / 1e3 - time.monotonic()))
         for r, _pos in rows:
             generated[r] += 1
             final = generated[r] == args.gen
@@ -261,6 +269,13 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--probe", action="store_true", help="a GIL probe thread")
     ap.add_argument("--bus", action="store_true", help="a bare subscriber instead")
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="send a step every this many ms, and make its outputs one step later "
+        "(0: as fast as the subscriber takes them)",
+    )
     ap.add_argument("--publisher", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args()
