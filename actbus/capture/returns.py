@@ -8,7 +8,8 @@ output of such a request as ``CompletionOutput.activations``. So the data takes
 the same path, with the same exactness, as what any other subscriber gets.
 
 The front end's own work is kept off vLLM's output processing, with which it shares
-the GIL. The subscriber's thread copies each message's rows straight into per-request
+the GIL. The subscriber's thread (its life shared with the returned scores':
+``actbus.capture.collector``) copies each message's rows straight into per-request
 buffers sized from the request's token budget (``actbus.capture.rowbuffer``), with the
 message's row index unpacked once for all of its requests and taps. The buffers are
 regions of slabs shared by many requests, so a decode step's single rows (one per
@@ -22,8 +23,8 @@ keeps its slab's rows alive.
 
 Every output covers positions ``0 .. prompt_len + n_generated - 2``, the tokens
 the model has been fed so far. A streamed (partial) output carries the rows that
-have arrived, a prefix of those; the final output waits, bounded by
-``RETURN_TIMEOUT_S``, until every row its tokens imply is there (for
+have arrived, a prefix of those; the final output waits (bounded: see
+``actbus.capture.collector``) until every row its tokens imply is there (for
 ``positions="last"``, until the request's end event), and says in ``complete``
 whether it got them all.
 """
@@ -205,8 +206,8 @@ class ReturnCollector(Collector):
                 acts.complete = self._arrived(p, limit, want)
         if final and not acts.complete and wait:
             log.warning(
-                "actbus: request %s sample %d: %d of %s rows arrived within %.0f s",
-                caller_id, index, len(acts.positions), want, RETURN_TIMEOUT_S,
+                "actbus: request %s sample %d: %d of %s rows arrived before its final output",
+                caller_id, index, len(acts.positions), want,
             )  # fmt: skip
         return acts
 
