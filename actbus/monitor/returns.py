@@ -501,8 +501,8 @@ class ScoreCollector(Collector):
         values, versions, labels = {}, {}, {}
         positions = token_ids = _EMPTY
         for s, t, h in zip(p.streams, ts, held, strict=True):
-            if h is None:
-                values[s] = torch.zeros((0, 0), dtype=torch.float32)
+            if h is None:  # none of its scores came yet: no rows, the stream's width
+                values[s] = torch.zeros((0, t.width or 0), dtype=torch.float32)
                 versions[s] = torch.zeros(0, dtype=torch.int64)
                 continue
             st, lo, _ = h
