@@ -105,7 +105,7 @@ class MonitorScores:
         return MonitorScores(
             torch.cat([first.positions, then.positions]),
             torch.cat([first.token_ids, then.token_ids]),
-            {k: torch.cat([first.values[k], v]) for k, v in then.values.items()},
+            {k: _cat(first.values[k], v) for k, v in then.values.items()},
             {k: torch.cat([first.versions[k], v]) for k, v in then.versions.items()},
             then.labels,
             then.complete,
@@ -134,6 +134,12 @@ class MonitorScores:
         if final:
             out["complete"] = self.complete
         return out
+
+
+def _cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows of ``a`` then ``b``; a piece without rows may have width 0 (made before any
+    of its stream's scores came)."""
+    return torch.cat([a, b]) if len(a) and len(b) else (b if len(b) else a)
 
 
 def _shortest(a: np.ndarray) -> list[list[float | None]]:
@@ -174,6 +180,10 @@ class _StreamRows:
 
     def __init__(self, slots: int) -> None:
         self.width: int | None = None
+        """Scores per row, from the first message."""
+        self.expected_width = 0
+        """What the front end's config says it will be: the width of an output made
+        before any score came (so a request's pieces always concatenate)."""
         self.labels: tuple[int, ...] = ()
         self.stores: dict[int, _Store] = {}
         self.filling = -1
@@ -399,8 +409,10 @@ class ScoreCollector(Collector):
         streams: tuple[Stream, ...],
         prompt_len: int,
         max_tokens: int | None = None,
+        widths: dict[str, int] | None = None,
     ) -> None:
-        """Register a request's ``n`` samples before it is queued."""
+        """Register a request's ``n`` samples before it is queued; ``widths``: each
+        monitor's scores per row, as configured (for outputs made before any came)."""
         capacity = prompt_len + min(max_tokens or 256, 4096)
         with self._cond:
             for i in range(n):
@@ -415,6 +427,8 @@ class ScoreCollector(Collector):
                     t = self._streams.get(s)
                     if t is None:
                         t = self._streams[s] = _StreamRows(self._room)
+                    if widths and not t.expected_width:
+                        t.expected_width = widths.get(s[0], 0)
                     t.wants[slot] = True
             self._generation += 1
             self._own(caller_id)
@@ -502,7 +516,8 @@ class ScoreCollector(Collector):
         positions = token_ids = _EMPTY
         for s, t, h in zip(p.streams, ts, held, strict=True):
             if h is None:  # none of its scores came yet: no rows, the stream's width
-                values[s] = torch.zeros((0, t.width or 0), dtype=torch.float32)
+                width = t.width or t.expected_width
+                values[s] = torch.zeros((0, width), dtype=torch.float32)
                 versions[s] = torch.zeros(0, dtype=torch.int64)
                 continue
             st, lo, _ = h

@@ -150,6 +150,12 @@ def test_a_final_output_waits_only_while_its_scores_come(tmp_path, monkeypatch):
         st = col.stats()
         assert st["final_waits"] == 2 and st["final_gave_up"] == 1
         assert col.pending() == 0
+        # An output made before any of its scores came: no rows, the configured width
+        # (so a reader's DELTA pieces concatenate).
+        col.expect("r4", 1, (("f", 2), ("g", 5)), 3, widths={"f": 3, "g": 2})
+        out = col.take("r4", 0, 1, final=False, delta=True)
+        assert out.values[("f", 2)].shape == (0, 3) and out.values[("g", 5)].shape == (0, 2)
+        col.forget(["r4"])
     finally:
         col.close()
         pub.close()
