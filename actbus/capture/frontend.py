@@ -279,6 +279,7 @@ def _wrap_process_inputs(orig):
                     _streams(fe, monitors),
                     _prompt_len(request),
                     sp.max_tokens,
+                    _widths(fe, monitors),
                 )
             except ConfigError as e:
                 raise _client_error(e) from None
@@ -334,6 +335,12 @@ def _streams(fe: _Frontend, monitors: tuple[str, ...]) -> tuple[tuple[str, int],
     """(monitor, layer) of every series a request's monitors publish."""
     defs = fe.cfg.monitor.monitors
     return tuple((name, layer) for name in monitors for layer in defs[name].layers)
+
+
+def _widths(fe: _Frontend, monitors: tuple[str, ...]) -> dict[str, int]:
+    """Scores per row of each monitor: its SAE features, or one."""
+    defs = fe.cfg.monitor.monitors
+    return {n: len(defs[n].features) if defs[n].kind == "sae" else 1 for n in monitors}
 
 
 def _wrap_abort(orig):

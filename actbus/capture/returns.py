@@ -8,7 +8,8 @@ output of such a request as ``CompletionOutput.activations``. So the data takes
 the same path, with the same exactness, as what any other subscriber gets.
 
 The front end's own work is kept off vLLM's output processing, with which it shares
-the GIL. The subscriber's thread copies each message's rows straight into per-request
+the GIL. The subscriber's thread (its life shared with the returned scores':
+``actbus.capture.collector``) copies each message's rows straight into per-request
 buffers sized from the request's token budget (``actbus.capture.rowbuffer``), with the
 message's row index unpacked once for all of its requests and taps. The buffers are
 regions of slabs shared by many requests, so a decode step's single rows (one per
@@ -22,8 +23,8 @@ keeps its slab's rows alive.
 
 Every output covers positions ``0 .. prompt_len + n_generated - 2``, the tokens
 the model has been fed so far. A streamed (partial) output carries the rows that
-have arrived, a prefix of those; the final output waits, bounded by
-``RETURN_TIMEOUT_S``, until every row its tokens imply is there (for
+have arrived, a prefix of those; the final output waits (bounded: see
+``actbus.capture.collector``) until every row its tokens imply is there (for
 ``positions="last"``, until the request's end event), and says in ``complete``
 whether it got them all.
 """
@@ -31,7 +32,6 @@ whether it got them all.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,23 +39,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from actbus.bus.addresses import connectable
-from actbus.bus.endpoints import Endpoints
-from actbus.bus.fanin import subscribe
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch
+from actbus.capture.collector import (  # noqa: F401  (the timeouts: named here too)
+    FORGET_AFTER_S,
+    FORGET_UNENDED_S,
+    RETURN_TIMEOUT_S,
+    Collector,
+    Registry,
+)
 from actbus.capture.dataparallel import DataParallel
 from actbus.capture.rowbuffer import Slab, SlabPool, TapRows, retire
 from actbus.capture.selection import Selection
-from actbus.errors import ConfigError
 from actbus.wire import DTYPES, RowIndex
 
 log = logging.getLogger("actbus.returns")
-RETURN_TIMEOUT_S = 30.0
-# An ended request nobody collected (aborted offline, client gone) is forgotten after this,
-FORGET_AFTER_S = 120.0
-# and one that never reached the engine (so no end ever comes) after this.
-FORGET_UNENDED_S = 24 * 3600.0
 CAPACITY_GUESS = 256
 """Generated tokens to make room for when a request sets no ``max_tokens``,"""
 CAPACITY_CAP = 4096
@@ -113,7 +111,7 @@ class _Pending:
         }
 
 
-class ReturnCollector:
+class ReturnCollector(Collector):
     """The front end's subscriber for returned activations, shared by its requests.
 
     Under data parallelism the front end's requests go to several engine cores, each
@@ -125,25 +123,11 @@ class ReturnCollector:
     """Write a decode step's single rows with one scatter per slab (False: a call per
     request, the previous way; benchmarks/bench_return_collector.py measures both)."""
 
+    where = "extra_args.actbus.return"
+    thread_name = "actbus-return"
+
     def __init__(self, addresses: str | list[str]) -> None:
         """``addresses``: the publisher, or those of the front end's ranks."""
-        addresses = [addresses] if isinstance(addresses, str) else list(addresses)
-        self.address = ",".join(addresses)
-        self._pending: dict[tuple[str, int], _Pending] = {}
-        self._cond = threading.Condition()
-        self._sub = subscribe(
-            Endpoints(self.address, tuple(addresses)),
-            Subscription(policy="block", returned_only=True, name="actbus-return"),
-            keepalive=False,
-        )
-        try:  # rows routed before the subscription is in place would never come
-            self._sub.wait_welcome(RETURN_TIMEOUT_S, every=True)
-        except (TimeoutError, RuntimeError) as e:
-            self._sub.close()
-            raise ConfigError(
-                f"extra_args.actbus.return: the publisher at {self.address} did not answer ({e})"
-            ) from None
-        self._forgot_at = time.monotonic()
         self._slabs = SlabPool()
         self._retired: list[TapRows] = []  # buffers of collected requests, for _forget_stale
         self._plan_of: RowIndex | None = None  # the row index _plan was made from
@@ -153,34 +137,17 @@ class ReturnCollector:
             [],
             [],
         )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="actbus-return", daemon=True)
-        self._thread.start()
+        super().__init__(addresses)
+
+    def subscription(self) -> Subscription:
+        return Subscription(policy="block", returned_only=True, name="actbus-return")
 
     @classmethod
     def for_config(cls, cfg: Any, dp: DataParallel | None = None) -> ReturnCollector:
         """One per set of publishers in this process: those of the data-parallel
         ranks this front end sends requests to (``dp``; default: rank 0 alone)."""
-        if cfg.server_secret_key:
-            raise ConfigError(
-                "extra_args.actbus.return: the publisher uses CURVE keys, which the front end "
-                "does not hold; return activations with an ipc:// or loopback publish address, "
-                "or subscribe to the bus instead"
-            )
-        if dp is not None and dp.remote:
-            raise ConfigError(
-                f"extra_args.actbus.return: this front end sends requests to data-parallel "
-                f"ranks {list(dp.remote)} on other nodes, whose publishers it cannot reach; "
-                "run each node's ranks behind a front end of its own "
-                "(--data-parallel-hybrid-lb or external load balancing), or subscribe to "
-                "the bus instead"
-            )
-        addrs = [connectable(cfg.publish_address(r)) for r in (dp.served if dp else (0,))]
-        key = ",".join(addrs)
-        with _LOCK:
-            if key not in _COLLECTORS:
-                _COLLECTORS[key] = cls(addrs)
-            return _COLLECTORS[key]
+        addrs = cls.refuse(cfg, dp, "subscribe to the bus instead")
+        return _REGISTRY.get(addrs, cls)
 
     # ------------------------------------------------------------- front end side
     def expect(
@@ -199,7 +166,7 @@ class ReturnCollector:
         with self._cond:
             for i in range(n):
                 self._pending[(caller_id, i)] = _Pending(sel, prompt_len, capacity)
-            _OWNER.update({caller_id: self})
+            self._own(caller_id)
 
     def take(
         self,
@@ -229,16 +196,9 @@ class ReturnCollector:
             if final:
                 want = _expected_rows(p.sel, p.prompt_len, limit)
                 wait = RETURN_TIMEOUT_S if (want is not None or ends_follow) else 0.0
-                deadline = time.monotonic() + wait
-                while not self._arrived(p, limit, want):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(min(left, 0.5))
-                self._pending.pop(key, None)
-                self._retired.extend(p.taps.values())
-                if not any(k[0] == caller_id for k in self._pending):
-                    _OWNER.pop(caller_id, None)
+                self._wait_final(lambda: self._arrived(p, limit, want), wait)
+                self._drop(key)
+                self._disown_if_done(caller_id)
                 if not self._pending:  # idle: keep no slab alive for requests to come
                     self._slabs.release()
             acts = self._hand_out(p, limit, delta)
@@ -246,8 +206,8 @@ class ReturnCollector:
                 acts.complete = self._arrived(p, limit, want)
         if final and not acts.complete and wait:
             log.warning(
-                "actbus: request %s sample %d: %d of %s rows arrived within %.0f s",
-                caller_id, index, len(acts.positions), want, RETURN_TIMEOUT_S,
+                "actbus: request %s sample %d: %d of %s rows arrived before its final output",
+                caller_id, index, len(acts.positions), want,
             )  # fmt: skip
         return acts
 
@@ -286,24 +246,7 @@ class ReturnCollector:
                 return False
         return True
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sub.close()
-
     # ------------------------------------------------------------- receiving side
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                out = self._sub.recv(timeout=0.5)
-            except Exception:  # keep collecting; a request that misses rows says so
-                log.exception("actbus: return subscriber failed; retrying")
-                time.sleep(0.5)
-                continue
-            if isinstance(out, Batch):
-                self._add(out)
-            self._forget_stale()
-
     def _add(self, b: Batch) -> None:
         """Copy each pending request's rows into its buffers; one message's work is
         one pass over its requests, with the index decoded once per step. The single
@@ -375,29 +318,18 @@ class ReturnCollector:
             return TapRows.over(self._slabs, row_bytes, dtype, width, capacity)
         return TapRows(row_bytes, dtype, width, capacity)
 
-    def _forget_stale(self) -> None:
-        """Forget requests nobody will collect; every second, let the slabs that
-        collected requests left sparse go (on this thread: it may copy)."""
-        now = time.monotonic()
-        if now - self._forgot_at < 1.0:
-            return
-        self._forgot_at = now
-        with self._cond:
-            stale = [
-                k
-                for k, p in self._pending.items()
-                if (p.ended is not None and now - p.ended_at > FORGET_AFTER_S)
-                or now - p.created > FORGET_UNENDED_S
-            ]
-            for key in stale:
-                self._retired.extend(self._pending.pop(key).taps.values())
-            if stale and not self._pending:
-                self._slabs.release()
-            retired, self._retired = self._retired, []
-            retire(retired, self._slabs)
-            live = {k[0] for k in self._pending}
-            for caller_id in {k[0] for k in stale} - live:
-                _OWNER.pop(caller_id, None)
+    def _drop(self, key: tuple[str, int]) -> None:
+        p = self._pending.pop(key, None)
+        if p is not None:
+            self._retired.extend(p.taps.values())
+
+    def _housekeep(self, dropped: bool) -> None:
+        """Let the slabs that collected requests left sparse go (on this thread: it
+        may copy)."""
+        if dropped and not self._pending:
+            self._slabs.release()
+        retired, self._retired = self._retired, []
+        retire(retired, self._slabs)
 
 
 def _as_items(rows: np.ndarray) -> np.ndarray:
@@ -418,26 +350,17 @@ def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
 _NO_IDS = torch.zeros(0, dtype=torch.int64)
 
 
-_LOCK = threading.Lock()
-_COLLECTORS: dict[str, ReturnCollector] = {}
-_OWNER: dict[str, ReturnCollector] = {}
+_REGISTRY = ReturnCollector.registry = Registry()
+_COLLECTORS = _REGISTRY.collectors
+_OWNER = _REGISTRY.owner
 """Caller id -> the collector holding its rows, for the output processor's wrapper."""
 
 
 def collector_for(caller_id: str) -> ReturnCollector | None:
-    return _OWNER.get(caller_id)
+    return _OWNER.get(caller_id)  # type: ignore[return-value]
 
 
 def close_collectors(addresses: list[str]) -> int:
-    """Close the collectors that read any of these publishers, whose engine stopped:
-    their subscribers would otherwise wait for it, and say so every few seconds, for as
-    long as the process lives. Returns how many were closed."""
-    gone = {connectable(a) for a in addresses}
-    with _LOCK:
-        keys = [k for k in _COLLECTORS if gone.intersection(k.split(","))]
-        closing = [_COLLECTORS.pop(k) for k in keys]
-    for col in closing:
-        for caller in [c for c, owner in list(_OWNER.items()) if owner is col]:
-            _OWNER.pop(caller, None)
-        col.close()
-    return len(closing)
+    """Close the collectors that read any of these publishers, whose engine stopped
+    (see ``Registry.close``). Returns how many were closed."""
+    return _REGISTRY.close(addresses)

@@ -260,18 +260,48 @@ def test_returned_scores_join_delta_pieces():
 
 
 def test_a_score_series_grows_and_keeps_handed_out_views():
-    """Buffers grow past their first size; rows a DELTA reader took are let go, and
-    views handed out before a growth keep their values."""
-    from actbus.monitor.returns import _Series
+    """Regions grow past their first size; rows a DELTA reader took are let go, and
+    views handed out before a growth keep their values; one message's rows for many
+    requests land in each request's own region."""
+    from actbus.monitor.returns import _StreamRows
+    from actbus.wire import RowIndex
 
-    s = _Series(2, 4)
-    s.append(np.arange(3), np.arange(3), 1, np.ones((3, 2), np.float32))
-    first = s.val[s.start : s.start + 3]
-    s.start += 3  # handed out (DELTA)
+    def message(lo, n, value, slots=(0,)):
+        k = len(slots)
+        pos = np.tile(np.arange(lo, lo + n), k)
+        rows = RowIndex([f"r{s}" for s in slots], np.arange(k + 1) * n, pos, pos)
+        vals = np.repeat(np.array([[value + s] * 2 for s in slots], np.float32), n, axis=0)
+        return rows, vals
+
+    s = _StreamRows(4)
+    s.width = 2
+    slots = np.array([0])
+    first_cap = np.array([4])
+
+    def write(lo, n, value, version, which=slots):
+        rows, vals = message(lo, n, value, tuple(which.tolist()))
+        k = len(which)
+        offs = np.arange(k) * n
+        s.write(which, offs, np.full(k, n), True, rows, vals, version, np.full(k, 4))
+
+    write(0, 3, 1.0, 1)
+    st = s.stores[int(s.sid[0])]
+    b = int(s.base[0])
+    first = st.val[b : b + 3]
+    s.start[0] += 3  # handed out (DELTA)
     for lo in range(3, 40, 5):
-        s.append(np.arange(lo, lo + 5), np.arange(lo, lo + 5), 2, np.full((5, 2), lo, np.float32))
+        write(lo, 5, float(lo), 2)
     assert (first == 1).all()  # the old view survived the growths
-    assert s.pending_below(100) == 40 and s.pending_below(10) == 7
-    assert s.pos[s.start : s.end].tolist() == list(range(3, 43))
-    assert (s.ver[s.start : s.end] == 2).all() and s.val[s.start + 5, 0] == 8
-    assert len(s.pos) < 2 * 43  # taken rows were dropped, not kept
+    assert s.pending_below(0, 100) == 40 and s.pending_below(0, 10) == 7
+    assert s.held_below(0, 10) == 10
+    st, b = s.stores[int(s.sid[0])], int(s.base[0])
+    lo, hi = b + int(s.start[0]), b + int(s.end[0])
+    assert st.pos[lo:hi].tolist() == list(range(3, 43))
+    assert (st.ver[lo:hi] == 2).all() and st.val[lo + 5, 0] == 8
+    assert int(s.cap[0]) < 2 * 43  # taken rows were dropped, not kept
+    assert first_cap[0] == 4
+    # Two more requests, one message: each its own rows, one scatter.
+    write(0, 1, 100.0, 3, np.array([1, 2]))
+    for slot in (1, 2):
+        st, b = s.stores[int(s.sid[slot])], int(s.base[slot])
+        assert st.val[b, 0] == 100 + slot and st.ver[b] == 3 and s.end[slot] == 1
