@@ -9,11 +9,11 @@ started.
 Path of a push: the engine core's control endpoint (``actbus.bus.control``, started
 by ``actbus.capture.control``) checks it and keeps it pending; the scheduler puts the
 pending pushes on the next ``SchedulerOutput`` that runs a forward (``PUSH_ATTR``), so
-every worker gets them with that step, and the worker writes them into its tables
-before launching that step's forward (``apply_pushes``). The copy is in stream order
-with the forwards, so a step reads entirely the old weights or entirely the new ones;
-the monitor's version changes at the same point, so every score message names the
-weights that made it.
+every worker gets them with that step, and the worker writes them into the back slot
+of its double-buffered tables and flips them before launching that step's forward
+(``apply_pushes``, ``actbus.monitor.swap``): that step and the ones after read
+entirely the new weights, the ones before entirely the old. The monitor's version
+changes at the same point, so every score message names the weights that made it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from actbus.bus.pushwire import Push
+from actbus.monitor.swap import TableSwap
 from actbus.monitor.weights import MonitorWeights
 
 log = logging.getLogger("actbus.monitor")
@@ -43,13 +44,16 @@ def apply_pushes(runner: Any, scheduler_output: Any) -> None:
     if harvest is None:
         return
     tables = harvest.tables
+    updates: dict[str, MonitorWeights] = {}
     for p in pushes:
         segs = [pt.segments[p.name] for pt in tables.points.values() if p.name in pt.segments]
-        seg = segs[0] if segs else None
-        if seg is None:  # the monitor's layers are on another pipeline stage
+        if not segs:  # the monitor's layers are on another pipeline stage
             continue
-        mw = MonitorWeights(p.weight, p.bias, seg.activation, p.theta, k=seg.k)
-        tables.write(p.name, mw)
+        updates[p.name] = MonitorWeights(p.weight, p.bias, segs[0].activation, p.theta, k=segs[0].k)
+    TableSwap.of(tables).swap(updates)
+    for p in pushes:
+        if p.name not in updates:
+            continue
         tables.versions[p.name] = p.version  # the engine core numbered it
         log.info(
             "actbus: monitor %s version %d in use from step %d, %.1f ms after the push arrived",
