@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from actbus.bus.pushwire import Push
+from actbus.monitor.graph import MonitorTables
 from actbus.monitor.swap import TableSwap
 from actbus.monitor.weights import MonitorWeights
 
@@ -33,17 +34,19 @@ PUSH_ATTR = "_actbus_pushes"
 
 
 def apply_pushes(runner: Any, scheduler_output: Any) -> None:
-    """Write this step's pushes into the runner's monitor tables; called before the
-    step's forward is launched. Ranks without monitor tables (tensor-parallel ranks
-    other than 0) have nothing to write."""
+    """Swap this step's pushes into the runner's monitor tables; called before the
+    step's forward is launched, on every rank. Every rank that holds tables writes
+    them: tensor-parallel rank 0 for the scores' harvest, and every tensor-parallel
+    rank when steering gates read the scores (each rank's gates read its own copy, so
+    all must change at the same step: each rank gets the same ``SchedulerOutput``).
+    A rank without tables (no gates, TP rank > 0) has nothing to write."""
     pushes: list[Push] | None = getattr(scheduler_output, PUSH_ATTR, None)
     if not pushes:
         return
-    cap = getattr(runner, "_actbus", None)
-    harvest = getattr(cap, "monitors", None)
-    if harvest is None:
+    tables: MonitorTables | None = getattr(runner, "_actbus_monitor_tables", None)
+    if tables is None:
         return
-    tables = harvest.tables
+    step = getattr(getattr(runner, "_actbus", None), "step", "?")
     updates: dict[str, MonitorWeights] = {}
     for p in pushes:
         segs = [pt.segments[p.name] for pt in tables.points.values() if p.name in pt.segments]
@@ -56,6 +59,6 @@ def apply_pushes(runner: Any, scheduler_output: Any) -> None:
             continue
         tables.versions[p.name] = p.version  # the engine core numbered it
         log.info(
-            "actbus: monitor %s version %d in use from step %d, %.1f ms after the push arrived",
-            p.name, p.version, cap.step, (time.time() - p.received) * 1e3,
+            "actbus: monitor %s version %d in use from step %s, %.1f ms after the push arrived",
+            p.name, p.version, step, (time.time() - p.received) * 1e3,
         )  # fmt: skip
