@@ -7,7 +7,9 @@ graphs). Each configuration runs in its own process (a fresh engine):
     plain              actbus not loaded
     monitor_probe_4    a probe direction (sigmoid) at layers 4, 12, 20, 28 on every token
                        of every request, scores returned to the caller
-                       (``"monitor_return": true``: ``CompletionOutput.monitor_scores``)
+                       (``"monitor_return": true``: ``CompletionOutput.monitor_scores``),
+                       while a client pushes new probe weights every PUSH_EVERY_S over
+                       the engine's control endpoint (``swap_ms``, below)
     monitor_sae_1      64 features of a ReLU SAE (1024 latents) at layer 16, the same way
     gated_steer        every request steered at layer 16 by a vector gated (hard, 0.5) by
                        a sigmoid probe monitor at layer 12 of the same token
@@ -21,7 +23,11 @@ monitor layer, or the arm fails.
 
 Capture is restricted to no request (``requests: selected``), so only monitoring is
 measured. Prints a table, then one JSON line with every figure and ``ratio_<config>``
-(tokens per second against ``plain``).
+(tokens per second against ``plain``). ``swap_ms_p50`` / ``swap_ms_p99``: over the
+pushes of the timed generation, the time from a push's arrival at the engine to the
+scheduling of the first step that reads it (the engine's own figure, from the control
+endpoint's ``status``); ``pushes_used`` of ``pushes_sent`` were used by a step (a push
+that arrives before the previous one was used replaces it).
 
     python benchmarks/bench_monitor.py [--prompts 512 --input 256 --output 256]
     python benchmarks/bench_monitor.py --tiny      # a CPU check with the tiny Llama
@@ -64,11 +70,12 @@ class Arm:
     returned: bool = True  # scores back to the caller, else to a bus subscriber
     gate_layer: int | None = None  # steer this layer (16) gated by the monitor's score
     read: bool = True  # False: scored in the graph, read by no one (the graph's own cost)
+    push: bool = False  # push new weights every PUSH_EVERY_S while generating
 
 
 CONFIGS: dict[str, Arm | None] = {
     "plain": None,
-    "monitor_probe_4": Arm("probe", [4, 12, 20, 28]),
+    "monitor_probe_4": Arm("probe", [4, 12, 20, 28], push=True),
     "monitor_sae_1": Arm("sae", [16]),
     "gated_steer": Arm("probe", [12], returned=False, gate_layer=16),
 }
@@ -77,6 +84,7 @@ EXTRA_CONFIGS: dict[str, Arm] = {
     "monitor_probe_4_graph": Arm("probe", [4, 12, 20, 28], returned=False, read=False),
     "monitor_sae_1_graph": Arm("sae", [16], returned=False, read=False),
 }
+PUSH_EVERY_S = 0.1
 SAE_LATENTS = 1024
 SAE_FEATURES = list(range(64))
 
@@ -139,6 +147,54 @@ def read_scores(address: str) -> int:
     return 0
 
 
+class Pusher:
+    """Pushes new weights for monitor ``m`` every PUSH_EVERY_S from a thread, until
+    closed; then reads the engine's swap times of the versions it pushed."""
+
+    def __init__(self, address: str, hidden: int) -> None:
+        import threading
+
+        import numpy as np
+
+        from actbus.bus.control import ControlClient
+
+        self._client = ControlClient(address, timeout_s=30)
+        self._rng = np.random.default_rng(3)
+        self._hidden = hidden
+        self.versions: list[int] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(PUSH_EVERY_S):
+                w = self._rng.standard_normal(self._hidden).astype("float32") / self._hidden**0.5
+                self.versions.append(self._client.push("m", w, [0.0])["version"])
+        except BaseException as e:  # reported by close()
+            self.error = e
+
+    def close(self) -> dict:
+        """``swap_ms`` p50/p99 of the pushes used, and how many were sent and used."""
+        import numpy as np
+
+        self._stop.set()
+        self._thread.join(timeout=60)
+        try:
+            if self.error is not None:
+                raise SystemExit(f"the pusher failed: {self.error!r}")
+            mine = set(self.versions)
+            swaps = [s["swap_ms"] for s in self._client.status()["swaps"] if s["version"] in mine]
+        finally:
+            self._client.close()
+        out = {"pushes_sent": len(mine), "pushes_used": len(swaps)}
+        if swaps:
+            out["swap_ms_p50"] = round(float(np.percentile(swaps, 50)), 2)
+            out["swap_ms_p99"] = round(float(np.percentile(swaps, 99)), 2)
+        return out
+
+
 def _count_returned(outs: list, layers: int) -> dict:
     """Returned score rows, against prompt + generated - 1 per request and layer."""
     rows = expected = incomplete = 0
@@ -179,6 +235,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
                 "monitor": _monitor(arm, tmp, config["hidden_size"], layers),
             }
         }
+        if arm.push:
+            extra["actbus"]["control"] = f"ipc://{tmp}/control.sock"
         if arm.gate_layer is not None:
             extra["actbus"]["monitor"]["global"] = []  # the gate reads it: scored anyway
             extra["actbus"]["steer"] = {"layers": [layer(arm.gate_layer)]}
@@ -209,12 +267,21 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         entry = {"vector": "v", "layers": [layer(arm.gate_layer)], "scale": 0.5, "gate": gate}
         params = SamplingParams(**base, extra_args={"actbus": {"steer": [entry]}})
     warm_up(llm, prompts)
-    outs, timed = timed_generate(llm, prompts, params)
+    pusher = None
+    if arm is not None and arm.push:
+        pusher = Pusher(extra["actbus"]["control"], config["hidden_size"])
+    try:
+        outs, timed = timed_generate(llm, prompts, params)
+    finally:
+        pushed = pusher.close() if pusher is not None else {}
     result = {
         "config": name,
         "engine_start_s": round(start_s, 1),
         **timed,
+        **pushed,
     }
+    if pusher is not None and not pushed["pushes_used"]:
+        raise SystemExit(f"{name}: no push was used by a step: {pushed}")
     if arm is not None and arm.returned:
         result["returned"] = _count_returned(outs, len(arm.layers))
         if not result["returned"]["exact"]:
@@ -278,6 +345,14 @@ def main() -> int:
         if r.get("returned"):
             summary[f"returned_rows_{name}"] = r["returned"]["rows"]
             summary[f"returned_exact_{name}"] = r["returned"]["exact"]
+        if "pushes_sent" in r:
+            for k in ("pushes_sent", "pushes_used", "swap_ms_p50", "swap_ms_p99"):
+                if k in r:
+                    summary[k] = r[k]
+            print(
+                f"{'':18s} swap ms p50 {r.get('swap_ms_p50')} p99 {r.get('swap_ms_p99')} "
+                f"({r['pushes_used']} of {r['pushes_sent']} pushes used)"
+            )
         if r.get("subscriber"):
             summary[f"received_rows_{name}"] = r["subscriber"].get("rows", 0)
             summary[f"missed_{name}"] = r["subscriber"].get("missed", 0)

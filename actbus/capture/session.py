@@ -282,7 +282,8 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
 
     Both runners keep ``model``, ``vllm_config``, ``max_num_tokens`` and ``device``
     on themselves; the capture worker is kept as ``runner._actbus`` and the steering
-    tables as ``runner._actbus_steer`` (None: inert). With capture configured, the
+    tables as ``runner._actbus_steer`` (None: inert), and the monitor tables, which
+    live pushes write, as ``runner._actbus_monitor_tables``. With capture configured, the
     internals actbus reads of this runner are checked first, so a vLLM that changed
     them fails at start, before weights load.
     """
@@ -312,6 +313,9 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
             device=self.device,
             runner=runner,
         )
+        # Every rank that holds monitor tables (the harvest's, or its gates') takes pushes.
+        monitors = getattr(self.model, "_actbus_monitors", None)
+        self._actbus_monitor_tables = None if monitors is None else monitors[0]
         return out
 
     load_model._actbus_wrapper = True  # patch_worker looks for it

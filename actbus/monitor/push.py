@@ -9,11 +9,11 @@ started.
 Path of a push: the engine core's control endpoint (``actbus.bus.control``, started
 by ``actbus.capture.control``) checks it and keeps it pending; the scheduler puts the
 pending pushes on the next ``SchedulerOutput`` that runs a forward (``PUSH_ATTR``), so
-every worker gets them with that step, and the worker writes them into its tables
-before launching that step's forward (``apply_pushes``). The copy is in stream order
-with the forwards, so a step reads entirely the old weights or entirely the new ones;
-the monitor's version changes at the same point, so every score message names the
-weights that made it.
+every worker gets them with that step, and the worker writes them into the back slot
+of its double-buffered tables and flips them before launching that step's forward
+(``apply_pushes``, ``actbus.monitor.swap``): that step and the ones after read
+entirely the new weights, the ones before entirely the old. The monitor's version
+changes at the same point, so every score message names the weights that made it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import time
 from typing import Any
 
 from actbus.bus.pushwire import Push
+from actbus.monitor.graph import MonitorTables
+from actbus.monitor.swap import TableSwap
 from actbus.monitor.weights import MonitorWeights
 
 log = logging.getLogger("actbus.monitor")
@@ -32,26 +34,31 @@ PUSH_ATTR = "_actbus_pushes"
 
 
 def apply_pushes(runner: Any, scheduler_output: Any) -> None:
-    """Write this step's pushes into the runner's monitor tables; called before the
-    step's forward is launched. Ranks without monitor tables (tensor-parallel ranks
-    other than 0) have nothing to write."""
+    """Swap this step's pushes into the runner's monitor tables; called before the
+    step's forward is launched, on every rank. Every rank that holds tables writes
+    them: tensor-parallel rank 0 for the scores' harvest, and every tensor-parallel
+    rank when steering gates read the scores (each rank's gates read its own copy, so
+    all must change at the same step: each rank gets the same ``SchedulerOutput``).
+    A rank without tables (no gates, TP rank > 0) has nothing to write."""
     pushes: list[Push] | None = getattr(scheduler_output, PUSH_ATTR, None)
     if not pushes:
         return
-    cap = getattr(runner, "_actbus", None)
-    harvest = getattr(cap, "monitors", None)
-    if harvest is None:
+    tables: MonitorTables | None = getattr(runner, "_actbus_monitor_tables", None)
+    if tables is None:
         return
-    tables = harvest.tables
+    step = getattr(getattr(runner, "_actbus", None), "step", "?")
+    updates: dict[str, MonitorWeights] = {}
     for p in pushes:
         segs = [pt.segments[p.name] for pt in tables.points.values() if p.name in pt.segments]
-        seg = segs[0] if segs else None
-        if seg is None:  # the monitor's layers are on another pipeline stage
+        if not segs:  # the monitor's layers are on another pipeline stage
             continue
-        mw = MonitorWeights(p.weight, p.bias, seg.activation, p.theta, k=seg.k)
-        tables.write(p.name, mw)
+        updates[p.name] = MonitorWeights(p.weight, p.bias, segs[0].activation, p.theta, k=segs[0].k)
+    TableSwap.of(tables).swap(updates)
+    for p in pushes:
+        if p.name not in updates:
+            continue
         tables.versions[p.name] = p.version  # the engine core numbered it
         log.info(
-            "actbus: monitor %s version %d in use from step %d, %.1f ms after the push arrived",
-            p.name, p.version, cap.step, (time.time() - p.received) * 1e3,
+            "actbus: monitor %s version %d in use from step %s, %.1f ms after the push arrived",
+            p.name, p.version, step, (time.time() - p.received) * 1e3,
         )  # fmt: skip

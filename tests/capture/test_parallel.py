@@ -11,6 +11,7 @@ every layer, every position exactly once, the same step numbers on both stages.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections import defaultdict
@@ -27,13 +28,17 @@ from tests.support.steer_oracle import HFSteer, hf_steered_greedy
 pytestmark = pytest.mark.engine
 LAYERS = [0, 1, 2, 3]
 HOOKS = ["pre_attn", "post_block"]
+GATE = "gate"
+GATE_POINT = {"layers": [2], "hook": "pre_attn"}
 
 
 @pytest.fixture(scope="module")
 def parallel_engine(tiny_models, tmp_path_factory):
     from vllm import LLM
 
-    address = f"ipc://{tmp_path_factory.mktemp('bus-parallel')}/bus.sock"
+    sock_dir = tmp_path_factory.mktemp("bus-parallel")
+    address = f"ipc://{sock_dir}/bus.sock"
+    hidden = json.loads((tiny_models["llama"] / "config.json").read_text())["hidden_size"]
     # Four workers on two cores: vLLM's CPU backend binds each to a core list.
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1|0|1"
@@ -55,6 +60,9 @@ def parallel_engine(tiny_models, tmp_path_factory):
                     "layers": LAYERS,
                     "hooks": HOOKS,
                     "steer": {"hooks": ["pre_attn", "post_attn", "post_block"]},
+                    # A gate's monitor on stage 1, whose weights the tests push.
+                    "monitor": {"monitors": {GATE: {**GATE_POINT, "weight": [0.0] * hidden}}},
+                    "control": f"ipc://{sock_dir}/control.sock",
                 }
             },
         )
@@ -63,6 +71,7 @@ def parallel_engine(tiny_models, tmp_path_factory):
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+    llm.actbus_control = f"ipc://{sock_dir}/control.sock"
     yield llm, address, tiny_models["llama"]
     llm.llm_engine.engine_core.shutdown()
 
@@ -190,3 +199,52 @@ def test_steering_on_both_stages_matches_hf(parallel_engine):
             and tokens != hf_steered_greedy(model_path, list(o.prompt_token_ids), 6, [], [])[0]
         )
     assert changed >= 1, "steering this strong should change some greedy tokens"
+
+
+def test_pushed_gate_weights_reach_every_tensor_parallel_rank(parallel_engine):
+    """A gate's monitor lives on both tensor-parallel ranks of stage 1, and each rank's
+    gate reads its own copy: a push must reach both, or the ranks' streams part and the
+    output matches neither oracle. Pushing ``score = +10`` opens the gate (HF steered),
+    ``-10`` closes it (HF unsteered), tokens and captured rows alike."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from actbus.bus.control import ControlClient
+    from tests.support.steer_oracle import HFGate
+
+    llm, _, model_path = parallel_engine
+    prompt = [random.Random(9).randrange(3, 500) for _ in range(14)]
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    norm = float(
+        hf_activations(model_path, prompt, [2], ["pre_attn"])[(2, "pre_attn")].norm(dim=-1).mean()
+    )
+    u = torch.randn(hidden, generator=torch.Generator().manual_seed(4))
+    v = 2 * norm * u / u.norm()
+    gate = {"monitor": GATE, "threshold": 0.0, "source": "token"}
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=6,
+        ignore_eos=True,
+        extra_args={
+            "actbus": {
+                "steer": [{"vector": v.tolist(), "layers": 2, "hooks": "post_attn", "gate": gate}],
+                "return": True,
+            }
+        },
+    )
+    seen = []
+    with ControlClient(llm.actbus_control, timeout_s=30) as c:
+        for bias in (10.0, -10.0):
+            version = c.push(GATE, np.zeros(hidden, np.float32), [bias])["version"]
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+            hf_gate = HFGate((2, "pre_attn"), lambda x, b=bias: torch.full((x.shape[0],), b), 0.0)
+            steers = [HFSteer(2, "post_attn", v, gate=hf_gate)]
+            tokens, want = hf_steered_greedy(model_path, prompt, 6, steers, LAYERS)
+            assert list(out.outputs[0].token_ids) == tokens, bias
+            acts = out.outputs[0].activations
+            assert acts is not None and acts.complete
+            for key in acts.tensors:
+                assert max_rel_error(acts[key], want[key]) <= 1e-3, (key, bias)
+            seen.append(tokens)
+            assert c.status()["monitors"][GATE]["in_use"] == version
+    assert seen[0] != seen[1], "the open gate's steering should change the greedy tokens"

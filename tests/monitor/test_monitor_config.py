@@ -14,7 +14,8 @@ from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
 from actbus.monitor.config import MonitorConfig
 from actbus.monitor.frontend import take_monitors
-from actbus.monitor.graph import Segment, install_monitors, monitor_scores
+from actbus.monitor.graph import Segment, install_monitors, monitor_point, monitor_scores
+from actbus.monitor.swap import TableSwap
 from actbus.monitor.weights import MonitorWeights, load_weights
 from actbus.wire import MONITOR_HOOK, Header, MonitorInfo, RowIndex, WireError
 
@@ -132,7 +133,58 @@ def test_tables_hold_each_point_and_bump_versions_on_write():
     )
     assert t.write("b", new) == 2 and t.versions["a"] == 1
     assert t.points[(0, "pre_attn")].weight.data_ptr() == addr  # in place: graphs keep reading it
-    assert torch.equal(t.points[(2, "pre_attn")].weight, torch.ones(1, 4))
+    assert torch.equal(t.points[(2, "pre_attn")].weight, torch.ones(2, 1, 4))  # both slots
+
+
+def test_swaps_flip_the_front_slot_whole_and_the_compiled_graph_follows():
+    """A swap writes the back slot (the front one, with the pushed monitor's columns
+    replaced) and flips ``front``: the compiled forward reads the new weights with no
+    recompile, at the same addresses, and a monitor sharing the point keeps its own."""
+    torch._dynamo.reset()
+    cfg = MonitorConfig.from_dict(
+        {"monitors": {"a": {"weight": W, "layers": [0]}, "b": {"weight": W, "layers": [0]}}}
+    )
+    weights = {n: load_weights(d, 4, n) for n, d in cfg.monitors.items()}
+    layer = torch.nn.Module()
+    t = install_monitors(
+        torch.nn.ModuleList([layer]),
+        weights,
+        {n: d.points for n, d in cfg.monitors.items()},
+        hidden_size=4,
+        max_rows=8,
+        device=torch.device("cpu"),
+    )
+    pt = t.points[(0, "post_block")]
+    counter = {"n": 0}
+
+    def backend(gm, _inputs):
+        counter["n"] += 1
+        return gm.forward
+
+    def score(x):
+        monitor_point(layer, "post_block", x)
+        return pt.scores[: x.shape[0]].clone()
+
+    fn = torch.compile(score, backend=backend, dynamic=True)
+    x = torch.randn(5, 4)
+    w0 = torch.tensor(W)
+    torch.testing.assert_close(fn(x), torch.stack([x @ w0, x @ w0], dim=1))
+    addrs = [b.data_ptr() for b in (pt.weight, pt.bias, pt.theta, pt.front)]
+    swap = TableSwap.of(t)
+    for i, scale in enumerate((2.0, -3.0, 0.5)):
+        new = MonitorWeights(
+            (w0 * scale).numpy()[None], np.full(1, scale, np.float32), "linear", np.zeros(1)
+        )
+        assert swap.swap({"b": new}) == [(0, "post_block")]
+        assert pt.slot == (i + 1) % 2 and int(pt.front) == pt.slot
+        want = torch.stack([x @ w0, x @ w0 * scale + scale], dim=1)
+        torch.testing.assert_close(fn(x), want)
+        torch.testing.assert_close(pt.read()[0], torch.stack([w0, w0 * scale]))
+    assert swap.swap({"nowhere": new}) == []
+    assert counter["n"] == 1
+    assert addrs == [b.data_ptr() for b in (pt.weight, pt.bias, pt.theta, pt.front)]
+    with pytest.raises(ValueError, match="monitor b: 2 columns, its table holds 1"):
+        swap.swap({"b": MonitorWeights(np.ones((2, 4), np.float32), np.zeros(2), "linear", None)})
 
 
 def test_compiled_scores_follow_new_weights_without_recompiling():

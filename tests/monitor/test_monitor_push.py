@@ -11,6 +11,7 @@ version 1) and puts the original weights back.
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -156,3 +157,89 @@ def test_bad_pushes_and_strangers_are_refused_and_the_old_version_stays(sched_en
     assert (
         _close(got, ref, torch.from_numpy(w).norm() * x.norm(dim=-1) + abs(raw["bias"])) <= REL_TOL
     )
+
+
+def test_pushes_while_requests_run_flip_every_step_whole(sched_engine):
+    """A pusher thread pushes new probe weights every few milliseconds while a batch
+    generates. The probe is evaluated at two layers, so a step that saw half a swap
+    would show it: the scores of one position, at both layers, must come from one
+    version (the one they carry), and each must equal that version's weights applied
+    to HF transformers' hidden states; versions never go back along a request."""
+    import threading
+
+    from vllm.inputs import TokensPrompt
+
+    from trainers.checkpoint import load_probe
+    from trainers.push import PushTarget, folded
+
+    spec = SPEC["probe"]
+    src = sched_engine.monitor["monitors"]["probe"]
+    llm = sched_engine.llm
+    rng = np.random.default_rng(70)
+    prompts = [rng.integers(3, 400, 9 + i).tolist() for i in range(6)]
+    first = hf_activations(sched_engine.model_path, prompts[0], [spec.layers[0]], [spec.hook])
+    x0 = first[(spec.layers[0], spec.hook)].float()
+    hidden, typical = x0.shape[1], float(x0.norm(dim=-1).mean())
+    pushed: dict[int, tuple[torch.Tensor, float]] = {}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def pusher() -> None:
+        gen = torch.Generator().manual_seed(11)
+        try:
+            with _client(sched_engine) as c:
+                i = 0
+                while not stop.is_set():
+                    w = torch.randn(hidden, generator=gen) / typical  # w.x ~ N(0, 1)
+                    b = 1.5 if i % 2 else -1.5  # far apart: a mixed-up version shows
+                    v = c.push("probe", w.numpy(), [b])["version"]
+                    pushed[v] = (w, b)
+                    i += 1
+                    stop.wait(0.01)
+        except BaseException as e:
+            errors.append(e)
+
+    with _client(sched_engine) as c:
+        start = c.status()["monitors"]["probe"]["version"]
+    log = ScoreLog(sched_engine.address, monitors=("probe",))
+    thread = threading.Thread(target=pusher, daemon=True)
+    thread.start()
+    try:
+        while not pushed:
+            time.sleep(0.01)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [_params(["probe"], max_tokens=24)] * len(prompts),
+            use_tqdm=False,
+        )
+        stop.set()
+        thread.join(timeout=30)
+        log.wait_ended([(o.request_id, 0) for o in outs])
+    finally:
+        stop.set()
+        log.close()
+        with _client(sched_engine) as c:  # the engine's own probe back
+            mw = folded(load_probe(src["probe"]), PushTarget("probe", "probe", "probe"))
+            c.push("probe", mw.weight, mw.bias)
+    assert not errors, errors
+    seen: set[int] = set()
+    for o, prompt in zip(outs, prompts, strict=True):
+        fed = (prompt + list(o.outputs[0].token_ids))[:-1]
+        acts = hf_activations(sched_engine.model_path, fed, list(spec.layers), [spec.hook])
+        by_layer = {}
+        for layer in spec.layers:
+            rows = sorted(log.rows[(o.request_id, 0, "probe", layer)], key=lambda r: r[0])
+            assert [r[0] for r in rows] == list(range(len(fed))), (layer, [r[0] for r in rows])
+            by_layer[layer] = rows
+        versions = [r[3] for r in by_layer[spec.layers[0]]]
+        assert versions == [r[3] for r in by_layer[spec.layers[1]]]  # one step, one version
+        assert versions == sorted(versions), versions
+        assert all(v > start and v in pushed for v in versions), (start, sorted(pushed)[:5])
+        seen.update(versions)
+        for layer, rows in by_layer.items():
+            x = acts[(layer, spec.hook)].float()
+            for (pos, _tok, got, v), xi in zip(rows, x, strict=True):
+                w, b = pushed[v]
+                ref = torch.sigmoid(xi @ w + b)
+                assert abs(float(got[0]) - float(ref)) <= REL_TOL * float(ref), (pos, layer, v)
+    assert len(seen) >= 3, sorted(seen)  # swaps landed while the batch generated
