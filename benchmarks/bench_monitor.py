@@ -17,6 +17,7 @@ graphs). Each configuration runs in its own process (a fresh engine):
                        lossless (``block``) bus subscriber instead of returned
     monitor_probe_4_graph, monitor_sae_1_graph  (only when named) scored in the graph
                        and read by no one: what the graph itself costs
+    monitor_probe_4_static  (only when named) monitor_probe_4 without the pushes
 
 Returned scores are counted: every request must get prompt + generated - 1 rows per
 monitor layer, or the arm fails.
@@ -81,6 +82,7 @@ CONFIGS: dict[str, Arm | None] = {
 }
 EXTRA_CONFIGS: dict[str, Arm] = {
     "monitor_probe_4_bus": Arm("probe", [4, 12, 20, 28], returned=False),
+    "monitor_probe_4_static": Arm("probe", [4, 12, 20, 28]),  # no pushes
     "monitor_probe_4_graph": Arm("probe", [4, 12, 20, 28], returned=False, read=False),
     "monitor_sae_1_graph": Arm("sae", [16], returned=False, read=False),
 }
