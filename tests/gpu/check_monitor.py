@@ -42,17 +42,6 @@ LAYERS = [0, 1, 2, 3]
 HIDDEN = 256
 
 
-def _counts(worker) -> dict[str, int]:
-    from torch._dynamo.utils import counters
-    from vllm.compilation.counter import compilation_counter as c
-
-    return {
-        "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
-        "graphs_seen": c.num_graphs_seen,
-        "cudagraphs_captured": c.num_cudagraph_captured,
-    }
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -62,7 +51,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU")
     args = ap.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(_counts)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(compile_counts)
     # The checkpoints are made with torch on the CPU first (its OpenMP threads started):
     # an engine core forked after that can hang at its first parallel op.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -71,6 +60,7 @@ def main() -> int:
 
     from actbus.bus.control import ControlClient
     from actbus.tiny_models import build_tiny_model
+    from tests.support.compile_counts import compile_counts
     from tests.support.engine import SERVER_KEYS, _control_endpoint
     from tests.support.monitors import SPECS, build_monitor_sources, expected_scores, read_scale
     from tests.support.oracle import hf_activations, max_rel_error
@@ -205,7 +195,7 @@ def main() -> int:
             worst_gate[f"{i}/{key[0]}/{key[1]}"] = err
 
     # A push: later requests carry the new version and its scores; nothing recompiles.
-    before = llm.collective_rpc(_counts)
+    before = llm.collective_rpc(compile_counts)
     w = torch.randn(HIDDEN, generator=g) / HIDDEN**0.5
     with ControlClient(
         control["address"],
@@ -220,7 +210,7 @@ def main() -> int:
             use_tqdm=False,
         )[0].outputs[0]
         status = client.status()  # with the swap's figures (arrival to first step)
-    after = llm.collective_rpc(_counts)
+    after = llm.collective_rpc(compile_counts)
     ms = pushed.monitor_scores
     x = pushed.activations[(raw.layers[0], raw.hook)].float().cpu()
     ref = (x @ w + 0.5)[:, None]

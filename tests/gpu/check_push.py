@@ -36,17 +36,6 @@ LAYERS = [1, 3]
 HOOK = "post_block"
 
 
-def _counts(worker) -> dict[str, int]:
-    from torch._dynamo.utils import counters
-    from vllm.compilation.counter import compilation_counter as c
-
-    return {
-        "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
-        "graphs_seen": c.num_graphs_seen,
-        "cudagraphs_captured": c.num_cudagraph_captured,
-    }
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -56,13 +45,14 @@ def main() -> int:
     ap.add_argument("--every-ms", type=float, default=5.0, help="time between pushes")
     args = ap.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(_counts)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(compile_counts)
 
     import numpy as np
     import torch
 
     from actbus.bus.control import ControlClient
     from actbus.tiny_models import build_tiny_model
+    from tests.support.compile_counts import compile_counts
     from tests.support.oracle import hf_activations
 
     hidden = 256
@@ -105,7 +95,7 @@ def main() -> int:
     )
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(batch[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
-    before = llm.collective_rpc(_counts)
+    before = llm.collective_rpc(compile_counts)
 
     pushed: dict[int, tuple[np.ndarray, float]] = {}
     stop = threading.Event()
@@ -134,7 +124,7 @@ def main() -> int:
     gen_s = time.monotonic() - t0
     stop.set()
     thread.join(timeout=30)
-    after = llm.collective_rpc(_counts)
+    after = llm.collective_rpc(compile_counts)
     with ControlClient(control, timeout_s=30) as c:
         swaps = [s["swap_ms"] for s in c.status()["swaps"] if s["version"] in pushed]
 

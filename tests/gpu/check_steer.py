@@ -44,17 +44,6 @@ CASES = [
 ]
 
 
-def _counts(worker) -> dict[str, int]:
-    from torch._dynamo.utils import counters
-    from vllm.compilation.counter import compilation_counter as c
-
-    return {
-        "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
-        "graphs_seen": c.num_graphs_seen,
-        "cudagraphs_captured": c.num_cudagraph_captured,
-    }
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -66,12 +55,13 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(_counts)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(compile_counts)
 
     import torch
 
     from actbus.steer.api import vectors
     from actbus.tiny_models import build_tiny_model
+    from tests.support.compile_counts import compile_counts
     from tests.support.oracle import max_rel_error
     from tests.support.steer_oracle import HFSteer, hf_steered_forward
 
@@ -139,11 +129,11 @@ def main() -> int:
 
     vectors(llm).register("named", named)
     outs = run(CASES)
-    before = llm.collective_rpc(_counts)
+    before = llm.collective_rpc(compile_counts)
     named2 = -2.0 * named
     vectors(llm).register("named", named2)  # hot change
     outs2 = run(CASES[5:6])
-    after = llm.collective_rpc(_counts)
+    after = llm.collective_rpc(compile_counts)
 
     precision_found = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")

@@ -19,7 +19,7 @@ import torch
 
 from actbus.bus.control import ControlClient, PushRefused
 from tests.monitor.test_monitor_engine import REL_TOL, ScoreLog, _params
-from tests.steer.test_steer_requests import _compile_counts
+from tests.support.compile_counts import compile_counts
 from tests.support.monitors import SPECS, expected_scores
 from tests.support.oracle import hf_activations
 
@@ -72,7 +72,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> float:
 def test_pushed_weights_score_later_requests_with_their_version(sched_engine):
     raw = sched_engine.monitor["monitors"]["raw"]
     hidden = len(raw["weight"])
-    before = sched_engine.llm.collective_rpc(_compile_counts)
+    before = sched_engine.llm.collective_rpc(compile_counts)
     assert before[0]["dynamo_graphs"] > 0, before
     gen = torch.Generator().manual_seed(3)
     with _client(sched_engine) as c:
@@ -96,7 +96,7 @@ def test_pushed_weights_score_later_requests_with_their_version(sched_engine):
     swaps = [s for s in st["swaps"] if s["monitor"] == "raw"][-2:]
     assert [s["version"] for s in swaps] == versions
     assert all(0 <= s["swap_ms"] < 30_000 and s["scheduled"] >= s["received"] for s in swaps)
-    after = sched_engine.llm.collective_rpc(_compile_counts)
+    after = sched_engine.llm.collective_rpc(compile_counts)
     assert before == after, (before, after)
 
 

