@@ -28,7 +28,6 @@ import json
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import urllib.request
@@ -105,7 +104,7 @@ def main() -> int:
     if args.connect is None:
         run = tempfile.mkdtemp(prefix="actbus-loop-")
         address, control = f"ipc://{run}/bus.sock", f"ipc://{run}/control.sock"
-        url = f"http://127.0.0.1:{args.port or _free_port()}"
+        url = f"http://127.0.0.1:{args.port or common.free_port()}"
         common.step(1, 4, f"actbus serve {model.path}: monitor 'probe' at layer {layer}")
         server = common.actbus(
             "serve", model.path, "--layers", str(layer), "--publish", address,
@@ -243,12 +242,6 @@ def mixed_run(url: str, model: str, prompts: list[str], actbus: dict, layer: int
         }
         for c in got
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,6 +151,13 @@ def send_all(url: str, model: str, items: list[tuple[str, dict]], max_tokens: in
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda it: complete(url, model, it[0], it[1], max_tokens), items))
     return sum(o["usage"]["prompt_tokens"] + o["usage"]["completion_tokens"] - 1 for o in outs)
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (for a server the example starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:

@@ -23,7 +23,6 @@ import argparse
 import json
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -54,7 +53,7 @@ def main() -> int:
     server = None
     if args.connect is None:
         address = f"ipc://{tempfile.mkdtemp(prefix='actbus-journey-')}/bus.sock"
-        url = f"http://127.0.0.1:{args.port or _free_port()}"
+        url = f"http://127.0.0.1:{args.port or common.free_port()}"
         common.step(1, 5, f"actbus serve {model.path} --layers {first},{last} on {address}")
         server = common.actbus(
             "serve", model.path, "--layers", ",".join(map(str, model.layers)),
@@ -86,7 +85,7 @@ def main() -> int:
         "run", "wandb", "--connect", address, "--exit-on-end", "--interval", "2",
         "--wandb-dir", str(out), log=out / "wandb.log", env=wandb_env,
     )  # fmt: skip
-    board_url = f"http://127.0.0.1:{args.dashboard_port or _free_port()}"
+    board_url = f"http://127.0.0.1:{args.dashboard_port or common.free_port()}"
     board = common.actbus(
         "dashboard", "--connect", address, "--port", board_url.rsplit(":", 1)[1],
         log=out / "dashboard.log",
@@ -137,12 +136,6 @@ def main() -> int:
     bus = snapshot.get("bus") or {}
     print(f"      dashboard: {bus.get('tokens', 0)} tokens counted, {bus.get('subscribers')} subs")
     return 0 if ok else 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
