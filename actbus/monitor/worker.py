@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -104,73 +105,122 @@ class MonitorHarvest:
         publisher: Outlet,
         to_host: Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], object]],
     ) -> None:
-        """Publish this step's scores (after the forward that wrote them)."""
+        """Publish this step's scores (after the forward that wrote them).
+
+        It runs on the engine's own thread between forwards, so its host work does not
+        grow with Python calls per request: the rows each monitor publishes are found
+        with a few numpy operations over the whole step, the (monitor, layer) streams
+        of one monitor share one row index, one gather per point and one host copy.
+        """
         self._admit(sr)
         ended = self._retire(sr)
-        parts: dict[tuple[int, str], list[tuple[_Request, np.ndarray, np.ndarray]]] = {}
-        if host_pos is not None and self._reqs:
-            for i, rid in enumerate(req_ids):
-                st = self._reqs.get(rid)
-                lo, hi = int(offsets[i]), int(offsets[i + 1])
-                if st is None or hi == lo:
-                    continue
-                pos = host_pos[lo:hi]
-                keep = pos >= st.next_pos  # recomputed after preemption: already published
-                st.next_pos = max(st.next_pos, int(pos[-1]) + 1)
-                if not keep.any():
-                    continue
-                rows = np.flatnonzero(keep) + lo
-                for key in self.keys:
-                    if key[1] in st.names:
-                        parts.setdefault(key, []).append((st, pos[keep], rows))
-        keys = [k for k in self.keys if k in parts or ended]
+        plans = self._plan(req_ids, offsets, host_pos) if host_pos is not None else {}
+        keys = [k for k in self.keys if k[1] in plans or ended]
         if not keys:
             return
+        none = _Rows.empty()
         offers = [
             TapOffer(
                 k[0],
                 MONITOR_HOOK,
-                sum(len(p) for _, p, _ in parts.get(k, ()))
-                * len(self.published[k[1]].cols)
-                * SCORE_BYTES,
-                bool(ended) or any(st.returns for st, _, _ in parts.get(k, ())),
+                plans.get(k[1], none).num_rows * len(self.published[k[1]].cols) * SCORE_BYTES,
+                bool(ended) or plans.get(k[1], none).returning,
             )
             for k in keys
         ]
+        send: dict[str, list[tuple[int, str]]] = {}  # monitor -> its streams to copy
         for key, verdict in zip(keys, publisher.admit(step, offers), strict=True):
-            entries = parts.get(key, [])
-            width = len(self.published[key[1]].cols)
-            if verdict is Admission.DROP:  # no copy: counted as a drop by the bus
+            if verdict is Admission.SEND:
+                send.setdefault(key[1], []).append(key)
+            elif verdict is Admission.DROP:  # no copy: counted as a drop by the bus
+                width = len(self.published[key[1]].cols)
                 header = self._header(step, key, 0, width, RowIndex.empty(), ended)
-                header.shape = (sum(len(p) for _, p, _ in entries), width)
+                header.shape = (plans.get(key[1], none).num_rows, width)
                 publisher.drop(header)
-            if verdict is not Admission.SEND:
-                continue
-            scores, toks = self._gather(key, entries, token_ids)
+        for name, streams in send.items():
+            plan = plans.get(name, none)
+            scores, toks = self._gather(streams, plan, token_ids, int(offsets[-1]))
             (scores, toks), ready = to_host([scores, toks])
-            rows = _row_index(entries, toks)
-            publisher.publish(
-                self._header(step, key, len(rows.positions), width, rows, ended),
-                scores,
-                ready=ready,
-            )
+            rows = plan.index(toks)  # one index for every layer of the monitor
+            width = scores.shape[2]
+            for i, key in enumerate(streams):
+                publisher.publish(
+                    self._header(step, key, rows.num_rows, width, rows, ended),
+                    scores[i],
+                    ready=ready,
+                )
 
-    def _gather(self, key, entries, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh ``[rows, width]`` scores and ``[rows]`` token ids of ``entries``."""
-        layer, name = key
-        pt = self.tables.points[(layer, self.keys[key])]
+    def _plan(
+        self, req_ids: list[str], offsets: np.ndarray, host_pos: np.ndarray
+    ) -> dict[str, _Rows]:
+        """Per monitor, the rows of this step it publishes: every row of a request that
+        asked for it, except positions published before (recomputed after preemption).
+        Moves the requests' watermarks."""
+        states = [self._reqs.get(r) for r in req_ids] if self._reqs else []
+        counts = np.diff(offsets)
+        live = [i for i, st in enumerate(states) if st is not None and counts[i]]
+        if not live:
+            return {}
+        live_ix = np.asarray(live, dtype=np.int64)
+        marks = np.fromiter((states[i].next_pos for i in live), np.int64, len(live))
+        owner = np.repeat(np.arange(len(states), dtype=np.int64), counts)  # row -> request
+        floor = np.full(len(states), np.iinfo(np.int64).max, dtype=np.int64)
+        floor[live_ix] = marks
+        keep = host_pos >= floor[owner]  # rows of unmonitored requests are never kept
+        last = host_pos[offsets[1:][live_ix] - 1] + 1
+        for i, mark in zip(live, np.maximum(marks, last).tolist(), strict=True):
+            states[i].next_pos = mark
+        # Requests asking for the same monitors share one mask (usually: all of them).
+        asking: dict[tuple[str, ...], list[int]] = {}
+        for i in live:
+            asking.setdefault(states[i].names, []).append(i)
+        plans: dict[str, _Rows] = {}
+        by_askers: dict[tuple[tuple[str, ...], ...], _Rows | None] = {}
+        for name in dict.fromkeys(n for names in asking for n in names):
+            which = tuple(names for names in asking if name in names)
+            if which not in by_askers:
+                wants = np.zeros(len(states), dtype=bool)
+                for names in which:
+                    wants[asking[names]] = True
+                rows = np.flatnonzero(keep & wants[owner])
+                by_askers[which] = _Rows.of(states, owner, rows, host_pos) if len(rows) else None
+            if by_askers[which] is not None:
+                plans[name] = by_askers[which]
+        return plans
+
+    def _gather(
+        self, streams: list[tuple[int, str]], plan: _Rows, token_ids: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh ``[streams, rows, width]`` scores and ``[rows]`` token ids of ``plan``'s
+        rows (slices where they are every row, and the monitor's whole segment)."""
+        first = self.tables.points[(streams[0][0], self.keys[streams[0]])].scores
+        if plan.num_rows == 0:
+            width = len(self.published[streams[0][1]].cols)
+            return first.new_zeros((len(streams), 0, width)), token_ids[:0].clone()
+        every = plan.num_rows == n
+        idx = None if every else torch.from_numpy(plan.rows).to(first.device, non_blocking=True)
+        parts = []
+        for key in streams:
+            pt = self.tables.points[(key[0], self.keys[key])]
+            src = pt.scores[:n] if idx is None else pt.scores.index_select(0, idx)
+            cols = self._columns(key, pt)
+            parts.append(src[:, cols] if isinstance(cols, slice) else src.index_select(1, cols))
+        toks = token_ids[:n].clone() if idx is None else token_ids.index_select(0, idx)
+        return torch.stack(parts), toks
+
+    def _columns(self, key: tuple[int, str], pt) -> slice | torch.Tensor:
+        """A stream's published columns in its point's table: a slice when they are
+        one contiguous run, else a device index."""
         cols = self._index.get(key)
         if cols is None:
-            seg = pt.segments[name]
-            cols = self._index[key] = torch.from_numpy(self.published[name].cols + seg.lo).to(
-                pt.scores.device
-            )
-        if not entries:
-            return pt.scores.new_zeros((0, len(cols))), token_ids[:0].clone()
-        idx = torch.from_numpy(np.concatenate([r for _, _, r in entries])).to(
-            pt.scores.device, non_blocking=True
-        )
-        return pt.scores.index_select(0, idx).index_select(1, cols), token_ids.index_select(0, idx)
+            seg = pt.segments[key[1]]
+            want = self.published[key[1]].cols + seg.lo
+            if len(want) and np.array_equal(want, np.arange(want[0], want[0] + len(want))):
+                cols = slice(int(want[0]), int(want[0]) + len(want))
+            else:
+                cols = torch.from_numpy(want).to(pt.scores.device)
+            self._index[key] = cols
+        return cols
 
     def _header(self, step, key, n, width, rows: RowIndex, ended) -> Header:
         layer, name = key
@@ -188,18 +238,44 @@ class MonitorHarvest:
         )
 
 
-def _row_index(entries, toks: torch.Tensor) -> RowIndex:
-    counts = [len(p) for _, p, _ in entries]
-    tags = [st.tags for st, _, _ in entries]
-    returned = [st.returns for st, _, _ in entries]
-    return RowIndex(
-        request_ids=[st.caller_id for st, _, _ in entries],
-        offsets=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
-        positions=(
-            np.concatenate([p for _, p, _ in entries]) if entries else np.zeros(0, dtype=np.int64)
-        ),
-        token_ids=toks.numpy(),
-        sample_index=[st.sample_index for st, _, _ in entries],
-        tags=tags if any(tags) else [],
-        returned=returned if any(returned) else [],
-    )
+@dataclass
+class _Rows:
+    """The rows one monitor publishes in a step: the step's row numbers (batch order,
+    grouped by request), their positions, and the requests they belong to."""
+
+    requests: list[_Request]
+    counts: np.ndarray  # int64 [requests]: rows of each
+    rows: np.ndarray  # int64 [n]
+    positions: np.ndarray  # int64 [n]
+
+    @classmethod
+    def empty(cls) -> _Rows:
+        z = np.zeros(0, dtype=np.int64)
+        return cls([], z, z, z)
+
+    @classmethod
+    def of(cls, states: list, owner: np.ndarray, rows: np.ndarray, host_pos: np.ndarray) -> _Rows:
+        per = np.bincount(owner[rows], minlength=len(states))
+        who = np.flatnonzero(per)
+        return cls([states[i] for i in who.tolist()], per[who], rows, host_pos[rows])
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @cached_property
+    def returning(self) -> bool:
+        return any(st.returns for st in self.requests)
+
+    def index(self, toks: torch.Tensor) -> RowIndex:
+        tags = [st.tags for st in self.requests]
+        returned = [st.returns for st in self.requests]
+        return RowIndex(
+            request_ids=[st.caller_id for st in self.requests],
+            offsets=np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)]).astype(np.int64),
+            positions=self.positions,
+            token_ids=toks.numpy(),
+            sample_index=[st.sample_index for st in self.requests],
+            tags=tags if any(tags) else [],
+            returned=returned if any(returned) else [],
+        )
