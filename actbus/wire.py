@@ -107,6 +107,9 @@ class RowIndex:
     the front end's own subscriber keeps only those (empty: none did)."""
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     """``to_wire``'s result, kept: one step's messages share one index."""
+    cuts: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The requests each subscriber filter keeps (``actbus.bus.routing``), kept for the
+    same reason."""
 
     @classmethod
     def empty(cls) -> RowIndex:

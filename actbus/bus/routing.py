@@ -54,7 +54,7 @@ from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import Clock, Policy, policy_of
 from actbus.bus.protocol import Subscription
 from actbus.bus.spill import SpillLog
-from actbus.wire import DATA, PROOF_BYTES, Header, WireError, pack_seq, tensor_to_frame
+from actbus.wire import DATA, PROOF_BYTES, Header, RowIndex, WireError, pack_seq, tensor_to_frame
 
 log = logging.getLogger("actbus.publisher")
 
@@ -371,11 +371,7 @@ def _variant(item: Item, sub: Subscription, key: str) -> Item | None:
     elif key in item.variants:
         return item.variants[key]
     rows = item.header.rows
-    keep = [
-        i
-        for i in range(len(rows.request_ids))
-        if sub.wants_request(rows.request_tags(i), rows.request_returned(i))
-    ]
+    keep = _kept(rows, sub, key)
     variant: Item | None
     if len(keep) == len(rows.request_ids):
         variant = item
@@ -392,6 +388,28 @@ def _variant(item: Item, sub: Subscription, key: str) -> Item | None:
         variant.materialize()
     item.variants[key] = variant
     return variant
+
+
+def _kept(rows: RowIndex, sub: Subscription, key: str) -> list[int]:
+    """The requests of ``rows`` that ``sub``'s filter keeps. A step's messages share
+    one row index (every layer of a capture group, every layer of a monitor), so it
+    is worked out once per index and filter: this runs on the publisher's thread,
+    which shares the GIL with the engine's."""
+    cuts = rows.cuts
+    if key in cuts:
+        return cuts[key]
+    if not sub.match:  # returned_only alone: no per-request call
+        keep = [i for i, r in enumerate(rows.returned) if r] if sub.returned_only else None
+        if keep is None:
+            keep = list(range(len(rows.request_ids)))
+    else:
+        keep = [
+            i
+            for i in range(len(rows.request_ids))
+            if sub.wants_request(rows.request_tags(i), rows.request_returned(i))
+        ]
+    cuts[key] = keep
+    return keep
 
 
 class Router:
