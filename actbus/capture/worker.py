@@ -22,6 +22,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -100,6 +101,51 @@ class _Part:
     def returning(self) -> bool:
         """Whether some of these rows go back to their caller too."""
         return any(st.sel.returns for st, _ in self.entries)
+
+
+class _Whole:
+    """Every row of the step, of every request (the fast path), in the shape of a
+    ``_Part``: the per-request lists are made only if something asks for them (a
+    request ending with ``positions="last"`` in the same step); the row index is made
+    from the step's arrays directly. Built every step on the engine's own thread, even
+    when no subscriber takes the step, so it does no per-request work it can skip."""
+
+    def __init__(self, states: list[_Request], offsets: np.ndarray, host_pos: np.ndarray):
+        self.states = states
+        self.offsets = offsets
+        self.host_pos = host_pos
+        self.held: list[_Request] = []
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets[-1])
+
+    @cached_property
+    def returning(self) -> bool:
+        return any(st.sel.returns for st in self.states)
+
+    @property
+    def entries(self) -> list[tuple[_Request, np.ndarray]]:
+        o, pos = self.offsets.tolist(), self.host_pos
+        return [(st, pos[o[i] : o[i + 1]]) for i, st in enumerate(self.states)]
+
+    @property
+    def index(self) -> list[np.ndarray | None]:
+        o = self.offsets.tolist()
+        return [np.arange(o[i], o[i + 1]) for i in range(len(self.states))]
+
+    def row_index(self, toks: torch.Tensor) -> RowIndex:
+        states = self.states
+        returned = [st.sel.returns for st in states]
+        return RowIndex(
+            request_ids=[st.caller_id for st in states],
+            offsets=self.offsets - self.offsets[0],
+            positions=self.host_pos,
+            token_ids=toks.numpy(),
+            sample_index=[st.sample_index for st in states],
+            tags=[st.sel.tags for st in states],
+            returned=returned if any(returned) else [],
+        )
 
 
 class CaptureWorker:
@@ -280,17 +326,15 @@ class CaptureWorker:
         # Positions run on within a request: start, start+1, ... (no speculative tokens).
         host_pos = np.repeat(starts - offsets[:-1], counts) + np.arange(offsets[-1])
         states = [self._reqs.get(r) for r in view.req_ids]
+        full_sig = self._full_sig
         fast = all(
-            st is not None and st.sig == self._full_sig and st.next_pos <= s
-            for st, s in zip(states, starts, strict=True)
+            st is not None and st.sig == full_sig and st.next_pos <= s
+            for st, s in zip(states, starts.tolist(), strict=True)
         )
         if fast:  # every request wants every tap at every position: no gather
-            entries = []
-            for i, st in enumerate(states):
-                st.next_pos = int(starts[i] + counts[i])
-                entries.append((st, host_pos[offsets[i] : offsets[i + 1]]))
-            index = [np.arange(offsets[i], offsets[i + 1]) for i in range(len(states))]
-            whole = _Part(entries=entries, index=index)  # one index array per entry
+            for st, end in zip(states, (starts + counts).tolist(), strict=True):
+                st.next_pos = end
+            whole = _Whole(states, offsets, host_pos)
             return {key: whole for key in self.taps.keys}, True, host_pos
         parts: dict[tuple[int, str], _Part] = {}
         for i, st in enumerate(states):
@@ -455,7 +499,9 @@ class CaptureWorker:
                 h.copy_(t, non_blocking=True)
                 t.record_stream(self._side)  # keep the staging memory until copied
                 hosts.append(h)
-            ready = torch.cuda.Event()
+            # Blocking: the publisher thread sleeps while it waits for the copy,
+            # instead of spinning a core the engine's processes may need.
+            ready = torch.cuda.Event(blocking=True)
             ready.record(self._side)
         return hosts, ready
 
@@ -465,7 +511,9 @@ class CaptureWorker:
         self.publisher.close()
 
 
-def _row_index(p: _Part, toks: torch.Tensor) -> RowIndex:
+def _row_index(p: _Part | _Whole, toks: torch.Tensor) -> RowIndex:
+    if isinstance(p, _Whole):
+        return p.row_index(toks)
     counts = [len(pos) for _, pos in p.entries]
     return RowIndex(
         request_ids=[st.caller_id for st, _ in p.entries],
