@@ -133,3 +133,40 @@ def test_a_slab_mostly_collected_moves_its_survivors_out():
     del taken
     gc.collect()
     assert memory() is None
+
+
+def _resident(a: np.ndarray) -> int:
+    """Bytes of ``a`` (page-aligned) that the kernel has pages for (``mincore``)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = -(-a.nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(a.ctypes.data, a.nbytes, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+def test_the_next_slab_is_faulted_in_ahead_and_rows_written_meanwhile_are_kept():
+    import time
+
+    pool = SlabPool(slab_bytes=8 << 20)
+    if not pool.prefault:
+        import pytest
+
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    row = 4096
+    slab, _ = pool.take(4, row)  # the first slab, and a spare made beside it
+    spare = pool._spare[row]
+    spare.rows[-4:] = 7  # written while the populator may be at it
+    deadline = time.monotonic() + 30
+    while _resident(spare.rows) < spare.rows.nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident(spare.rows) == spare.rows.nbytes  # every page there before use
+    assert (spare.rows[-4:] == 7).all()  # populating never changes a page
+    # Filling the first slab hands out the spare and makes the next one.
+    nxt, at = pool.take(len(slab.pos), row)
+    assert nxt is spare and at == 0 and pool._spare[row] is not spare
+    pool.release()
+    assert not pool._spare
