@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 from benchmarks.bench_capture import LLAMA3_8B  # noqa: E402  (one shape for both benchmarks)
+from benchmarks.engine_arms import engine_cost, engine_counters  # noqa: E402
 
 ARMS = {"plain": None, "block": "block", "drop": "drop_oldest", "drop_sae": "drop_oldest",
         "side": "drop_oldest"}  # fmt: skip
@@ -295,10 +296,17 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     mem = GpuMemory()
     mem.start()
+    before = engine_counters(address) if policy is not None else None
+    cpu0 = {n: _cpu_s(p.pid) for n, p in procs.items()}
     t0 = time.monotonic()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     gen_s = time.monotonic() - t0
     gen_end = time.time()
+    if before is not None:  # where the cost lies: the engine's thread, the consumers' CPU
+        result["cost"] = engine_cost(before, engine_counters(address))
+        result["cost"]["consumer_cpu_s"] = {
+            n: round(_cpu_s(p.pid) - cpu0[n], 2) for n, p in procs.items()
+        }
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     served = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
     result |= {
@@ -319,6 +327,15 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if policy is not None:
         result |= _collect(work, procs, rcs, mem, gen_end)
     return result
+
+
+def _cpu_s(pid: int) -> float:
+    """A process' CPU seconds so far (user and system, its waited-for children's too)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def _publisher_stats(address: str) -> dict[str, Any]:
@@ -442,6 +459,8 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
             s[f"sink_shards_{name}"] = r["sink"]["shards"]
         if "wandb" in r:
             s[f"wandb_runs_{name}"] = r["wandb"]["runs"]
+        if c := r.get("cost"):
+            s.update({f"{k}_{name}": v for k, v in c.items() if k != "steps"})
         if "publisher" in r:
             s[f"stall_s_{name}"] = r["publisher"]["stall_s"]
             s[f"source_drops_{name}"] = r["publisher"]["source_drops"]
@@ -525,6 +544,7 @@ def main() -> int:
     if not has_wandb():
         print("wandb is not installed: the wandb consumer is skipped", flush=True)
     results: dict[str, dict[str, Any]] = {}
+    timed_out: dict[str, float] = {}
     try:
         for name in arms:
             env = dict(os.environ)
@@ -532,9 +552,15 @@ def main() -> int:
             # the same flags (so the same defaults), one arm, every arm's files under work
             cmd = [sys.executable, __file__, *sys.argv[1:], "--one", name, "--work", str(work)]
             t0 = time.monotonic()
-            proc = subprocess.run(
-                cmd, env=env, capture_output=True, text=True, timeout=args.arm_timeout, cwd=ROOT
-            )
+            try:
+                proc = subprocess.run(
+                    cmd, env=env, capture_output=True, text=True, timeout=args.arm_timeout, cwd=ROOT
+                )
+            except subprocess.TimeoutExpired as e:  # reported; the other arms still run
+                out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else ""
+                print(f"arm {name} timed out after {args.arm_timeout:.0f} s:", out[-2000:])
+                timed_out[f"timed_out_{name}"] = args.arm_timeout
+                continue
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not line:
                 print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
@@ -556,6 +582,14 @@ def main() -> int:
     )
     for name, r in results.items():
         print(_row(name, r, base))
+    for name, r in results.items():
+        if c := r.get("cost"):
+            cpu = ", ".join(f"{n} {v} s" for n, v in c["consumer_cpu_s"].items())
+            print(
+                f"{name}: per step, actbus on the engine thread {c['capture_ms_per_step']} ms, "
+                f"publisher thread {c['publisher_cpu_ms_per_step']} ms CPU; consumers' CPU "
+                f"during generation: {cpu}"
+            )
     s = summarize(results, args)
     if "engine_budget_mib" in s:
         print(
@@ -568,7 +602,7 @@ def main() -> int:
             ok = "met" if s[key] >= bar else "MISSED"
             print(f"target {key} >= {bar}: {s[key]} ({ok})")
     print(f"wandb: {s['wandb']}; sink: {s['sink']}")
-    print(json.dumps(s))
+    print(json.dumps({**s, **timed_out}))
     return 0
 
 

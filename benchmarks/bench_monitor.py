@@ -49,6 +49,9 @@ from engine_arms import (
     FAILED,
     RESULT,
     ROOT,
+    collector_cpu,
+    engine_cost,
+    engine_counters,
     make_llm,
     model,
     random_prompts,
@@ -272,6 +275,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     pusher = None
     if arm is not None and arm.push:
         pusher = Pusher(extra["actbus"]["control"], config["hidden_size"])
+    before = engine_counters(extra["actbus"]["publish"]) if arm is not None else None
+    cpu0 = collector_cpu()
     try:
         outs, timed = timed_generate(llm, prompts, params)
     finally:
@@ -282,6 +287,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         **timed,
         **pushed,
     }
+    if before is not None:  # where the arm's cost lies: engine thread, front end
+        cost = engine_cost(before, engine_counters(extra["actbus"]["publish"]))
+        cpu = collector_cpu() - cpu0
+        cost["collector_cpu_ms_per_step"] = round(1e3 * cpu / max(1, cost["steps"]), 3)
+        result["cost"] = cost
     if pusher is not None and not pushed["pushes_used"]:
         raise SystemExit(f"{name}: no push was used by a step: {pushed}")
     if arm is not None and arm.returned:
@@ -354,6 +364,13 @@ def main() -> int:
             print(
                 f"{'':18s} swap ms p50 {r.get('swap_ms_p50')} p99 {r.get('swap_ms_p99')} "
                 f"({r['pushes_used']} of {r['pushes_sent']} pushes used)"
+            )
+        if c := r.get("cost"):
+            summary.update({f"{k}_{name}": v for k, v in c.items() if k != "steps"})
+            print(
+                f"{'':18s} per step: actbus on the engine thread {c['capture_ms_per_step']} ms, "
+                f"publisher thread {c['publisher_cpu_ms_per_step']} ms CPU, front-end "
+                f"receiving {c['collector_cpu_ms_per_step']} ms CPU; stalled {c['stall_s']} s"
             )
         if r.get("subscriber"):
             summary[f"received_rows_{name}"] = r["subscriber"].get("rows", 0)

@@ -38,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_arms import (
     FAILED,
     RESULT,
+    collector_cpu,
+    engine_cost,
+    engine_counters,
     make_llm,
     model,
     random_prompts,
@@ -98,6 +101,8 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
         temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False,
         extra_args=returns,
     )  # fmt: skip
+    before = engine_counters(address) if layers else None
+    cpu0 = collector_cpu()
     outs, timed = timed_generate(llm, prompts, sp)
     result: dict[str, Any] = {
         "arm": name,
@@ -105,6 +110,12 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "engine_start_s": round(start_s, 1),
         **timed,
     }
+    if before is not None:  # where the arm's cost lies: engine thread, front end
+        result["cost"] = engine_cost(before, engine_counters(address))
+        cpu = collector_cpu() - cpu0
+        result["cost"]["collector_cpu_ms_per_step"] = round(
+            1e3 * cpu / max(1, result["cost"]["steps"]), 3
+        )
     llm.llm_engine.engine_core.shutdown()
     if returns is not None:
         result |= _count_returned(name, outs, layers)
@@ -158,6 +169,9 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
             s[f"rows_{name}"] = r["rows"]
             s[f"rows_expected_{name}"] = r["rows_expected"]
             s[f"rows_ok_{name}"] = r["rows"] == r["rows_expected"]
+        for k, v in r.get("cost", {}).items():
+            if k != "steps":
+                s[f"{k}_{name}"] = v
     return s
 
 
@@ -199,6 +213,12 @@ def main() -> int:
         layers = ",".join(map(str, r["layers"]))
         tps = r["tok_per_s"]
         print(f"{name:10s} {layers:>14s} {tps:>10.1f} {ratio:>9.3f} {rows:>12s}  {check}")
+        if c := r.get("cost"):
+            print(
+                f"{'':10s} per step: actbus on the engine thread {c['capture_ms_per_step']} ms, "
+                f"publisher thread {c['publisher_cpu_ms_per_step']} ms CPU, front-end "
+                f"receiving {c['collector_cpu_ms_per_step']} ms CPU; stalled {c['stall_s']} s"
+            )
     print(json.dumps({**summarize(results, args), **FAILED}))
     return 0
 

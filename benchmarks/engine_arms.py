@@ -152,6 +152,46 @@ def stop_bus_subscriber(name: str, sub: subprocess.Popen) -> dict[str, Any]:
     return stats
 
 
+def engine_counters(address: str, timeout: float = 30.0) -> dict[str, float]:
+    """The publisher's own counters of the engine's side: steps, tokens, seconds its
+    thread spent in actbus (``capture_s``), stalled on lossless subscribers
+    (``stall_s``), and the publisher thread's CPU. Taken before and after the timed
+    generation, their difference says where an arm's cost lies."""
+    from actbus.bus import Subscriber, Subscription
+    from actbus.bus.statsview import request
+
+    with Subscriber(address, Subscription(layers=(), name="bench-counters")) as sub:
+        sub.wait_welcome(timeout)
+        st = request(sub, timeout)
+    keys = ("last_step", "tokens", "capture_s", "stall_s", "publisher_cpu_s")
+    return {k: float(st.get(k, 0) or 0) for k in keys}
+
+
+def engine_cost(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the timed generation cost the engine's side (``engine_counters`` deltas):
+    actbus's ms per step on the engine thread, stalls, the publisher thread's CPU."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(1.0, d["last_step"])
+    return {
+        "steps": int(d["last_step"]),
+        "capture_ms_per_step": round(1e3 * d["capture_s"] / steps, 3),
+        "stall_s": round(d["stall_s"], 3),
+        "publisher_cpu_ms_per_step": round(1e3 * d["publisher_cpu_s"] / steps, 3),
+    }
+
+
+def collector_cpu() -> float:
+    """CPU seconds of every front-end receiving thread in this process so far (returned
+    rows and returned scores; ``Collector.stats``): they share the GIL with vLLM's
+    output processing."""
+    from actbus.capture.returns import ReturnCollector
+    from actbus.monitor.returns import ScoreCollector
+
+    cols = [*ReturnCollector.registry.collectors.values()]
+    cols += ScoreCollector.registry.collectors.values()
+    return sum(c.stats()["recv_cpu_s"] for c in cols)
+
+
 FAILED: dict[str, float] = {}
 """Arms that timed out in this run (``timed_out_<arm>``: the limit, in s), for the
 summary's JSON line."""

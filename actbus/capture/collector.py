@@ -111,6 +111,7 @@ class Collector:
         self._forgot_at = time.monotonic()
         self._received_at = time.monotonic()
         self._waits = [0, 0.0, 0.0, 0]  # final outputs that waited, seconds, longest, gave up
+        self._cpu_s = 0.0  # the receiving thread's CPU time, as of its last message
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
@@ -181,7 +182,8 @@ class Collector:
 
     def stats(self) -> dict[str, float]:
         """Final outputs that had to wait for their last data, the seconds waited in
-        all and at most, and those that gave up waiting."""
+        all and at most, and those that gave up waiting; and the receiving thread's CPU
+        seconds (it shares the GIL with vLLM's output processing)."""
         with self._cond:
             n, total, longest, gave_up = self._waits
         return {
@@ -189,6 +191,7 @@ class Collector:
             "final_wait_s": round(total, 6),
             "final_wait_max_s": round(longest, 6),
             "final_gave_up": gave_up,
+            "recv_cpu_s": round(self._cpu_s, 6),
         }
 
     def close(self) -> None:
@@ -211,6 +214,7 @@ class Collector:
                 except Exception:  # a message that does not add up costs only itself
                     log.exception("actbus: %s: a message was not filed", self.thread_name)
                 self._received_at = time.monotonic()
+                self._cpu_s = time.thread_time()
             self._forget_stale()
 
     def _add(self, b: Batch) -> None:
