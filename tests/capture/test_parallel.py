@@ -54,10 +54,6 @@ def parallel_engine(tiny_models, tmp_path_factory):
             max_num_seqs=8,
             num_gpu_blocks_override=64,
             seed=0,
-            # Stages, ranks and forwarding are under test, not the compiled graph (the
-            # session engines capture with torch.compile on): four workers compiling on
-            # two cores cost minutes; eager starts in a fraction of that.
-            enforce_eager=True,
             additional_config={
                 "actbus": {
                     "publish": address,
