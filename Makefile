@@ -15,7 +15,7 @@ docs: setup
 	$(PY) -m mkdocs build --strict --site-dir site
 
 test: setup docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not engine"

@@ -13,9 +13,9 @@ monitor as it trains, scores every token of later requests, and gates steering.
    carry the version that made them;
 3. held-out, untagged requests come back with their scores (`choices[i].actbus`): the
    live monitor's accuracy on them, beside the trainer's own held-out accuracy;
-4. the probe's direction is registered as a steering vector, gated by the monitor: a
-   batch mixing number and word prompts, unsteered then steered, changes only the
-   requests the monitor flags.
+4. the probe's direction is registered as a steering vector, gated by the monitor:
+   number and word prompts, unsteered then steered, change only where the monitor
+   flags them.
 
 What it saw lands in --out (default out/closed-loop): `closed_loop.json`, the probe's
 checkpoint under `probes/`, the logs.
@@ -201,7 +201,7 @@ def run_loop(
     result.update(heldout=rows, live_accuracy=live)
     print(f"      live monitor: {live:.3f} of {len(right)} tokens right; trainer's own: {own:.3f}")
 
-    common.step(4, 4, "the probe's direction, gated by the monitor, steers a mixed batch")
+    common.step(4, 4, "the probe's direction, gated by the monitor, steers mixed prompts")
     post(url, "/v1/actbus/vectors/probe", {"probe": str(saved)}, method="PUT")
     mixed = [t for t, _ in labelled(12, seed=20_000)]
     ask = {"monitor": ["probe"], "monitor_return": True}
@@ -230,9 +230,17 @@ def run_loop(
 
 
 def mixed_run(url: str, model: str, prompts: list[str], actbus: dict, layer: int) -> list[dict]:
-    """The batch in one call, greedy, 8 tokens each: each choice's text, the log
-    probability of each of its tokens and the monitor's scores."""
-    got = completions(url, model, prompts, max_tokens=8, logprobs=1, ignore_eos=True, actbus=actbus)
+    """The prompts one request at a time, greedy, 8 tokens each: each choice's text, the
+    log probability of each of its tokens and the monitor's scores.
+
+    One at a time, so the unsteered and the steered run compute each request in the same
+    steps: a batch sent in one call reaches the engine request by request, and how many
+    rows a step holds then depends on timing; the monitor's dot product, like any matrix
+    product, may round its last bit differently with the rows beside it, and an
+    unflagged request would then differ from its unsteered self in a score's last bit.
+    """
+    kw = {"max_tokens": 8, "logprobs": 1, "ignore_eos": True, "actbus": actbus}
+    got = [completions(url, model, p, **kw)[0] for p in prompts]
     return [
         {
             "text": c["text"],

@@ -31,8 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 3)
 
 
-def _script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+def _script(
+    name: str, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        **(env or {}),
+    }
     r = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         cwd=ROOT,
@@ -59,6 +67,9 @@ def server(tiny_models, tmp_path_factory):
         [sys.executable, "-m", "actbus.cli", "serve", str(tiny_models["llama"]),
          "--layers", "1,3", "--publish", address, "--host", "127.0.0.1", "--port", str(port),
          "--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.3",
+         # The journeys' logic is under test, not the compiled graph (the session engines
+         # capture, steer and score with torch.compile on): eager starts in half the time.
+         "--enforce-eager",
          "--actbus-config", json.dumps(_loop_config(tiny_models["llama"], control))],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
     )  # fmt: skip
@@ -231,7 +242,11 @@ def test_return_activations_in_process(tmp_path):
     """Journey 3, its own offline LLM: every request's rows come back, one per token fed
     (one for the request that asked for its last prompt token), at both layers."""
     out = tmp_path / "return"
-    r = _script("return_in_process.py", "--out", str(out))
+    # vLLM's own CPU CI switch: torch.compile traces the model (taps and all) with
+    # dynamo but skips inductor's code generation, which is most of an engine start
+    # here; what comes back, not the compiled graph, is under test (the session
+    # engines capture with inductor).
+    r = _script("return_in_process.py", "--out", str(out), env={"VLLM_CPU_CI_ENV": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     saved = torch.load(out / "activations.pt")
     assert len(saved) == 8
