@@ -79,7 +79,8 @@ class CaptureConfig:
     compiled graph, their scores published on the bus; None: no monitor in the graph."""
     control: ControlConfig | None = None
     """Live weight pushes (``actbus.bus.control``): the engine core's authenticated
-    endpoint that swaps monitors' weights between steps; None: no endpoint."""
+    endpoint that swaps monitors' weights and live steering vectors between steps;
+    None: no endpoint."""
     all_layers: bool = field(default=False, repr=False)
 
     @classmethod
@@ -161,10 +162,11 @@ class CaptureConfig:
         if "monitor" in raw:
             kw["monitor"] = MonitorConfig.from_dict(raw["monitor"])
         if "control" in raw:
-            if "monitor" not in kw:
+            if "monitor" not in kw and not (kw.get("steer") and kw["steer"].live):
                 raise ConfigError(
-                    "actbus.control: pushes change monitors' weights, and this engine has "
-                    "none; add an actbus.monitor entry or remove actbus.control"
+                    "actbus.control: pushes change monitors' weights or live steering "
+                    "vectors, and this engine has neither; add an actbus.monitor entry or "
+                    "actbus.steer.live names, or remove actbus.control"
                 )
             kw["control"] = ControlConfig.from_raw(raw["control"], kw)
         return cls(**kw)

@@ -105,6 +105,10 @@ class RowIndex:
     returned: list[bool] = field(default_factory=list)
     """Per request: whether its caller asked for its activations back (``return``);
     the front end's own subscriber keeps only those (empty: none did)."""
+    steer_versions: list[dict[str, int]] = field(default_factory=list)
+    """Per request: the live steering vectors it steers with, each at the version it
+    keeps from admission to its end (empty: no request of the message steers with one;
+    absent from older publishers' headers)."""
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     """``to_wire``'s result, kept: one step's messages share one index."""
     cuts: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -125,6 +129,9 @@ class RowIndex:
     def request_returned(self, i: int) -> bool:
         return bool(self.returned[i]) if self.returned else False
 
+    def request_steer_versions(self, i: int) -> dict[str, int]:
+        return self.steer_versions[i] if self.steer_versions else {}
+
     def select(self, keep: list[int]) -> tuple[RowIndex, np.ndarray]:
         """The index of requests ``keep`` only, and the row numbers it keeps (for
         slicing the tensor): how a subscriber's filter cuts a message down."""
@@ -143,6 +150,7 @@ class RowIndex:
             sample_index=[self.sample_index[i] for i in keep] if self.sample_index else [],
             tags=[self.tags[i] for i in keep] if self.tags else [],
             returned=[self.returned[i] for i in keep] if self.returned else [],
+            steer_versions=[self.steer_versions[i] for i in keep] if self.steer_versions else [],
         )
         return sub, rows
 
@@ -190,6 +198,7 @@ class RowIndex:
                 "sample_index": self.sample_index,
                 "tags": self.tags,
                 "returned": self.returned,
+                **({"steer_versions": self.steer_versions} if self.steer_versions else {}),
                 "offsets": _pack_ints(self.offsets),
                 "positions": _pack_ints(self.positions),
                 "token_ids": _pack_ints(self.token_ids),
@@ -225,6 +234,9 @@ class RowIndex:
             returned = _list(d.get("returned") or [], "returned", MAX_REQUESTS)
             if set(map(type, returned)) - {bool}:
                 raise WireError("header field 'returned': entries must be booleans", "returned")
+            steer_versions = _list(d.get("steer_versions") or [], "steer_versions", MAX_REQUESTS)
+            for sv in steer_versions:
+                _steer_versions(sv)
             rows = cls(
                 request_ids=ids,
                 offsets=_unpack_ints(d["offsets"]),
@@ -233,6 +245,7 @@ class RowIndex:
                 sample_index=sample_index,
                 tags=tags,
                 returned=returned,
+                steer_versions=steer_versions,
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, WireError):
@@ -243,7 +256,7 @@ class RowIndex:
             raise WireError(
                 "row index: offsets must have one more entry than request_ids", "offsets"
             )
-        for name in ("sample_index", "tags", "returned"):
+        for name in ("sample_index", "tags", "returned", "steer_versions"):
             if getattr(rows, name) and len(getattr(rows, name)) != len(rows.request_ids):
                 raise WireError(f"row index: {name} must have one entry per request", name)
         if len(rows.positions) != n or len(rows.token_ids) != n:
@@ -476,6 +489,24 @@ def _str(v: Any, field: str, limit: int, what: str = "") -> str:
             f"header field {field!r}{part}: {len(v)} characters, more than the {limit} allowed",
             field,
         )
+    return v
+
+
+MAX_STEER_VERSIONS = 64
+"""Live vectors one request's ``steer_versions`` names, at most."""
+
+
+def _steer_versions(v: Any) -> dict[str, int]:
+    """One request's live steering vectors -> versions, bounded."""
+    if type(v) is not dict or len(v) > MAX_STEER_VERSIONS:
+        raise WireError(
+            f"header field 'steer_versions': {capped(v)} is not a map of at most "
+            f"{MAX_STEER_VERSIONS} names to versions",
+            "steer_versions",
+        )
+    for k, n in v.items():
+        _str(k, "steer_versions", MAX_MONITOR_NAME_CHARS, "name")
+        _int(n, "steer_versions", 1, MAX_INT64, "version")
     return v
 
 

@@ -109,7 +109,9 @@ def _parser(kind: str, model: type, description: str) -> argparse.ArgumentParser
     t.add_argument("--no-progress", action="store_true", help="no rich progress bar")
     t.add_argument("--ledger", help=argparse.SUPPRESS)  # every trained (request, position)
     t.add_argument("--summary", help="write final metrics as JSON to this file")
-    _push_arguments(p.add_argument_group("live pushes to a serving engine's monitor"), kind)
+    _push_arguments(
+        p.add_argument_group("live pushes to a serving engine's monitor or steering vector"), kind
+    )
     return p
 
 
@@ -143,13 +145,21 @@ def _push_arguments(g: argparse._ArgumentGroup, kind: str) -> None:
         metavar="NAME",
         help="the engine's monitor to update (default: the model's --name)",
     )
+    g.add_argument(
+        "--push-vector",
+        metavar="NAME",
+        help="push into the engine's live steering vector NAME (its actbus.steer.live) "
+        "instead of a monitor: the probe head's unit direction, or the unit decoder row "
+        "of the one latent --push-features names",
+    )
     if kind == "probe":
         g.add_argument("--push-head", metavar="LABEL", help="the label whose head is pushed")
     else:
         g.add_argument(
             "--push-features",
             metavar="I,J,...",
-            help="the latents the engine's monitor scores, in its order (its 'features')",
+            help="the latents the engine's monitor scores, in its order (its 'features'); "
+            "with --push-vector: the one latent whose decoder row is pushed",
         )
     g.add_argument("--push-server-key", help="CURVE: the engine's server.key")
     g.add_argument("--push-client-secret-key", help="CURVE: this trainer's NAME.key_secret")
@@ -181,12 +191,30 @@ def _push_target(opts: argparse.Namespace, configs: list) -> Any:
             ) from None
     if opts.push_every < 1:
         raise ValueError(f"--push-every: expected a number of steps >= 1, got {opts.push_every}")
+    vector = getattr(opts, "push_vector", None)
+    if vector is not None:
+        if opts.push_monitor:
+            raise ValueError(
+                "--push-vector: a push updates one monitor or one live vector; drop "
+                "--push-monitor or --push-vector"
+            )
+        if kind == "sae" and len(features) != 1:
+            raise ValueError(
+                f"--push-features: with --push-vector give the one latent whose decoder row "
+                f"is pushed, got {len(features)}"
+            )
+        if kind == "sae" and not 0 <= features[0] < c.d_sae:
+            raise ValueError(
+                f"--push-features: latent {features[0]} is out of range; the SAE has "
+                f"{c.d_sae} latents"
+            )
     return PushTarget(
-        monitor=opts.push_monitor or c.name,
+        name=vector or opts.push_monitor or c.name,
         model=c.name,
         kind=kind,
         head=getattr(opts, "push_head", None),
         features=features,
+        into="monitor" if vector is None else "vector",
     )
 
 

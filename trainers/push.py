@@ -1,4 +1,5 @@
-"""Live pushes from a trainer into a serving engine's monitor (``--push ADDR``).
+"""Live pushes from a trainer into a serving engine's monitor or live steering vector
+(``--push ADDR``).
 
 Every ``every`` optimizer steps the callback snapshots the model being trained (a
 probe or an SAE, copied to the CPU on the training thread: small, and the weights
@@ -6,7 +7,11 @@ must not change under the copy) and queues it. A sender thread writes the snapsh
 in the checkpoint format (``save_probe`` / ``save_sae``), folds it with the engine's
 own loader (``actbus.monitor.weights.load_weights``: the same folded direction and
 bias a checkpoint-loaded monitor gets) and pushes it over the engine's control
-endpoint (``actbus.bus.control``). Training never waits for the engine: the queue
+endpoint (``actbus.bus.control``). A push into a live steering vector
+(``--push-vector``) reads the snapshot back with the engine's vector loader instead
+(``actbus.steer.vectors.load_source``): the probe head's unit direction, or the SAE
+latent's unit decoder row, the values ``{"probe": DIR}`` / ``{"sae": DIR, "feature":
+K}`` would register. Training never waits for the engine: the queue
 holds ``queue`` snapshots and a full queue drops the new one, counted and logged; the
 engine's refusals are logged and kept in ``errors``.
 """
@@ -32,17 +37,21 @@ log = logging.getLogger("actbus.trainers.push")
 
 @dataclass(frozen=True)
 class PushTarget:
-    """Which trained model goes to which of the engine's monitors."""
+    """Which trained model goes to which of the engine's monitors or live vectors."""
 
-    monitor: str
-    """The engine's monitor name (``actbus.monitor.monitors``)."""
+    name: str
+    """The engine's monitor (``actbus.monitor.monitors``) or live steering vector
+    (``actbus.steer.live``)."""
     model: str
     """The trained model's name (``--name``; a probe or SAE config's ``name``)."""
     kind: str  # "probe" | "sae"
     head: str | None = None
     """Probe: the label whose head is pushed (default: the only one)."""
     features: tuple[int, ...] = ()
-    """SAE: the latents the monitor scores, in the monitor's order."""
+    """SAE: the latents the monitor scores, in the monitor's order; for a live vector,
+    the one latent whose decoder row is pushed."""
+    into: str = "monitor"
+    """``monitor``, or ``vector``: a live steering vector."""
 
 
 @dataclass
@@ -109,7 +118,7 @@ class PushWeights(pl.Callback):
             log.warning(
                 "actbus: push of %s at step %d dropped: %d pushes still waiting for the "
                 "engine (dropped so far: %d)",
-                t.monitor, step, self._queue.qsize(), self.stats.dropped,
+                t.name, step, self._queue.qsize(), self.stats.dropped,
             )  # fmt: skip
 
     # -------------------------------------------------------------- sender side
@@ -123,19 +132,21 @@ class PushWeights(pl.Callback):
                 reply = self._push(snap)
             except Exception as e:  # the engine refused it, or is unreachable
                 self.stats.errors.append(str(e))
-                log.error("actbus: push of %s at step %d failed: %s", self.target.monitor, step, e)
+                log.error("actbus: push of %s at step %d failed: %s", self.target.name, step, e)
                 continue
             self.stats.sent += 1
             self.stats.versions.append(int(reply["version"]))
             log.info(
                 "actbus: pushed %s at step %d: version %d",
-                self.target.monitor, step, reply["version"],
+                self.target.name, step, reply["version"],
             )  # fmt: skip
 
     def _push(self, snap) -> dict[str, Any]:
+        if self.target.into == "vector":
+            return self._client.push_vector(self.target.name, direction(snap, self.target))
         mw = folded(snap, self.target)
         theta = mw.theta if mw.activation == "jumprelu" else None
-        return self._client.push(self.target.monitor, mw.weight, mw.bias, theta)
+        return self._client.push(self.target.name, mw.weight, mw.bias, theta)
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -153,10 +164,29 @@ def folded(model, target: PushTarget):
         path = Path(tmp) / "ckpt"
         if target.kind == "probe":
             save_probe(model, path)
-            d = MonitorDef(target.monitor, "probe", (0,), path=str(path), head=target.head)
+            d = MonitorDef(target.name, "probe", (0,), path=str(path), head=target.head)
         else:
             save_sae(model, path)
             d = MonitorDef(
-                target.monitor, "sae", (0,), path=str(path), features=tuple(target.features)
+                target.name, "sae", (0,), path=str(path), features=tuple(target.features)
             )
-        return load_weights(d, int(model.cfg.d_in), f"--push {target.monitor}")
+        return load_weights(d, int(model.cfg.d_in), f"--push {target.name}")
+
+
+def direction(model, target: PushTarget):
+    """The unit vector the engine loads from ``model``'s checkpoint as a named vector
+    (a probe head's direction, an SAE latent's decoder row): written and read back with
+    the same code, so a pushed live vector equals the registered checkpoint's."""
+    from actbus.steer.config import VectorSource
+    from actbus.steer.vectors import load_source
+    from trainers.checkpoint import save_probe, save_sae
+
+    with tempfile.TemporaryDirectory(prefix="actbus-push-") as tmp:
+        path = Path(tmp) / "ckpt"
+        if target.kind == "probe":
+            save_probe(model, path)
+            src = VectorSource("probe", str(path), head=target.head)
+        else:
+            save_sae(model, path)
+            src = VectorSource("sae", str(path), feature=target.features[0])
+        return load_source(src, f"--push-vector {target.name}")

@@ -1,4 +1,5 @@
-"""The engine's control endpoint: authenticated pushes of monitor weights while serving.
+"""The engine's control endpoint: authenticated pushes of monitor weights and live
+steering vectors while serving.
 
 The engine core binds a ROUTER socket at ``actbus.control`` (one per data-parallel
 engine core, like the publisher). Its rules are the publisher's (``security``): an
@@ -7,12 +8,13 @@ only clients whose public key is in ``authorized_keys`` get through the handshak
 Control writes into the model's monitors, so an ipc socket file is made readable and
 writable by the engine's user only.
 
-A peer sends ``encode_push`` frames (or ``{"op": "status"}``) and gets one msgpack
-reply: ``{"ok": true, "monitor", "version", "received"}`` or ``{"ok": false, "field",
-"error"}``. Every message is checked here, on this thread (size, shape, finite values,
-known monitor, increasing version: ``actbus.bus.pushwire``); a refused one changes
-nothing. Memory is bounded whatever peers send: at most one pending push per monitor
-(a newer one replaces a pending one that no step used yet), a message size cap
+A peer sends ``encode_push`` / ``encode_vector_push`` frames (or ``{"op": "status"}``)
+and gets one msgpack reply: ``{"ok": true, "monitor" (or "vector"), "version",
+"received"}`` or ``{"ok": false, "field", "error"}``. Every message is checked here, on
+this thread (size, shape, finite values, known monitor or live vector, increasing
+version: ``actbus.bus.pushwire``); a refused one changes nothing. Memory is bounded
+whatever peers send: at most one pending push per monitor and per live vector (a newer
+one replaces a pending one that no step used yet), a message size cap
 (``ZMQ_MAXMSGSIZE``: a larger one drops that peer's connection) and a receive queue
 bound.
 
@@ -36,7 +38,15 @@ import msgpack
 import zmq
 
 from actbus.bus.addresses import check_address
-from actbus.bus.pushwire import Push, PushError, Slot, check_push, encode_push
+from actbus.bus.pushwire import (
+    Push,
+    PushError,
+    Slot,
+    check_push,
+    check_vector_push,
+    encode_push,
+    encode_vector_push,
+)
 from actbus.bus.security import ClientAuth, ServerAuth, check_server_keys
 from actbus.errors import ConfigError
 
@@ -97,16 +107,25 @@ class ControlServer:
     """The endpoint's socket thread and the pushes waiting for a step. Thread-safe."""
 
     def __init__(
-        self, cfg: ControlConfig, slots: dict[str, Slot], versions: dict[str, int]
+        self,
+        cfg: ControlConfig,
+        slots: dict[str, Slot],
+        versions: dict[str, int],
+        vectors: dict[str, int] | None = None,
     ) -> None:
+        """``slots``: the monitors' tables (``versions``: each monitor's version now);
+        ``vectors``: the live steering vectors' widths (each starts at version 1)."""
         self.cfg = cfg
         self.slots = slots
+        self.vectors = dict(vectors or {})
         self.versions = dict(versions)  # latest accepted, pending included
         self.in_use = dict(versions)  # latest handed to a step
+        self.vector_versions = {n: 1 for n in self.vectors}
+        self.vector_in_use = dict(self.vector_versions)
         self.accepted = 0
         self.refused = 0
         self.superseded = 0
-        self._pending: dict[str, Push] = {}
+        self._pending: dict[tuple[str, str], Push] = {}
         self._swaps: deque[dict[str, Any]] = deque(maxlen=SWAPS_KEPT)
         self._lock = threading.Lock()
         self._auth = ServerAuth(
@@ -120,7 +139,8 @@ class ControlServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
         self._sock.rcvhwm = RECV_HWM
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max(s.nbytes for s in slots.values()) + 65536)
+        largest = max([s.nbytes for s in slots.values()] + [4 * w for w in self.vectors.values()])
+        self._sock.setsockopt(zmq.MAXMSGSIZE, largest + 65536)
         self._auth.apply(self._ctx, self._sock)
         self._sock.bind(cfg.address)
         if cfg.address.startswith("ipc://"):
@@ -129,7 +149,10 @@ class ControlServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="actbus-control", daemon=True)
         self._thread.start()
-        log.info("actbus: control endpoint on %s (monitors %s)", cfg.address, sorted(slots))
+        log.info(
+            "actbus: control endpoint on %s (monitors %s, live vectors %s)",
+            cfg.address, sorted(slots), sorted(self.vectors),
+        )  # fmt: skip
 
     # ----------------------------------------------------------- scheduler side
     def take(self) -> list[Push]:
@@ -141,10 +164,10 @@ class ControlServer:
             out = list(self._pending.values())
             self._pending.clear()
             for p in out:
-                self.in_use[p.name] = p.version
+                (self.in_use if p.kind == "monitor" else self.vector_in_use)[p.name] = p.version
                 self._swaps.append(
                     {
-                        "monitor": p.name,
+                        p.kind: p.name,
                         "version": p.version,
                         "received": p.received,
                         "scheduled": now,
@@ -159,6 +182,10 @@ class ControlServer:
                 "ok": True,
                 "monitors": {
                     n: {"version": self.versions[n], "in_use": self.in_use[n]} for n in self.slots
+                },
+                "vectors": {
+                    n: {"version": self.vector_versions[n], "in_use": self.vector_in_use[n]}
+                    for n in self.vectors
                 },
                 "accepted": self.accepted,
                 "refused": self.refused,
@@ -215,16 +242,22 @@ class ControlServer:
             return self.status()
         if op != "push":
             raise PushError("op", f"{str(op)[:20]!r} is not one of push, status")
+        if "monitor" in header and "vector" in header:
+            raise PushError("message", "a push names a monitor or a vector, not both")
         with self._lock:
-            push = check_push(header, frames[1:], self.slots, self.versions)
-            if push.name in self._pending:
+            if "vector" in header:
+                push = check_vector_push(header, frames[1:], self.vectors, self.vector_versions)
+                self.vector_versions[push.name] = push.version
+            else:
+                push = check_push(header, frames[1:], self.slots, self.versions)
+                self.versions[push.name] = push.version
+            if push.key in self._pending:
                 self.superseded += 1
-            self._pending[push.name] = push
-            self.versions[push.name] = push.version
+            self._pending[push.key] = push
             self.accepted += 1
         return {
             "ok": True,
-            "monitor": push.name,
+            push.kind: push.name,
             "version": push.version,
             "received": push.received,
         }
@@ -246,7 +279,8 @@ class PushRefused(RuntimeError):
 
 
 class ControlClient:
-    """A trainer's (or a script's) side: push monitor weights, ask for the status.
+    """A trainer's (or a script's) side: push monitor weights or live steering vectors,
+    ask for the status.
 
     ``server_key`` / ``client_secret_key``: CURVE, as for a subscriber (``actbus keys``).
     Each call waits for the engine's reply up to ``timeout_s``; a refused CURVE
@@ -288,6 +322,13 @@ class ControlClient:
         self._calls += 1
         frames = encode_push(monitor, weight, bias, threshold, version, call_id=self._calls)
         return self._call(frames)
+
+    def push_vector(self, vector: str, values: Any, version: int | None = None) -> dict[str, Any]:
+        """Send new values (``hidden`` floats) for the engine's live steering vector
+        ``vector``; the engine's reply (its ``version``). Raises ``PushRefused`` naming
+        the field, or ``TimeoutError``."""
+        self._calls += 1
+        return self._call(encode_vector_push(vector, values, version, call_id=self._calls))
 
     def status(self) -> dict[str, Any]:
         self._calls += 1

@@ -1,11 +1,16 @@
-"""What a push of monitor weights is on the control channel: its frames and its checks.
+"""What a push is on the control channel: its frames and its checks.
 
-A push replaces one monitor's weights with the folded form a checkpoint loads into
-(``weight [cols, hidden]``, ``bias [cols]``, ``threshold [cols]`` for JumpReLU:
+A monitor push replaces one monitor's weights with the folded form a checkpoint loads
+into (``weight [cols, hidden]``, ``bias [cols]``, ``threshold [cols]`` for JumpReLU:
 ``actbus.monitor.weights``). The frames are a msgpack header (``op``, ``monitor``,
 ``shape``, optional ``version`` and call ``id``) and the raw float32 arrays. The
 engine core checks every push against the ``Slot`` of each monitor (fixed when the
 engine starts: the compiled graph's shape) before anything changes.
+
+A vector push replaces one of the engine's live steering vectors
+(``actbus.steer.live``): the header names ``vector`` instead of ``monitor``, its
+``shape`` is ``[hidden]`` and one frame holds the float32 values. Versions count per
+monitor and per live vector alike.
 """
 
 from __future__ import annotations
@@ -45,6 +50,14 @@ class Push:
     theta: np.ndarray  # float32 [cols]
     received: float
     """Unix time the engine accepted it."""
+    kind: str = "monitor"
+    """``monitor``, or ``vector``: a live steering vector (``weight`` holds its values,
+    ``bias`` and ``theta`` are empty)."""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a pending push is kept under: a monitor and a vector may share a name."""
+        return (self.kind, self.name)
 
 
 class PushError(ConfigError):
@@ -81,6 +94,68 @@ def encode_push(
     if threshold is not None:
         frames.append(np.asarray(threshold, dtype=np.float32).reshape(-1).tobytes())
     return frames
+
+
+def encode_vector_push(
+    vector: str, values: Any, version: int | None = None, *, call_id: int | None = None
+) -> list[bytes]:
+    """The frames of a live steering vector's push: a msgpack header, then the float32
+    values (any shape of ``hidden`` numbers is taken flat)."""
+    import msgpack
+
+    v = np.ascontiguousarray(np.asarray(values, dtype=np.float32).reshape(-1))
+    header: dict[str, Any] = {"op": "push", "vector": vector, "shape": list(v.shape)}
+    if version is not None:
+        header["version"] = version
+    if call_id is not None:
+        header["id"] = call_id
+    return [msgpack.packb(header), v.tobytes()]
+
+
+def _next_version(header: dict[str, Any], current: int, what: str) -> int:
+    version = header.get("version")
+    if version is None:
+        return current + 1
+    if not isinstance(version, int) or isinstance(version, bool) or version > MAX_VERSION:
+        raise PushError("version", f"expected an integer, got {str(version)[:40]}")
+    if version <= current:
+        raise PushError(
+            "version",
+            f"{version} is not above {what}'s current version {current}; versions "
+            "only increase (leave it out and the engine numbers the push)",
+        )
+    return version
+
+
+def check_vector_push(
+    header: dict[str, Any], frames: list[bytes], widths: dict[str, int], versions: dict[str, int]
+) -> Push:
+    """A live vector's push checked against the engine's live vectors (name -> residual
+    width), or ``PushError`` naming the field. ``versions``: the latest accepted."""
+    name = header.get("vector")
+    if not isinstance(name, str) or name not in widths:
+        known = ", ".join(sorted(widths)[:20]) or "none"
+        raise PushError(
+            "vector",
+            f"no live steering vector named {str(name)[:60]!r} on this engine (known: "
+            f"{known}); pushes change the live vectors the engine was started with "
+            "(actbus.steer.live)",
+        )
+    width = widths[name]
+    if header.get("shape") != [width]:
+        raise PushError(
+            "values",
+            f"shape {str(header.get('shape'))[:40]} does not fit live vector {name!r}: it "
+            f"takes [{width}] (the model's residual width)",
+        )
+    if len(frames) != 1 or len(frames[0]) != 4 * width:
+        raise PushError("values", f"expected one frame of {width} float32 for live vector {name!r}")
+    values = np.frombuffer(frames[0], dtype=np.float32).copy()
+    if not np.isfinite(values).all():
+        raise PushError("values", f"holds NaN or Inf values; live vector {name!r} keeps its values")
+    version = _next_version(header, versions.get(name, 1), f"live vector {name!r}")
+    empty = np.zeros(0, dtype=np.float32)
+    return Push(name, version, values, empty, empty, time.time(), kind="vector")
 
 
 def check_push(
@@ -128,18 +203,7 @@ def check_push(
             raise PushError(field, f"holds NaN or Inf values; monitor {name!r} keeps its weights")
         arrays.append(a)
     theta = arrays[2] if jump else np.zeros(slot.cols, dtype=np.float32)
-    current = versions.get(name, 1)
-    version = header.get("version")
-    if version is None:
-        version = current + 1
-    elif not isinstance(version, int) or isinstance(version, bool) or version > MAX_VERSION:
-        raise PushError("version", f"expected an integer, got {str(version)[:40]}")
-    elif version <= current:
-        raise PushError(
-            "version",
-            f"{version} is not above monitor {name!r}'s current version {current}; versions "
-            "only increase (leave it out and the engine numbers the push)",
-        )
+    version = _next_version(header, versions.get(name, 1), f"monitor {name!r}")
     return Push(
         name,
         version,

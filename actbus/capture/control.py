@@ -1,10 +1,10 @@
 """Engine-core side of live pushes: the control endpoint beside the scheduler.
 
 Wraps the scheduler's ``__init__`` so an engine core whose actbus config has
-``control`` binds its endpoint (``actbus.bus.control``) as it starts: a bad address
-or key fails the start. The scheduler's ``schedule`` (``actbus.capture.scheduler``)
-hands the endpoint's pending pushes to the workers with the next step that runs a
-forward.
+``control`` (and monitors or live steering vectors) binds its endpoint
+(``actbus.bus.control``) as it starts: a bad address or key fails the start. The
+scheduler's ``schedule`` (``actbus.capture.scheduler``) hands the endpoint's pending
+pushes to the workers with the next step that runs a forward.
 """
 
 from __future__ import annotations
@@ -44,17 +44,23 @@ def _wrap_init(orig):
 def start_control(vllm_config: Any) -> ControlServer | None:
     """This engine core's endpoint, bound; None without ``actbus.control``."""
     cfg = capture_config(vllm_config) if vllm_config is not None else None
-    if cfg is None or cfg.control is None or cfg.monitor is None:
+    if cfg is None or cfg.control is None:
         return None
     mc = vllm_config.model_config
-    weights = monitor_weights(
-        cfg.monitor, int(mc.hf_text_config.num_hidden_layers), mc.get_hidden_size()
+    hidden = mc.get_hidden_size()
+    weights = (
+        monitor_weights(cfg.monitor, int(mc.hf_text_config.num_hidden_layers), hidden)
+        if cfg.monitor is not None
+        else {}
     )
+    live = dict.fromkeys(cfg.steer.live, hidden) if cfg.steer is not None else {}
+    if not weights and not live:
+        return None
     rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     control = dataclasses.replace(
         cfg.control, address=for_rank(cfg.control.address, rank, "actbus.control.address")
     )
     slots = {n: Slot(w.cols, int(w.weight.shape[1]), w.activation) for n, w in weights.items()}
-    server = ControlServer(control, slots, {n: 1 for n in weights})
+    server = ControlServer(control, slots, {n: 1 for n in weights}, live)
     atexit.register(server.close)
     return server

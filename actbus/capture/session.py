@@ -43,6 +43,7 @@ from actbus.monitor.weights import MonitorWeights, load_weights
 from actbus.monitor.worker import MonitorHarvest, Published
 from actbus.steer.frontend import SteerFrontend
 from actbus.steer.graph import install_gates, install_steering
+from actbus.steer.live import LiveVectors
 from actbus.steer.worker import Steerer
 
 log = logging.getLogger("actbus.capture")
@@ -104,6 +105,7 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
             hidden_size=mc.get_hidden_size(),
             monitors=cfg.monitor,
         )
+        LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
         monitor_weights(cfg.monitor, _num_layers(mc), mc.get_hidden_size())
     raw = vllm_config.additional_config["actbus"]
@@ -251,9 +253,10 @@ def attach_steering(
     for i in layers:
         wrap_layer(decoder[i])
     log.info("actbus: steering layers %s at %s", list(layers), list(sc.hooks))
+    live = LiveVectors.of(sc, mc.get_hidden_size()) if sc.live else None
     mcfg = checked[0].monitor
     if mcfg is None:
-        return Steerer(tables)
+        return Steerer(tables, live=live)
     # Gates read monitor scores: every rank scores the monitors, before the first forward.
     mon, _info, published = _attach_monitors(model, mcfg, mc, max_rows=max_rows, device=device)
     gates = install_gates(
@@ -274,7 +277,7 @@ def attach_steering(
         for name, pub in published.items()
         if name in pt.segments
     }
-    return Steerer(tables, gates, columns)
+    return Steerer(tables, gates, columns, live=live)
 
 
 def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]:
@@ -313,6 +316,8 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
             device=self.device,
             runner=runner,
         )
+        if self._actbus is not None and self._actbus_steer is not None:
+            self._actbus.steering = self._actbus_steer  # rows name their live versions
         # Every rank that holds monitor tables (the harvest's, or its gates') takes pushes.
         monitors = getattr(self.model, "_actbus_monitors", None)
         self._actbus_monitor_tables = None if monitors is None else monitors[0]

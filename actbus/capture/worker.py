@@ -38,6 +38,7 @@ from actbus.capture.taps import TapSet
 from actbus.config import CaptureConfig
 from actbus.errors import VllmVersionError
 from actbus.monitor.worker import MonitorHarvest
+from actbus.steer.worker import Steerer
 from actbus.wire import DTYPE_NAMES, Header, RequestEnd, RowIndex
 
 log = logging.getLogger("actbus.capture")
@@ -78,6 +79,7 @@ class _Request:
     sig: tuple  # what decides its rows: (layers, hooks, positions)
     next_pos: int = 0
     last: dict | None = None  # positions="last": the newest row, held until the end
+    live: dict[str, int] = field(default_factory=dict)  # live steering vector -> version
 
 
 @dataclass
@@ -185,6 +187,9 @@ class CaptureWorker:
         self.invariant_failures = 0
         self.monitors: MonitorHarvest | None = None
         """Monitor scores published after each step (``actbus.monitor.worker``)."""
+        self.steering: Steerer | None = None
+        """This rank's steerer (set by the runner adapter): which live vector versions
+        each request steers with, for its rows' index."""
         self.publisher: Outlet
         address = cfg.publish_address(dp[0])
         if stage[0] > 0:
@@ -244,6 +249,7 @@ class CaptureWorker:
                 prompt_len=prompt_len,
                 sel=sel,
                 sig=(sel.layers, sel.hooks, sel.positions),
+                live=self.steering.live_versions(rid) if self.steering is not None else {},
             )
 
     def _retire(self, sr: StepRequests) -> tuple[list[RequestEnd], list[_Request]]:
@@ -528,5 +534,8 @@ def _row_index(p: _Part | _Whole, toks: torch.Tensor) -> RowIndex:
         tags=[st.sel.tags for st, _ in p.entries],
         returned=[st.sel.returns for st, _ in p.entries]
         if any(st.sel.returns for st, _ in p.entries)
+        else [],
+        steer_versions=[st.live for st, _ in p.entries]
+        if any(st.live for st, _ in p.entries)
         else [],
     )

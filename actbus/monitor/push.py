@@ -26,6 +26,7 @@ from actbus.bus.pushwire import Push
 from actbus.monitor.graph import MonitorTables
 from actbus.monitor.swap import TableSwap
 from actbus.monitor.weights import MonitorWeights
+from actbus.steer.live import apply_vector_pushes
 
 log = logging.getLogger("actbus.monitor")
 
@@ -34,13 +35,18 @@ PUSH_ATTR = "_actbus_pushes"
 
 
 def apply_pushes(runner: Any, scheduler_output: Any) -> None:
-    """Swap this step's pushes into the runner's monitor tables; called before the
-    step's forward is launched, on every rank. Every rank that holds tables writes
+    """Swap this step's pushes into the runner's monitor tables (and hand live steering
+    vectors' pushes to its steerer); called before the step's forward is launched and
+    before its requests are admitted, on every rank. Every rank that holds tables writes
     them: tensor-parallel rank 0 for the scores' harvest, and every tensor-parallel
     rank when steering gates read the scores (each rank's gates read its own copy, so
     all must change at the same step: each rank gets the same ``SchedulerOutput``).
     A rank without tables (no gates, TP rank > 0) has nothing to write."""
     pushes: list[Push] | None = getattr(scheduler_output, PUSH_ATTR, None)
+    if not pushes:
+        return
+    apply_vector_pushes(runner, [p for p in pushes if p.kind == "vector"])
+    pushes = [p for p in pushes if p.kind == "monitor"]
     if not pushes:
         return
     tables: MonitorTables | None = getattr(runner, "_actbus_monitor_tables", None)

@@ -188,6 +188,9 @@ class SteerConfig:
     max_vectors: int = 0
     """Rows of the device table of vectors in use; 0: 8 per running request, plus one."""
     vectors: dict[str, VectorSource] = field(default_factory=dict)
+    live: dict[str, VectorSource | None] = field(default_factory=dict)
+    """Live vectors: names whose values pushes over the control endpoint replace while
+    serving (``actbus.steer.live``), each with its first values (None: zeros)."""
     global_steer: tuple[dict[str, Any], ...] = ()
     """Entries as written (checked for form; layers and names are checked against the
     model when the engine starts)."""
@@ -196,7 +199,7 @@ class SteerConfig:
     def from_dict(cls, raw: Any, where: str = "actbus.steer") -> SteerConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: expected a mapping such as {{'layers': [3]}}")
-        known = ("layers", "hooks", "per_token", "max_vectors", "vectors", "global")
+        known = ("layers", "hooks", "per_token", "max_vectors", "vectors", "live", "global")
         for k in raw:
             if k not in known:
                 raise ConfigError(f"{where}.{k}: unknown key; valid keys are {', '.join(known)}")
@@ -222,6 +225,13 @@ class SteerConfig:
             check_name(n, f"{where}.vectors"): VectorSource.from_dict(s, f"{where}.vectors.{n}")
             for n, s in vectors.items()
         }
+        kw["live"] = _live(raw.get("live", {}), f"{where}.live")
+        for n in kw["live"]:
+            if n in kw["vectors"]:
+                raise ConfigError(
+                    f"{where}.live.{n}: also a named vector ({where}.vectors); a name is either "
+                    "registered (fixed values) or live (pushed values), not both"
+                )
         glob = raw.get("global", [])
         parse_steer(glob, f"{where}.global")  # the form; the model is checked later
         kw["global_steer"] = tuple(glob)
@@ -231,6 +241,22 @@ class SteerConfig:
         if self.all_layers:
             return tuple(range(num_layers))
         return check_layers(self.layers, "actbus.steer.layers", num_layers=num_layers)
+
+
+def _live(raw: Any, where: str) -> dict[str, VectorSource | None]:
+    """``live``: a list of names (each starts as zeros) or a mapping of names to their
+    first values' source (null: zeros)."""
+    if isinstance(raw, (list, tuple)):
+        raw = dict.fromkeys(raw)
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{where}: expected a list of names such as ['probe_dir'] or a mapping of names "
+            "to their first values ({'probe_dir': {'probe': DIR}}, or null for zeros)"
+        )
+    return {
+        check_name(n, where): None if s is None else VectorSource.from_dict(s, f"{where}.{n}")
+        for n, s in raw.items()
+    }
 
 
 def check_name(name: Any, where: str) -> str:

@@ -7,9 +7,15 @@ registry, and the engine's global entries are added unless the request opts out
 and all, so the worker never looks a name up: a vector replaced while serving changes
 requests admitted afterwards, and no request changes vector mid-way.
 
+A name of the engine's live vectors (``actbus.steer.live``) is not resolved here: the
+worker resolves it when it admits the request, to the version in use then
+(``actbus.steer.live``).
+
 Steering that touches prompt tokens changes their KV cache, so such a request gets a
 cache salt derived from that steering (same steering, shared cache; different or
-none, separate). Decode-only steering leaves the prompt's cache shared. A gated
+none, separate). Decode-only steering leaves the prompt's cache shared. The version
+of a live vector is unknown here, so prompt steering with one gets a salt of its own:
+such a request shares prompt blocks with no other. A gated
 entry's gate is part of that steering (its monitor, column, threshold, sharpness and
 source), so gated prefill steering never shares prompt blocks with other requests.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -25,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from actbus.errors import ConfigError
 from actbus.steer.config import SteerConfig, SteerSpec, monitor_runs_before, parse_steer
+from actbus.steer.live import LIVE_PREFIX
 from actbus.steer.vectors import Vector, VectorRegistry
 
 if TYPE_CHECKING:
@@ -35,23 +43,34 @@ GLOBAL_WHERE = "actbus.steer.global"
 
 @dataclass(frozen=True, eq=False)
 class Resolved:
-    """One spec with its vector's values and its coefficients ``(a, b)``."""
+    """One spec with its vector's values (None for a live vector, resolved in the
+    worker) and its coefficients ``(a, b)``."""
 
     spec: SteerSpec
-    vector: Vector
+    vector: Vector | None
     gate: tuple | None = None
     """The gate as the worker reads it: (monitor, layer, hook, feature or -1, threshold,
     sharpness or 0.0 for a hard gate, source)."""
+    live: str | None = None
+    """The live vector's name, when ``spec.vector`` names one."""
 
     @property
     def coef(self) -> tuple[float, float]:
+        """A live vector's norm-matching ``b`` is its scale: the worker divides it by
+        the norm of the version it resolves."""
         s = self.spec
-        return (0.0, s.scale / self.vector.norm) if s.norm_match else (s.scale, 0.0)
+        if not s.norm_match:
+            return (s.scale, 0.0)
+        return (0.0, s.scale if self.vector is None else s.scale / self.vector.norm)
+
+    @property
+    def vector_key(self) -> str:
+        return LIVE_PREFIX + str(self.live) if self.vector is None else self.vector.digest
 
     def key(self) -> list[Any]:
         s = self.spec
         pos = s.positions if isinstance(s.positions, str) else list(s.positions)
-        key = [s.layer, s.hook, self.vector.digest, *self.coef, s.tier, pos]
+        key = [s.layer, s.hook, self.vector_key, *self.coef, s.tier, pos]
         return key if self.gate is None else [*key, list(self.gate)]
 
     def touches_prompt(self, prompt_len: int) -> bool:
@@ -70,14 +89,21 @@ class RequestSteer:
     entries: tuple[Resolved, ...]
 
     def to_wire(self) -> dict[str, Any]:
-        vectors = {r.vector.digest: r.vector.values.tobytes() for r in self.entries}
+        vectors = {
+            r.vector.digest: r.vector.values.tobytes() for r in self.entries if r.vector is not None
+        }
         return {"vectors": vectors, "entries": [r.key() for r in self.entries]}
 
     def cache_salt(self, prompt_len: int) -> str | None:
-        """A digest of the steering that changes prompt tokens' KV; None if none does."""
-        keys = sorted(json.dumps(r.key()) for r in self.entries if r.touches_prompt(prompt_len))
+        """A digest of the steering that changes prompt tokens' KV; None if none does.
+        Prompt steering with a live vector (its version is chosen in the worker) makes
+        the salt unique to this request."""
+        touching = [r for r in self.entries if r.touches_prompt(prompt_len)]
+        keys = sorted(json.dumps(r.key()) for r in touching)
         if not keys:
             return None
+        if any(r.live is not None for r in touching):
+            keys.append(secrets.token_hex(16))
         return "actbus-steer:" + hashlib.sha256("\n".join(keys).encode()).hexdigest()[:32]
 
 
@@ -98,7 +124,7 @@ class SteerFrontend:
         self.num_layers = num_layers
         self.layers = cfg.resolve_layers(num_layers)
         self.hooks = cfg.hooks
-        self.registry = VectorRegistry(hidden_size)
+        self.registry = VectorRegistry(hidden_size, live=frozenset(cfg.live))
         for name, src in cfg.vectors.items():
             self.registry.register(name, src, "actbus.steer.vectors")
         self._lock = threading.Lock()
@@ -113,13 +139,16 @@ class SteerFrontend:
     def resolve(self, specs: tuple[SteerSpec, ...], where: str) -> tuple[Resolved, ...]:
         out = []
         for i, s in enumerate(specs):
+            gate = self._gate(s, f"{where}[{i}].gate") if s.gate is not None else None
+            if isinstance(s.vector, str) and s.vector in self.cfg.live:
+                out.append(Resolved(s, None, gate, live=s.vector))
+                continue
             if isinstance(s.vector, str):
                 vec = self.registry.get(s.vector, f"{where}[{i}].vector")
             else:
                 vec = Vector.of(s.vector, f"{where}[{i}].vector", self.registry.width)
             if s.norm_match and vec.norm == 0.0:
                 raise ConfigError(f"{where}[{i}].norm_match: the vector is zero; nothing to match")
-            gate = self._gate(s, f"{where}[{i}].gate") if s.gate is not None else None
             out.append(Resolved(s, vec, gate))
         return tuple(out)
 

@@ -106,8 +106,10 @@ def load_source(src: VectorSource, where: str) -> np.ndarray:
 class VectorRegistry:
     """Name -> ``Vector`` for one engine (its residual width). Thread-safe."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, live: frozenset[str] = frozenset()) -> None:
+        """``live``: the engine's live vector names, which pushes own (not registrable)."""
         self.width = width
+        self.live = live
         self._lock = threading.Lock()
         self._named: dict[str, Vector] = {}
 
@@ -117,6 +119,11 @@ class VectorRegistry:
         """Add or replace ``name``; requests admitted from now on use the new values.
         ``where`` prefixes error messages (the engine's config: ``actbus.steer.vectors``)."""
         check_name(name, where)
+        if name in self.live:
+            raise ConfigError(
+                f"{where}.{name}: a live vector of this engine (actbus.steer.live); its values "
+                "change by pushes over the control endpoint (ControlClient.push_vector)"
+            )
         where = f"{where}.{name}"
         if isinstance(values, VectorSource):
             values = load_source(values, where)
@@ -141,6 +148,7 @@ class VectorRegistry:
             vec = self._named.get(name)
             known = sorted(self._named) if vec is None else []
         if vec is None:
+            known = sorted([*known, *self.live])
             listed = ", ".join(known[:20]) or "none registered"
             raise ConfigError(f"{where}: no steering vector named {name!r} (known: {listed})")
         return vec

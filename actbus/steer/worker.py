@@ -5,7 +5,9 @@ the stream; a pipeline stage steers the layers it owns). Requests arrive with th
 steering resolved (``actbus.steer.frontend``): vectors by digest with their values,
 entries as (layer, hook, digest, a, b, tier, positions). A vector gets a row of the
 device table while some request in flight uses it (rows are shared by digest and
-counted); ``fill`` writes each steered point's indices and coefficients for this
+counted); a live vector's entry is resolved at admission to the version in use then
+(``actbus.steer.live``: its values, and its norm for norm matching), kept to the
+request's end; ``fill`` writes each steered point's indices and coefficients for this
 step's tokens, and zeroes a point's buffers once no token is steered there.
 
 Gated entries (``GateTables``) also get, per (token, slot), where their gate's score
@@ -30,6 +32,7 @@ import torch
 from actbus.capture.scheduler import StepRequests
 from actbus.steer.config import monitor_runs_before
 from actbus.steer.graph import GateTables, SteerTables
+from actbus.steer.live import LIVE_PREFIX, LiveVectors
 
 log = logging.getLogger("actbus.steer")
 
@@ -78,6 +81,7 @@ class _Request:
     listed: dict[int, np.ndarray]  # entry -> its sorted positions (mode LISTED)
     digests: list[str]
     gate: _Gates | None = None
+    live: dict[str, int] | None = None  # live vector -> the version it steers with
 
 
 @dataclass
@@ -146,10 +150,13 @@ class Steerer:
         tables: SteerTables,
         gates: GateTables | None = None,
         columns: dict[tuple[str, int], tuple[int, dict[int, int]]] | None = None,
+        live: LiveVectors | None = None,
     ) -> None:
         """``gates`` and ``columns`` ((monitor, layer) -> its monitor point and each
-        feature's column, -1 for a single score) on engines whose steering can be gated."""
+        feature's column, -1 for a single score) on engines whose steering can be gated;
+        ``live``: the engine's live vectors, which pushes change (``push``)."""
         self.tables = tables
+        self.live = live
         self.points = tables.points
         self.gates = gates
         self.columns = columns or {}
@@ -181,6 +188,44 @@ class Steerer:
         self._upload = _Upload(tables.table.device)
 
     # ------------------------------------------------------------------ requests
+    def push(self, name: str, version: int, values: np.ndarray) -> bool:
+        """Make ``version`` of live vector ``name`` the one requests admitted from now on
+        steer with (called before the step's admissions); rows in use stay as they are."""
+        return self.live is not None and self.live.put(name, version, values)
+
+    def live_versions(self, rid: str) -> dict[str, int]:
+        """The live vectors a request steers with, each at its version ({}: none)."""
+        st = self._reqs.get(rid)
+        return dict(st.live) if st is not None and st.live else {}
+
+    def _resolve_live(self, rid: str, steer: dict) -> tuple[dict, dict[str, int]] | None:
+        """The wire steering with each live vector's entries at the version in use now
+        (their key ``live:NAME:VERSION``, norm matching divided by that version's norm),
+        and the versions; None when it names no live vector."""
+        entries = steer["entries"]
+        if not any(str(e[2]).startswith(LIVE_PREFIX) for e in entries):
+            return None
+        vectors = dict(steer["vectors"])
+        versions: dict[str, int] = {}
+        out = []
+        for e in entries:
+            key = str(e[2])
+            if not key.startswith(LIVE_PREFIX):
+                out.append(e)
+                continue
+            name = key[len(LIVE_PREFIX) :]
+            lv = self.live.get(name) if self.live is not None else None
+            if lv is None:  # the front end checks names against the same config
+                log.error("actbus: request %s: no live vector %s on this worker", rid, name)
+                continue
+            versions[name] = lv.version
+            vectors[lv.key] = lv.vector.values.tobytes()
+            b = float(e[4])
+            if b:
+                b = b / lv.vector.norm if lv.vector.norm > 0.0 else 0.0
+            out.append([e[0], e[1], lv.key, e[3], b, *e[5:]])
+        return {"vectors": vectors, "entries": out}, versions
+
     def admit(self, sr: StepRequests) -> None:
         """Take in new requests' steering and free what ended requests held."""
         for rid in sr.finished:
@@ -201,6 +246,10 @@ class Steerer:
                     self._last = self._steady = None
 
     def _take(self, rid: str, prompt_len: int, steer: dict) -> _Request | None:
+        resolved = self._resolve_live(rid, steer)
+        live = None
+        if resolved is not None:
+            steer, live = resolved
         vectors: dict[str, bytes] = steer["vectors"]
         need = [d for d in vectors if d not in self._rows]
         if len(need) > len(self._free):
@@ -245,6 +294,7 @@ class Steerer:
             listed,
             list(vectors),
             gate,
+            live,
         )
 
     def _gates_of(self, rid: str, mine: list) -> tuple[_Gates, list[bool]] | None:

@@ -108,3 +108,48 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_live_vector_pushes_share_the_endpoint_and_its_rules(tmp_path):
+    """A live steering vector's push: numbered per vector (apart from a monitor of the
+    same name), checked for width and finite values, coalesced while pending."""
+    srv = ControlServer(
+        ControlConfig(f"ipc://{tmp_path}/v.sock"), SLOTS, {"p": 1, "j": 1}, {"p": 8, "dir": 8}
+    )
+    try:
+        with ControlClient(srv.cfg.address, timeout_s=5) as c:
+            v = np.linspace(-1, 1, 8, dtype=np.float32)
+            reply = c.push_vector("dir", v)
+            assert (reply["vector"], reply["version"], "monitor" in reply) == ("dir", 2, False)
+            assert c.push_vector("dir", v * 3)["version"] == 3  # replaces the pending 2
+            assert c.push_vector("p", v, version=7)["version"] == 7  # the vector, not monitor p
+            assert c.push("p", v, [0.0])["version"] == 2  # monitor p counts on its own
+            bad = [
+                (("nope", v), "vector", "no live steering vector named 'nope' on this engine "
+                 "(known: dir, p)"),
+                (("dir", v[:-1]), "values", "shape [7] does not fit live vector 'dir': it "
+                 "takes [8]"),
+                (("dir", np.where(np.arange(8) == 2, np.nan, v)), "values", "holds NaN or Inf"),
+                (("dir", v, 3), "version", "3 is not above live vector 'dir''s current version 3"),
+            ]  # fmt: skip
+            for args, field, msg in bad:
+                with pytest.raises(PushRefused, match=re.escape(msg)) as e:
+                    c.push_vector(*args)
+                assert e.value.field == field
+            st = c.status()
+        assert st["vectors"] == {
+            "dir": {"version": 3, "in_use": 1},
+            "p": {"version": 7, "in_use": 1},
+        }
+        assert st["monitors"]["p"] == {"version": 2, "in_use": 1}
+        assert (st["accepted"], st["refused"], st["superseded"]) == (4, len(bad), 1)
+        taken = {(p.kind, p.name): p for p in srv.take()}
+        assert set(taken) == {("vector", "dir"), ("vector", "p"), ("monitor", "p")}
+        np.testing.assert_array_equal(taken["vector", "dir"].weight, v * 3)
+        assert srv.status()["vectors"]["dir"] == {"version": 3, "in_use": 3}
+        swaps = srv.status()["swaps"]
+        assert {(s.get("vector"), s.get("monitor"), s["version"]) for s in swaps} == {
+            ("dir", None, 3), ("p", None, 7), (None, "p", 2)
+        }  # fmt: skip
+    finally:
+        srv.close()

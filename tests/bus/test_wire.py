@@ -95,6 +95,15 @@ def test_request_tags_ends_and_selection_round_trip():
     assert sub.request_tags(1) == {"label": 0, "split": "train"}
     sub, rows = h2.rows.select([2])
     assert rows.tolist() == [2, 3, 4] and sub.token_ids.tolist() == [102, 103, 104]
+    assert (
+        h2.rows.steer_versions == [] and "steer_versions" not in msgpack.unpackb(h.encode())["rows"]
+    )  # absent when no request steers with a live vector: older decoders read it alike
+    ri.steer_versions = [{"dir": 3}, {}, {"dir": 4, "tone": 2}]
+    ri._wire = None
+    h3 = Header.decode(h.encode())
+    assert h3.rows.steer_versions == ri.steer_versions
+    sub, _ = h3.rows.select([2])
+    assert sub.request_steer_versions(0) == {"dir": 4, "tone": 2}
     bad = msgpack.unpackb(h.encode())
     bad["rows"]["tags"] = [{}]
     with pytest.raises(WireError, match="tags must have one entry per request"):
@@ -184,6 +193,15 @@ BIG = "x" * 10_000_000  # a 10 MB field: refused, and never quoted whole
         (_set(["rows", "tags"], [{"k": list(range(5000))}, {}]), "tags", "more than 4096 values"),
         (_set(["rows", "tags"], ["label", {}]), "tags", "is not a map"),
         (_set(["rows", "returned"], [1, 0]), "returned", "must be booleans"),
+        (_set(["rows", "steer_versions"], [{"v": 0}, {}]), "steer_versions", "version: 0 is not"),
+        (_set(["rows", "steer_versions"], [{"v": "2"}, {}]), "steer_versions", "is not an integ"),
+        (_set(["rows", "steer_versions"], [[1], {}]), "steer_versions", "is not a map of at"),
+        (_set(["rows", "steer_versions"], [{}]), "steer_versions", "one entry per request"),
+        (
+            _set(["rows", "steer_versions"], [{"v" * 201: 2}, {}]),
+            "steer_versions",
+            "name: 201 characters",
+        ),
         (_set(["tags"], {f"k{i}": i for i in range(5000)}), "tags", "5000 tags"),
         (_set(["ended"], [["z" * 5000, 0, "stop"]]), "ended", "request id: 5000 characters"),
         (_set(["ended"], [["z", 0, "r" * 100]]), "ended", "reason: 100 characters"),

@@ -281,3 +281,70 @@ def test_worker_fill_matches_a_per_token_reference():
                     for j in range(k) if tables.index[p][t, j] != 0
                 ]  # fmt: skip
                 assert got == [(s, float(a)) for s, a, _ in want[p][t]], (batch, p, t)
+
+
+def test_live_vectors_config_front_end_and_salts():
+    """Live names: declared at start, apart from named vectors, sent by name (the worker
+    picks the version), and prompt steering with one shares no prompt blocks."""
+    cfg = CaptureConfig.from_dict(
+        {"layers": [1], "steer": {"live": ["dir"]}, "control": "ipc:///tmp/actbus-x.sock"}
+    )
+    assert cfg.steer.live == {"dir": None} and cfg.control is not None
+    with pytest.raises(ConfigError, match=r"actbus\.control: .* this engine has neither"):
+        CaptureConfig.from_dict({"layers": [1], "control": "ipc:///tmp/actbus-x.sock"})
+    for raw, needle in [
+        ({"live": "dir"}, "actbus.steer.live: expected a list of names"),
+        ({"live": {"dir": {"sae": "d"}}}, "actbus.steer.live.dir.feature"),
+        (
+            {"live": ["v"], "vectors": {"v": {"file": "f"}}},
+            "actbus.steer.live.v: also a named vector",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            SteerConfig.from_dict(raw)
+        assert needle in str(e.value), (raw, str(e.value))
+    fe = _frontend(live=["dir"])
+    with pytest.raises(ConfigError, match="a live vector of this engine"):
+        fe.registry.register("dir", np.ones(H))
+    with pytest.raises(ConfigError, match=r"no steering vector named 'dri' \(known: dir\)"):
+        fe.request([{"vector": "dri", "layers": 1}], True, "steer")
+    rs = fe.request([{"vector": "dir", "layers": 1, "norm_match": True, "scale": 2.0}], True, "s")
+    assert rs.to_wire() == {
+        "vectors": {},
+        "entries": [[1, "post_block", "live:dir", 0.0, 2.0, "base", "all"]],
+    }
+    a, b = rs.cache_salt(10), rs.cache_salt(10)
+    assert a is not None and b is not None and a != b  # this request's own prompt blocks
+    decode = fe.request([{"vector": "dir", "layers": 1, "tier": "decode"}], True, "s")
+    assert decode.cache_salt(10) is None
+
+
+def test_worker_resolves_live_vectors_at_admission_and_keeps_the_version():
+    from actbus.steer.live import LiveVectors
+
+    tables = SteerTables(
+        torch.zeros(5, H), {(1, "post_block"): torch.zeros(16, 2, dtype=torch.int64)},
+        {(1, "post_block"): torch.zeros(16, 2, 2)}, per_token=2, max_rows=16,
+    )  # fmt: skip
+    st = Steerer(tables, live=LiveVectors({"dir": np.zeros(H, np.float32)}, H))
+
+    def wire(norm_match: bool):
+        b = 3.0 if norm_match else 0.0
+        a = 0.0 if norm_match else 3.0
+        entry = [1, "post_block", "live:dir", a, b, "base", "all"]
+        return {"steer": {"vectors": {}, "entries": [entry]}}
+
+    st.admit(StepRequests([("a", 4, wire(False))], {}, set(), {}))
+    v2 = np.arange(H, dtype=np.float32) + 1
+    assert st.push("dir", 2, v2) and not st.push("dir", 2, v2) and not st.push("x", 3, v2)
+    st.admit(StepRequests([("b", 4, wire(False)), ("c", 4, wire(True))], {}, set(), {}))
+    assert (st.live_versions("a"), st.live_versions("b")) == ({"dir": 1}, {"dir": 2})
+    assert st.live_versions("nobody") == {}
+    ra, rb, rc = (int(st._reqs[r].slot[0]) for r in "abc")
+    assert ra != rb == rc and st.rows_in_use == 2  # one row per version in use
+    assert not tables.table[ra].any() and torch.equal(tables.table[rb], torch.from_numpy(v2))
+    norm = float(np.linalg.norm(v2.astype(np.float64)))
+    assert st._reqs["c"].b[0] == np.float32(3.0 / norm) and st._reqs["c"].a[0] == 0.0
+    assert st._reqs["a"].a[0] == 3.0 and st._reqs["a"].b[0] == 0.0
+    st.admit(StepRequests([], {}, {"a"}, {}))  # version 1's row is freed with its last user
+    assert st.rows_in_use == 1

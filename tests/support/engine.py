@@ -30,6 +30,8 @@ HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
 STEER_HOOKS = ["pre_attn", "post_attn", "post_block"]
 MAX_BATCHED_TOKENS = 64  # small, so longer prompts are split by chunked prefill
 SCHED_BLOCKS = 17  # x 32 tokens: one max_model_len request (+ the null block), no more
+LIVE = ["live_dir", "live_sae"]
+"""The Llama engine's live steering vectors (``actbus.steer.live``), zeros at start."""
 
 
 @dataclass
@@ -84,8 +86,10 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
                 # Long, so tests see death detected by the socket, not by silence.
                 "subscriber_timeout_s": 30,
                 # Every layer and point steerable: the capture tests then also show that
-                # the steering ops cost unsteered requests nothing (tests/steer).
-                "steer": {"hooks": list(STEER_HOOKS)},
+                # the steering ops cost unsteered requests nothing (tests/steer). The
+                # Llama engine also has live vectors that pushes replace
+                # (tests/steer/test_steer_live.py, tests/trainers/test_engine.py).
+                "steer": {"hooks": list(STEER_HOOKS), **({"live": LIVE} if sched else {})},
                 **monitor,
             }
         },

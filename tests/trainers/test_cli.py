@@ -266,6 +266,14 @@ def test_bad_flags_are_named():
     r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
              "--cpu-threads", "0")  # fmt: skip
     assert r.returncode == 2 and "--cpu-threads: expected 1 or more threads" in r.stderr
+    sae = ("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
+           "--expansion", "2", "--push", "ipc:///tmp/c", "--push-vector", "v")  # fmt: skip
+    r = _run(*sae, "--push-features", "1,2")
+    assert r.returncode == 2 and "--push-features: with --push-vector give the one" in r.stderr
+    r = _run(*sae, "--push-features", "16")
+    assert r.returncode == 2 and "latent 16 is out of range; the SAE has 16" in r.stderr
+    r = _run(*sae, "--push-features", "1", "--push-monitor", "m")
+    assert r.returncode == 2 and "drop --push-monitor or --push-vector" in r.stderr
 
 
 def test_several_saes_from_one_subscription(tmp_path):

@@ -73,6 +73,11 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
     data = ["--batch-tokens", "128", "--buffer-tokens", "4096", "--warmup-tokens", "512"]
     data += ["--idle-s", "6", "--log-every", "2", "--layer", "3"]
     sae_out, probe_out = tmp_path / "sae", tmp_path / "probe"
+    ctl = sched_engine.control
+    keys = ["--push-server-key", ctl["server_key"]]
+    keys += ["--push-client-secret-key", ctl["client_secret_key"]]
+    sae_push = ["--push", ctl["address"], "--push-every", "5", "--push-vector", "live_sae"]
+    sae_push += ["--push-features", "3", *keys]
     sae = _trainer(
         "sae",
         address,
@@ -88,11 +93,9 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
         "1e-3",
         "--checkpoint-every",
         "50",
+        *sae_push,
     )
-    ctl = sched_engine.control
-    push = ["--push", ctl["address"], "--push-every", "3", "--push-monitor", "probe"]
-    push += ["--push-server-key", ctl["server_key"]]
-    push += ["--push-client-secret-key", ctl["client_secret_key"]]
+    push = ["--push", ctl["address"], "--push-every", "3", "--push-monitor", "probe", *keys]
     probe = _trainer(
         "probe", address, probe_out, *data, "--label", "label", "--heldout", "0.3", *push
     )
@@ -149,6 +152,7 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
     # Checkpoint in SAELens layout, and both offline W&B runs hold their metrics.
     (ckpt,) = [d for d in sae_out.iterdir() if (d / "cfg.json").exists()]
     assert (ckpt / "sae_weights.safetensors").exists()
+    _check_vector_pushes(sched_engine, s["push"], ckpt)
     for out, key in ((sae_out, f"{ckpt.name}/fvu"), (probe_out, "probe-logistic/loss")):
         (f,) = run_files(out)
         keys = set().union(*read_history(f))
@@ -207,3 +211,35 @@ def _check_pushes(engine, push: dict, scores: ScoreLog, saved: Path) -> None:
     mw = folded(load_probe(src), PushTarget("probe", "probe", "probe"))
     with _client(engine) as c:
         c.push("probe", mw.weight, mw.bias)
+
+
+def _check_vector_pushes(engine, push: dict, saved: Path) -> None:
+    """The SAE trainer pushed latent 3's decoder row into the live vector ``live_sae``
+    every few steps and at the end; a request after training steers with the saved
+    checkpoint's unit decoder row (against HF with that vector hooked in)."""
+    import numpy as np
+    import torch
+
+    from actbus.steer.config import VectorSource
+    from actbus.steer.vectors import load_source
+    from tests.monitor.test_monitor_push import _client
+    from tests.steer.test_steer_engine import _check, _params
+    from tests.steer.test_steer_requests import _generate
+    from tests.support.steer_oracle import HFSteer
+
+    assert push["errors"] == [] and push["sent"] >= 2, push
+    versions = push["versions"]
+    assert versions == sorted(set(versions)), versions
+    direction = torch.from_numpy(load_source(VectorSource("sae", str(saved), feature=3), "saved"))
+    with _client(engine) as c:
+        try:
+            assert c.status()["vectors"]["live_sae"]["version"] == versions[-1]
+            out = _generate(
+                engine.llm,
+                [[5, 9, 14, 3, 27, 11, 8, 40, 2]],
+                [_params([{"vector": "live_sae", "layers": 2, "norm_match": True, "scale": 0.5}])],
+            )[0]
+            _check(out, engine.model_path, [HFSteer(2, "post_block", direction, 0.5, True)])
+        finally:
+            width = len(direction)
+            c.push_vector("live_sae", np.zeros(width, dtype=np.float32))
