@@ -139,6 +139,7 @@ class _Whole:
     def row_index(self, toks: torch.Tensor) -> RowIndex:
         states = self.states
         returned = [st.sel.returns for st in states]
+        live = [st.live for st in states]
         return RowIndex(
             request_ids=[st.caller_id for st in states],
             offsets=self.offsets - self.offsets[0],
@@ -147,6 +148,7 @@ class _Whole:
             sample_index=[st.sample_index for st in states],
             tags=[st.sel.tags for st in states],
             returned=returned if any(returned) else [],
+            steer_versions=live if any(live) else [],
         )
 
 
