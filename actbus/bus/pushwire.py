@@ -85,11 +85,7 @@ def encode_push(
     if w.ndim == 1:
         w = w[None, :]
     b = np.ascontiguousarray(np.asarray(bias, dtype=np.float32).reshape(-1))
-    header: dict[str, Any] = {"op": "push", "monitor": monitor, "shape": list(w.shape)}
-    if version is not None:
-        header["version"] = version
-    if call_id is not None:
-        header["id"] = call_id
+    header = _header("monitor", monitor, w.shape, version, call_id)
     frames = [msgpack.packb(header), w.tobytes(), b.tobytes()]
     if threshold is not None:
         frames.append(np.asarray(threshold, dtype=np.float32).reshape(-1).tobytes())
@@ -104,12 +100,20 @@ def encode_vector_push(
     import msgpack
 
     v = np.ascontiguousarray(np.asarray(values, dtype=np.float32).reshape(-1))
-    header: dict[str, Any] = {"op": "push", "vector": vector, "shape": list(v.shape)}
+    return [msgpack.packb(_header("vector", vector, v.shape, version, call_id)), v.tobytes()]
+
+
+def _header(
+    kind: str, name: str, shape: tuple[int, ...], version: int | None, call_id: int | None
+) -> dict[str, Any]:
+    """A push's header: what it replaces (``kind``: monitor or vector), the values'
+    shape, and the version and call id when given."""
+    header: dict[str, Any] = {"op": "push", kind: name, "shape": list(shape)}
     if version is not None:
         header["version"] = version
     if call_id is not None:
         header["id"] = call_id
-    return [msgpack.packb(header), v.tobytes()]
+    return header
 
 
 def _next_version(header: dict[str, Any], current: int, what: str) -> int:
