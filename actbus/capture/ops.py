@@ -32,3 +32,19 @@ def tap_copy(out: torch.Tensor, x: torch.Tensor) -> None:
 @tap_copy.register_fake
 def _tap_copy_fake(out: torch.Tensor, x: torch.Tensor) -> None:
     return None
+
+
+@torch.library.custom_op("actbus::stream_sum", mutates_args=())
+def stream_sum(hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``hidden + residual`` in their own dtype, as a tensor of its own.
+
+    For what reads the summed stream in the graph (monitors): inductor fuses a bf16
+    sum into the float32 read that follows and skips rounding the sum to bf16, so a
+    monitor would score a stream neither capture (``tap_sum`` rounds) nor HF
+    transformers has. An op the compiler cannot see into keeps the rounding."""
+    return hidden + residual
+
+
+@stream_sum.register_fake
+def _stream_sum_fake(hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(hidden)

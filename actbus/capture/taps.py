@@ -117,6 +117,7 @@ def wrap_layer(layer: nn.Module) -> None:
     layer._actbus_wrapped = True
     inner = layer.forward
     tap_sum, tap_copy = torch.ops.actbus.tap_sum, torch.ops.actbus.tap_copy
+    stream_sum = torch.ops.actbus.stream_sum
 
     def forward(positions, hidden_states, residual=None, *args, **kwargs):
         hooks = getattr(layer, "_actbus_taps", ())
@@ -132,9 +133,11 @@ def wrap_layer(layer: nn.Module) -> None:
                 tap_copy(layer._actbus_pre_attn, hidden_states)
             else:
                 tap_sum(layer._actbus_pre_attn, hidden_states, residual)
-        if "pre_attn" in mon:
+        if "pre_attn" in mon:  # the sum rounded as capture rounds it (``stream_sum``)
             monitor_point(
-                layer, "pre_attn", hidden_states if residual is None else hidden_states + residual
+                layer,
+                "pre_attn",
+                hidden_states if residual is None else stream_sum(hidden_states, residual),
             )
         hidden, resid = inner(positions, hidden_states, residual, *args, **kwargs)
         if "post_attn" in hooks:
@@ -150,7 +153,7 @@ def wrap_layer(layer: nn.Module) -> None:
         if "post_block" in hooks:
             tap_sum(layer._actbus_post_block, hidden, resid)
         if "post_block" in mon:
-            monitor_point(layer, "post_block", hidden + resid)
+            monitor_point(layer, "post_block", stream_sum(hidden, resid))
         return hidden, resid
 
     layer.forward = forward

@@ -357,3 +357,74 @@ def test_a_score_series_grows_and_keeps_handed_out_views():
     for slot in (1, 2):
         st, b = s.stores[int(s.sid[slot])], int(s.base[slot])
         assert st.val[b, 0] == 100 + slot and st.ver[b] == 3 and s.end[slot] == 1
+
+
+def test_compiled_monitors_score_the_summed_stream_rounded_as_captured():
+    """In bf16, inductor fuses ``hidden + residual`` into the float32 read after it and
+    skips rounding the sum: a monitor there would score a stream that capture (which
+    rounds) and HF transformers never had. Scores of the compiled bf16 model equal the
+    rounded sum's, bitwise."""
+    from actbus.capture.taps import wrap_layer
+
+    torch._dynamo.reset()
+    d = 64
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(d, generator=gen) / d**0.5).tolist()
+    cfg = MonitorConfig.from_dict(
+        {
+            "monitors": {
+                "pre": {"weight": w, "bias": 0.5, "layers": [1], "hook": "pre_attn"},
+                "post": {"weight": w, "bias": 0.5, "layers": [1], "hook": "post_block"},
+            }
+        }
+    )
+
+    class Layer(torch.nn.Module):  # shaped like vLLM's: (hidden_states, residual)
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(d, d, dtype=torch.bfloat16)
+
+        def forward(self, positions, hidden_states, residual):
+            residual = hidden_states if residual is None else hidden_states + residual
+            return self.lin(residual), residual
+
+    layers = torch.nn.ModuleList(Layer() for _ in range(2))
+    for layer in layers:
+        wrap_layer(layer)
+    weights = {n: load_weights(c, d, n) for n, c in cfg.monitors.items()}
+    t = install_monitors(
+        layers,
+        weights,
+        {n: c.points for n, c in cfg.monitors.items()},
+        hidden_size=d,
+        max_rows=32,
+        device=torch.device("cpu"),
+    )
+
+    def run(x):  # the wrapped layers: scores land in the points' buffers
+        hidden, residual = x, None
+        for layer in layers:
+            hidden, residual = layer(torch.arange(x.shape[0]), hidden, residual)
+        return hidden, residual
+
+    x = (30 * torch.randn(9, d, generator=gen)).bfloat16()
+    with torch.inference_mode():
+        eager_h, eager_r = [], []
+        hidden, residual = x, None
+        for layer in layers:  # the streams as the eager model has them
+            eager_h.append(hidden), eager_r.append(residual)
+            hidden, residual = (
+                layer.lin(hidden if residual is None else hidden + residual),
+                (hidden if residual is None else hidden + residual),
+            )
+        post = (hidden + residual).float()  # rounded to bf16 first, as capture keeps it
+        pre = (eager_h[1] + eager_r[1]).float()
+        torch.compile(run, backend="inductor", dynamic=True)(x)
+    wt = torch.tensor(w)
+    got_pre = t.points[(1, "pre_attn")].scores[:9, 0]
+    got_post = t.points[(1, "post_block")].scores[:9, 0]
+    close = {"rtol": 1e-6, "atol": 1e-5}  # float32 sums in another order, no more
+    assert torch.allclose(got_pre, pre @ wt + 0.5, **close)
+    assert torch.allclose(got_post, post @ wt + 0.5, **close)
+    unrounded = (hidden.float() + residual.float()) @ wt + 0.5
+    assert not torch.allclose(got_post, unrounded, **close)  # the rounding mattered here
