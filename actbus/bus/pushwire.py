@@ -116,6 +116,19 @@ def _header(
     return header
 
 
+def _known_name(
+    header: dict[str, Any], field: str, known: dict[str, Any], what: str, hint: str
+) -> str:
+    """``header[field]`` if it names one of ``known``, else ``PushError`` listing them."""
+    name = header.get(field)
+    if not isinstance(name, str) or name not in known:
+        have = ", ".join(sorted(known)[:20]) or "none"
+        raise PushError(
+            field, f"no {what} named {str(name)[:60]!r} on this engine (known: {have}); {hint}"
+        )
+    return name
+
+
 def _next_version(header: dict[str, Any], current: int, what: str) -> int:
     version = header.get("version")
     if version is None:
@@ -136,15 +149,13 @@ def check_vector_push(
 ) -> Push:
     """A live vector's push checked against the engine's live vectors (name -> residual
     width), or ``PushError`` naming the field. ``versions``: the latest accepted."""
-    name = header.get("vector")
-    if not isinstance(name, str) or name not in widths:
-        known = ", ".join(sorted(widths)[:20]) or "none"
-        raise PushError(
-            "vector",
-            f"no live steering vector named {str(name)[:60]!r} on this engine (known: "
-            f"{known}); pushes change the live vectors the engine was started with "
-            "(actbus.steer.live)",
-        )
+    name = _known_name(
+        header,
+        "vector",
+        widths,
+        "live steering vector",
+        "pushes change the live vectors the engine was started with (actbus.steer.live)",
+    )
     width = widths[name]
     if header.get("shape") != [width]:
         raise PushError(
@@ -170,14 +181,13 @@ def check_push(
 ) -> Push:
     """A push checked against the engine's monitors, or ``PushError`` naming the field.
     ``versions``: each monitor's latest accepted version (pending ones included)."""
-    name = header.get("monitor")
-    if not isinstance(name, str) or name not in slots:
-        known = ", ".join(sorted(slots)[:20]) or "none"
-        raise PushError(
-            "monitor",
-            f"no monitor named {str(name)[:60]!r} on this engine (known: {known}); pushes "
-            "change the weights of monitors the engine was started with",
-        )
+    name = _known_name(
+        header,
+        "monitor",
+        slots,
+        "monitor",
+        "pushes change the weights of monitors the engine was started with",
+    )
     slot = slots[name]
     shape = header.get("shape")
     if shape != [slot.cols, slot.hidden]:
