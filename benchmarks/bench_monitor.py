@@ -49,9 +49,8 @@ from engine_arms import (
     FAILED,
     RESULT,
     ROOT,
-    collector_cpu,
-    engine_cost,
-    engine_counters,
+    CostMeter,
+    cost_line,
     make_llm,
     model,
     random_prompts,
@@ -275,8 +274,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     pusher = None
     if arm is not None and arm.push:
         pusher = Pusher(extra["actbus"]["control"], config["hidden_size"])
-    before = engine_counters(extra["actbus"]["publish"]) if arm is not None else None
-    cpu0 = collector_cpu()
+    meter = CostMeter(extra["actbus"]["publish"]) if arm is not None else None
     try:
         outs, timed = timed_generate(llm, prompts, params)
     finally:
@@ -287,11 +285,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         **timed,
         **pushed,
     }
-    if before is not None:  # where the arm's cost lies: engine thread, front end
-        cost = engine_cost(before, engine_counters(extra["actbus"]["publish"]))
-        cpu = collector_cpu() - cpu0
-        cost["collector_cpu_ms_per_step"] = round(1e3 * cpu / max(1, cost["steps"]), 3)
-        result["cost"] = cost
+    if meter is not None:  # where the arm's cost lies: engine thread, front end
+        result["cost"] = meter.result()
     if pusher is not None and not pushed["pushes_used"]:
         raise SystemExit(f"{name}: no push was used by a step: {pushed}")
     if arm is not None and arm.returned:
@@ -367,11 +362,7 @@ def main() -> int:
             )
         if c := r.get("cost"):
             summary.update({f"{k}_{name}": v for k, v in c.items() if k != "steps"})
-            print(
-                f"{'':18s} per step: actbus on the engine thread {c['capture_ms_per_step']} ms, "
-                f"publisher thread {c['publisher_cpu_ms_per_step']} ms CPU, front-end "
-                f"receiving {c['collector_cpu_ms_per_step']} ms CPU; stalled {c['stall_s']} s"
-            )
+            print(f"{'':18s} {cost_line(c)}")
         if r.get("subscriber"):
             summary[f"received_rows_{name}"] = r["subscriber"].get("rows", 0)
             summary[f"missed_{name}"] = r["subscriber"].get("missed", 0)

@@ -38,9 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_arms import (
     FAILED,
     RESULT,
-    collector_cpu,
-    engine_cost,
-    engine_counters,
+    CostMeter,
+    cost_line,
     make_llm,
     model,
     random_prompts,
@@ -101,8 +100,7 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
         temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False,
         extra_args=returns,
     )  # fmt: skip
-    before = engine_counters(address) if layers else None
-    cpu0 = collector_cpu()
+    meter = CostMeter(address) if layers else None
     outs, timed = timed_generate(llm, prompts, sp)
     result: dict[str, Any] = {
         "arm": name,
@@ -110,12 +108,8 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "engine_start_s": round(start_s, 1),
         **timed,
     }
-    if before is not None:  # where the arm's cost lies: engine thread, front end
-        result["cost"] = engine_cost(before, engine_counters(address))
-        cpu = collector_cpu() - cpu0
-        result["cost"]["collector_cpu_ms_per_step"] = round(
-            1e3 * cpu / max(1, result["cost"]["steps"]), 3
-        )
+    if meter is not None:  # where the arm's cost lies: engine thread, front end
+        result["cost"] = meter.result()
     llm.llm_engine.engine_core.shutdown()
     if returns is not None:
         result |= _count_returned(name, outs, layers)
@@ -214,11 +208,7 @@ def main() -> int:
         tps = r["tok_per_s"]
         print(f"{name:10s} {layers:>14s} {tps:>10.1f} {ratio:>9.3f} {rows:>12s}  {check}")
         if c := r.get("cost"):
-            print(
-                f"{'':10s} per step: actbus on the engine thread {c['capture_ms_per_step']} ms, "
-                f"publisher thread {c['publisher_cpu_ms_per_step']} ms CPU, front-end "
-                f"receiving {c['collector_cpu_ms_per_step']} ms CPU; stalled {c['stall_s']} s"
-            )
+            print(f"{'':10s} {cost_line(c)}")
     print(json.dumps({**summarize(results, args), **FAILED}))
     return 0
 

@@ -192,6 +192,32 @@ def collector_cpu() -> float:
     return sum(c.stats()["recv_cpu_s"] for c in cols)
 
 
+class CostMeter:
+    """Where an arm's cost lies over its timed generation: made just before it, read
+    (``result``) just after. The engine's side (``engine_cost``) and this front end's
+    receiving threads (``collector_cpu``), per engine step."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.before = engine_counters(address)
+        self.cpu0 = collector_cpu()
+
+    def result(self) -> dict[str, Any]:
+        cost: dict[str, Any] = engine_cost(self.before, engine_counters(self.address))
+        cpu = collector_cpu() - self.cpu0
+        cost["collector_cpu_ms_per_step"] = round(1e3 * cpu / max(1, cost["steps"]), 3)
+        return cost
+
+
+def cost_line(c: dict[str, Any]) -> str:
+    """A ``CostMeter`` result, for the table."""
+    return (
+        f"per step: actbus on the engine thread {c['capture_ms_per_step']} ms, publisher "
+        f"thread {c['publisher_cpu_ms_per_step']} ms CPU, front-end receiving "
+        f"{c['collector_cpu_ms_per_step']} ms CPU; stalled {c['stall_s']} s"
+    )
+
+
 FAILED: dict[str, float] = {}
 """Arms that timed out in this run (``timed_out_<arm>``: the limit, in s), for the
 summary's JSON line."""
