@@ -137,19 +137,7 @@ class _Whole:
         return [np.arange(o[i], o[i + 1]) for i in range(len(self.states))]
 
     def row_index(self, toks: torch.Tensor) -> RowIndex:
-        states = self.states
-        returned = [st.sel.returns for st in states]
-        live = [st.live for st in states]
-        return RowIndex(
-            request_ids=[st.caller_id for st in states],
-            offsets=self.offsets - self.offsets[0],
-            positions=self.host_pos,
-            token_ids=toks.numpy(),
-            sample_index=[st.sample_index for st in states],
-            tags=[st.sel.tags for st in states],
-            returned=returned if any(returned) else [],
-            steer_versions=live if any(live) else [],
-        )
+        return _index(self.states, self.offsets - self.offsets[0], self.host_pos, toks)
 
 
 class CaptureWorker:
@@ -523,21 +511,27 @@ def _row_index(p: _Part | _Whole, toks: torch.Tensor) -> RowIndex:
     if isinstance(p, _Whole):
         return p.row_index(toks)
     counts = [len(pos) for _, pos in p.entries]
+    positions = (
+        np.concatenate([pos for _, pos in p.entries]) if p.entries else np.zeros(0, dtype=np.int64)
+    )
+    offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+    return _index([st for st, _ in p.entries], offsets, positions, toks)
+
+
+def _index(
+    states: list[_Request], offsets: np.ndarray, positions: np.ndarray, toks: torch.Tensor
+) -> RowIndex:
+    """The row index of ``states``' rows (``offsets`` from 0): what each request says
+    of itself, in one place for the fast path and the gathered one."""
+    returned = [st.sel.returns for st in states]
+    live = [st.live for st in states]
     return RowIndex(
-        request_ids=[st.caller_id for st, _ in p.entries],
-        offsets=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
-        positions=(
-            np.concatenate([pos for _, pos in p.entries])
-            if p.entries
-            else np.zeros(0, dtype=np.int64)
-        ),
+        request_ids=[st.caller_id for st in states],
+        offsets=offsets,
+        positions=positions,
         token_ids=toks.numpy(),
-        sample_index=[st.sample_index for st, _ in p.entries],
-        tags=[st.sel.tags for st, _ in p.entries],
-        returned=[st.sel.returns for st, _ in p.entries]
-        if any(st.sel.returns for st, _ in p.entries)
-        else [],
-        steer_versions=[st.live for st, _ in p.entries]
-        if any(st.live for st, _ in p.entries)
-        else [],
+        sample_index=[st.sample_index for st in states],
+        tags=[st.sel.tags for st in states],
+        returned=returned if any(returned) else [],
+        steer_versions=live if any(live) else [],
     )
