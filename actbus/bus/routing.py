@@ -398,16 +398,16 @@ def _kept(rows: RowIndex, sub: Subscription, key: str) -> list[int]:
     cuts = rows.cuts
     if key in cuts:
         return cuts[key]
-    if not sub.match:  # returned_only alone: no per-request call
-        keep = [i for i, r in enumerate(rows.returned) if r] if sub.returned_only else None
-        if keep is None:
-            keep = list(range(len(rows.request_ids)))
-    else:
+    if sub.match:
         keep = [
             i
             for i in range(len(rows.request_ids))
             if sub.wants_request(rows.request_tags(i), rows.request_returned(i))
         ]
+    elif sub.returned_only:  # no per-request call
+        keep = [i for i, r in enumerate(rows.returned) if r]
+    else:
+        keep = list(range(len(rows.request_ids)))
     cuts[key] = keep
     return keep
 
