@@ -103,12 +103,12 @@ class SlabPool:
 
     def _next(self, rows: int, row_bytes: int) -> Slab:
         usual = max(self.slab_bytes // max(row_bytes, 1), 1)
-        spare = self._spare.pop(row_bytes, None)
+        spare = self._spare.get(row_bytes)
         if spare is not None and len(spare.pos) >= rows:
-            slab = spare
+            slab = self._spare.pop(row_bytes)
         else:  # the first of its size (or an outsized one): faulted in as it is written
             slab = Slab(max(usual, rows), row_bytes)
-        if self.prefault:
+        if self.prefault and row_bytes not in self._spare:  # an unused spare is kept
             self._spare[row_bytes] = nxt = Slab(usual, row_bytes)
             _Populator.submit(nxt)
         return slab
