@@ -8,17 +8,25 @@ one n=2, ask for every monitor's scores back and for the rows at the monitors' p
 Checked, per monitor and token:
 
 - against HF transformers on the same GPU and dtype, through the trainers' own modules
-  (``expected_scores``): relative error within ``--tol`` (bf16 streams differ by
-  rounding; a TopK whose k-th and (k+1)-th features nearly tie may pick another
-  feature, so TopK reports the share of tokens within the tolerance, which must be
-  at least 0.99);
+  (``expected_scores``). In float32: relative error within ``--tol`` (1e-3; a TopK
+  whose k-th and (k+1)-th features tie may pick another, so at least 0.99 of TopK's
+  tokens). In bf16 the engine's stream differs from HF's by rounding (the capture
+  oracle allows 2% of the row's norm), so a score is held to what that can move it
+  by: ``tol`` (3e-2) times the monitor's Lipschitz bound ``stream_bound`` (a probe's
+  standardised weights over 4, a direction's norm, an SAE's chosen encoder columns).
+  Tokens where that much can make a JumpReLU cross its threshold or a TopK swap
+  features are counted, not compared, and must stay at most 5%;
 - against the engine's own rows at the same point through the same modules: what the
-  graph computes from the stream it had (``--self-tol``).
+  graph computes from the stream it had (``--self-tol``, relative to the score's size).
 
 Then gated steering (hard and sigmoid gates on the same token's score at an earlier
-point) is checked against HF with a hook applying the same gate, on the engine's
-returned rows; and a monitor's weights are pushed over the control endpoint: later
-requests carry the new version and their scores, and nothing recompiles or recaptures.
+point, thresholds in the widest gap of HF's prompt scores) is checked on the engine's
+returned rows against HF with a hook applying the gate to the scores the engine
+returned for the request (a bf16 score near the threshold may rightly set HF's own
+gate otherwise; those tokens are counted);
+and a monitor's weights and a live steering vector's values are pushed over the control
+endpoint: later requests carry the new version and its scores, steer with the new
+vector (against HF with it hooked in), and nothing recompiles or recaptures.
 Prints one JSON line.
 
     python tests/gpu/check_monitor.py --dtype bfloat16 --runner v2
@@ -49,6 +57,10 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=None, help="against HF (bf16: 3e-2)")
     ap.add_argument("--self-tol", type=float, default=1e-2, help="against the engine's rows")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU")
+    # A random model with large weights is chaotic: in bf16 its stream strays from HF's
+    # by 4% after one attention and 30% after four layers (measured here with 0.2), so
+    # the oracle uses the HF default, as the capture check does.
+    ap.add_argument("--init", type=float, default=0.02, help="initializer_range")
     args = ap.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(compile_counts)
@@ -62,11 +74,20 @@ def main() -> int:
     from actbus.tiny_models import build_tiny_model
     from tests.support.compile_counts import compile_counts
     from tests.support.engine import SERVER_KEYS, _control_endpoint
-    from tests.support.monitors import SPECS, build_monitor_sources, expected_scores, read_scale
+    from tests.support.monitors import (
+        SPECS,
+        active_features,
+        build_monitor_sources,
+        expected_scores,
+        read_scale,
+        stream_bound,
+    )
     from tests.support.oracle import hf_activations, max_rel_error
     from tests.support.steer_oracle import HFGate, HFSteer, hf_steered_forward
 
-    path = build_tiny_model("llama", hidden_size=HIDDEN, intermediate_size=512)
+    path = build_tiny_model(
+        "llama", hidden_size=HIDDEN, intermediate_size=512, initializer_range=args.init
+    )
     work = Path(tempfile.mkdtemp(prefix="check-monitor-"))
     monitors = build_monitor_sources(path, work / "monitors", HIDDEN)
     control = _control_endpoint(work)
@@ -89,7 +110,7 @@ def main() -> int:
                 "layers": LAYERS,
                 "hooks": HOOKS,
                 "requests": "selected",
-                "steer": {"hooks": ["pre_attn", "post_attn", "post_block"]},
+                "steer": {"hooks": ["pre_attn", "post_attn", "post_block"], "live": ["live_dir"]},
                 "monitor": monitors,
                 "control": {k: control[k] for k in ("address", *SERVER_KEYS)},
             }
@@ -114,12 +135,14 @@ def main() -> int:
 
     precision_found = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
-    tol = args.tol or (1e-3 if args.dtype == "float32" else 3e-2)
+    exact = args.dtype == "float32"
+    tol = args.tol or (1e-3 if exact else 3e-2)
     worst_hf: dict[str, float] = {}
     worst_self: dict[str, float] = {}
     within: dict[str, list[int]] = {}  # name -> [tokens within tol, tokens]
     problems: list[str] = []
     scored = 0
+    rows_vs_hf: dict[str, list] = {}  # point -> [worst relative error, request, position]
     for out in outs:
         for c in out.outputs:
             fed = (list(out.prompt_token_ids) + list(c.token_ids))[:-1]
@@ -131,18 +154,38 @@ def main() -> int:
                 problems.append(f"{out.request_id}/{c.index}: positions or token ids differ")
                 continue
             acts = hf_activations(path, fed, LAYERS, HOOKS, dtype=dt, device=args.device)
+            for key, t in rows.tensors.items():  # the capture oracle, on these rows
+                d = (t.float().cpu() - acts[key].float().cpu()).norm(dim=-1)
+                e = d / acts[key].float().cpu().norm(dim=-1).clamp_min(1e-12)
+                name = f"{key[0]}/{key[1]}"
+                if e.max() > rows_vs_hf.get(name, [0.0])[0]:
+                    rows_vs_hf[name] = [
+                        float(e.max()),
+                        f"{out.request_id}/{c.index}",
+                        int(e.argmax()),
+                    ]
             for spec in SPECS:
                 for layer in spec.layers:
                     got = ms.values[(spec.name, layer)].float()
                     hf = acts[(layer, spec.hook)].float().cpu()
-                    ref = expected_scores(spec, cfg[spec.name], hf)
-                    scale = torch.maximum(ref.norm(dim=-1), read_scale(spec, cfg[spec.name], hf))
+                    src = cfg[spec.name]
+                    ref = expected_scores(spec, src, hf)
+                    own = rows[(layer, spec.hook)].float().cpu()
+                    if exact:
+                        scale = torch.maximum(ref.norm(dim=-1), read_scale(spec, src, hf))
+                        jumps = torch.zeros(len(hf), dtype=torch.bool)
+                    else:  # what the stream's own rounding can move the score by
+                        scale = stream_bound(spec, src, hf)
+                        fired = active_features(spec, src, hf), active_features(spec, src, own)
+                        jumps = (fired[0] != fired[1]).any(dim=-1)
                     err = (got - ref).norm(dim=-1) / scale.clamp_min(1e-12)
-                    worst_hf[spec.name] = max(worst_hf.get(spec.name, 0.0), float(err.max()))
-                    w = within.setdefault(spec.name, [0, 0])
+                    err = err[~jumps]
+                    if len(err):
+                        worst_hf[spec.name] = max(worst_hf.get(spec.name, 0.0), float(err.max()))
+                    w = within.setdefault(spec.name, [0, 0, 0])  # within, compared, jumps
                     w[0] += int((err <= tol).sum())
                     w[1] += len(err)
-                    own = rows[(layer, spec.hook)].float().cpu()
+                    w[2] += int(jumps.sum())
                     ref_own = expected_scores(spec, cfg[spec.name], own)
                     scale_own = torch.maximum(
                         ref_own.norm(dim=-1), read_scale(spec, cfg[spec.name], own)
@@ -151,48 +194,87 @@ def main() -> int:
                     worst_self[spec.name] = max(worst_self.get(spec.name, 0.0), e2)
                     scored += len(got)
 
-    # Gated steering: hard and sigmoid gates on the same token's earlier score.
+    # Gated steering: hard and sigmoid gates on the same token's earlier score. The
+    # gate's input is a monitor score, checked above against HF within what the
+    # stream's bf16 rounding allows; a token near the threshold may still rightly get
+    # its gate set otherwise in HF, and everything after it would differ. So the HF
+    # hook applies the gate to the scores the engine returned for that request (and
+    # the check counts the tokens whose gate HF's own score would have set otherwise):
+    # what is checked is the steering the gate drives. Thresholds sit in the widest
+    # gap of HF's prompt scores, so gates open and close.
     raw = next(s for s in SPECS if s.name == "raw")
     probe = next(s for s in SPECS if s.name == "probe")
 
     def scorer(spec):
         return lambda x: expected_scores(spec, cfg[spec.name], x.float().cpu())[:, 0]
 
-    stream = hf_activations(path, prompts[2], [2], ["post_block"], dtype=dt, device=args.device)
-    s = scorer(raw)(stream[(2, "post_block")]).sort().values
-    thr = float(s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+    def gap_threshold(scores: torch.Tensor) -> float:
+        """The middle of the widest gap between sorted scores in their central half."""
+        v = scores.sort().values
+        lo, hi = len(v) // 4, max(len(v) // 4 + 1, 3 * len(v) // 4)
+        i = lo + int((v[lo + 1 : hi + 1] - v[lo:hi]).argmax())
+        return float(v[i] + v[i + 1]) / 2
+
+    gate_at = {"raw": (2, "post_block"), "probe": (1, "post_block")}
+    first = hf_activations(path, prompts[2], [1, 2], ["post_block"], dtype=dt, device=args.device)
+    thr_raw = gap_threshold(scorer(raw)(first[gate_at["raw"]]))
+    thr_probe = gap_threshold(scorer(probe)(first[gate_at["probe"]]))
     g = torch.Generator().manual_seed(5)
-    norm = float(stream[(2, "post_block")].float().norm(dim=-1).mean())
+    norm = float(first[(2, "post_block")].float().norm(dim=-1).mean())
     vecs = [norm * u / u.norm() for u in torch.randn(2, HIDDEN, generator=g)]
     gates = [
-        ({"monitor": "raw", "threshold": thr}, 3, "post_attn",
-         HFGate((2, "post_block"), scorer(raw), thr)),
-        ({"monitor": "probe", "layer": 1, "threshold": 0.5, "sharpness": 8.0}, 2, "pre_attn",
-         HFGate((1, "post_block"), scorer(probe), 0.5, 8.0)),
+        ({"monitor": "raw", "threshold": thr_raw}, 3, "post_attn", raw, None),
+        ({"monitor": "probe", "layer": 1, "threshold": thr_probe, "sharpness": 8.0}, 2,
+         "pre_attn", probe, 8.0),
     ]  # fmt: skip
     gp = [
-        params({"actbus": {"return": True, "steer": [
-            {"vector": vecs[i].tolist(), "layers": layer, "hooks": hook, "gate": gate}]}})
-        for i, (gate, layer, hook, _) in enumerate(gates)
+        params({"actbus": {"return": True, "monitor": [spec.name], "monitor_return": True,
+                           "steer": [{"vector": vecs[i].tolist(), "layers": layer,
+                                      "hooks": hook, "gate": gate}]}})
+        for i, (gate, layer, hook, spec, *_) in enumerate(gates)
     ]  # fmt: skip
     gated = llm.generate(
         [TokensPrompt(prompt_token_ids=prompts[2]) for _ in gates], gp, use_tqdm=False
     )
     worst_gate: dict[str, float] = {}
-    for i, (out, (_g, layer, hook, hf_gate)) in enumerate(zip(gated, gates, strict=True)):
+    gate_report: list[dict] = []
+    for i, (out, case) in enumerate(zip(gated, gates, strict=True)):
+        gate, layer, hook, spec, sharp = case
         fed = (list(out.prompt_token_ids) + list(out.outputs[0].token_ids))[:-1]
+        got, ms = out.outputs[0].activations, out.outputs[0].monitor_scores
+        if got is None or not got.complete or ms is None or not ms.complete:
+            problems.append(f"gate case {i}: rows or gate scores missing")
+            continue
+        # The gate's input is upstream of the steering: HF's unsteered stream has it.
+        at = gate_at[spec.name]
+        x = hf_activations(path, fed, [at[0]], [at[1]], dtype=dt, device=args.device)[at]
+        hf_score, score = scorer(spec)(x), ms.values[(spec.name, at[0])][:, 0].float()
+        t = gate["threshold"]
+        if sharp is None:
+            differ = int(((hf_score > t) != (score > t)).sum())
+        else:
+            on_hf, on = (torch.sigmoid(sharp * (v - t)) for v in (hf_score, score))
+            differ = int(((on_hf - on).abs() > tol).sum())
+        opened = int((score > t).sum())
         st = HFSteer(layer, hook, vecs[i], 1.0, False)
-        st.gate = hf_gate
+        st.gate = HFGate(at, lambda x, s=score: s[: len(x)], t, sharp)
         _, want = hf_steered_forward(
             path, fed, len(out.prompt_token_ids), [st], LAYERS, dtype=dt, device=args.device
         )
-        got = out.outputs[0].activations
-        if got is None or not got.complete:
-            problems.append(f"gate case {i}: rows missing")
-            continue
-        for key, t in got.tensors.items():
-            err = max_rel_error(t.float().to(args.device), want[key].float())
+        bound = stream_bound(spec, cfg[spec.name], x.float().cpu())
+        gate_report.append({
+            "gate": gate, "tokens": len(fed), "prompt": len(out.prompt_token_ids),
+            "open": opened, "set_otherwise_by_hf_scores": differ,
+            "gate_input_err_over_bound": float(((score - hf_score).abs() / bound).max()),
+        })  # fmt: skip
+        if not 0 < opened < len(fed):
+            problems.append(f"gate case {i}: the gate never or always opened")
+        for key, rows_at in got.tensors.items():
+            err = max_rel_error(rows_at.float().to(args.device), want[key].float())
             worst_gate[f"{i}/{key[0]}/{key[1]}"] = err
+            d = (rows_at.float().cpu() - want[key].float().cpu()).norm(dim=-1)
+            gate_report[-1].setdefault("worst", {})[f"{key[0]}/{key[1]}"] = [
+                round(err, 4), int(d.argmax())]  # fmt: skip
 
     # A push: later requests carry the new version and its scores; nothing recompiles.
     before = llm.collective_rpc(compile_counts)
@@ -209,7 +291,15 @@ def main() -> int:
             [params({"actbus": {"monitor": ["raw"], "monitor_return": True, "return": True}})],
             use_tqdm=False,
         )[0].outputs[0]
-        status = client.status()  # with the swap's figures (arrival to first step)
+        # A live steering vector: a request admitted after the push steers with it.
+        live_version = client.push_vector("live_dir", vecs[0].numpy())["version"]
+        live = [{"vector": "live_dir", "layers": 2, "hooks": "post_block"}]
+        live_out = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[2])],
+            [params({"actbus": {"return": True, "steer": live}})],
+            use_tqdm=False,
+        )[0]
+        status = client.status()  # with the swaps' figures (arrival to first step)
     after = llm.collective_rpc(compile_counts)
     ms = pushed.monitor_scores
     x = pushed.activations[(raw.layers[0], raw.hook)].float().cpu()
@@ -219,17 +309,33 @@ def main() -> int:
          / (w.norm() * x.norm(dim=-1) + 0.5)).max()
     )  # fmt: skip
     push_versions = sorted(set(ms.versions[("raw", raw.layers[0])].tolist()))
+    fed = (list(live_out.prompt_token_ids) + list(live_out.outputs[0].token_ids))[:-1]
+    _, want = hf_steered_forward(
+        path, fed, len(live_out.prompt_token_ids), [HFSteer(2, "post_block", vecs[0])],
+        LAYERS, dtype=dt, device=args.device,
+    )  # fmt: skip
+    got = live_out.outputs[0].activations
+    live_err = max(
+        (max_rel_error(t.float().to(args.device), want[k].float()) for k, t in got.tensors.items()),
+        default=float("inf"),
+    )
+    live_state = status.get("vectors", {}).get("live_dir", {})
     swaps = [s for s in status.get("swaps", []) if s.get("monitor") == "raw"]
 
-    topk_share = {n: w[0] / max(1, w[1]) for n, w in within.items()}
+    share = {n: w[0] / max(1, w[1]) for n, w in within.items()}
+    jump_share = {n: w[2] / max(1, w[1] + w[2]) for n, w in within.items()}
     ok = (
         not problems
-        and all(e <= tol for n, e in worst_hf.items() if n != "sae_topk")
-        and topk_share.get("sae_topk", 0.0) >= 0.99
+        and all(e <= tol for n, e in worst_hf.items() if not (exact and n == "sae_topk"))
+        and (not exact or share.get("sae_topk", 0.0) >= 0.99)
+        and all(j <= 0.05 for j in jump_share.values())
+        and all(r[0] <= (1e-4 if exact else 2e-2) for r in rows_vs_hf.values())
         and all(e <= args.self_tol for e in worst_self.values())
         and all(e <= 2 * tol for e in worst_gate.values())
         and push_versions == [version]
         and push_err <= args.self_tol
+        and live_err <= 2 * tol
+        and live_state == {"version": live_version, "in_use": live_version}
         and before == after
     )
     report = {
@@ -241,18 +347,21 @@ def main() -> int:
         "engine_start_s": round(start_s, 1),
         "scores_checked": scored,
         "max_rel_err_vs_hf": worst_hf,
-        "share_within_tol_vs_hf": topk_share,
+        "share_within_tol_vs_hf": share,
+        "share_at_a_jump_not_compared": jump_share,
         "tolerance": tol,
         "max_rel_err_vs_engine_rows": worst_self,
+        "rows_vs_hf": rows_vs_hf,
         "self_tolerance": args.self_tol,
         "gated_steer_max_rel_err": max(worst_gate.values(), default=None),
-        "gate_threshold": thr,
+        "gates": gate_report,
         "push": {
             "version": version,
             "versions_seen": push_versions,
             "max_rel_err": push_err,
             "swaps": swaps[-1:],
         },
+        "live_vector": {"version": live_version, "state": live_state, "max_rel_err": live_err},
         "compile_counts_before_push": before,
         "after": after,
         "fp32_matmul_precision_found": precision_found,

@@ -135,6 +135,48 @@ def read_scale(spec: MonitorSpec, source: dict, stream: torch.Tensor) -> torch.T
         return pre.norm(dim=-1)
 
 
+def stream_bound(spec: MonitorSpec, source: dict, stream: torch.Tensor) -> torch.Tensor:
+    """``[tokens]``: ``B`` with ``||score(x + d) - score(x)|| <= B * ||d|| / ||x||``.
+
+    A bf16 engine and HF in bf16 compute streams that differ by rounding (the capture
+    oracle bounds it: ``||d|| <= 2% ||x||``); this is how far that can move a score,
+    by the monitor's own Lipschitz constant: a probe's standardised weights (times
+    the sigmoid's largest slope, 1/4), a direction's norm, an SAE's chosen encoder
+    columns (ReLU and JumpReLU away from its thresholds move no more than their
+    pre-activations). An error within ``tol * B`` is the stream's, not the monitor's."""
+    from trainers.checkpoint import load_probe, load_sae
+
+    x = stream.float().norm(dim=-1)
+    with torch.no_grad():
+        if spec.kind == "probe":
+            p = load_probe(source["probe"])
+            return 0.25 * (p.linear.weight * p.inv_std).norm() * x
+        if spec.kind == "weight":
+            return torch.tensor(source["weight"], dtype=torch.float32).norm() * x
+        sae = load_sae(source["sae"])
+        cols = sae.W_enc.float()[:, list(spec.features)]
+        return float(sae.norm_scale) * cols.norm() * x
+
+
+def active_features(spec: MonitorSpec, source: dict, stream: torch.Tensor) -> torch.Tensor:
+    """``[tokens, features]``: which of a JumpReLU or TopK monitor's features fire on
+    ``stream`` (all True for monitors without a jump). Where two streams that differ
+    by rounding (bf16 engine and HF) fire different features, the scores rightly
+    differ by a feature's whole value: such tokens are counted, not compared."""
+    from trainers.checkpoint import load_sae
+
+    f = list(spec.features)
+    if spec.kind not in ("jumprelu", "topk"):
+        return torch.ones(len(stream), max(1, len(f)), dtype=torch.bool)
+    with torch.no_grad():
+        sae = load_sae(source["sae"])
+        pre = sae.pre_acts(stream.float() * sae.norm_scale)
+        if spec.kind == "jumprelu":
+            return pre[:, f] > sae.log_threshold.exp()[f]
+        top = torch.relu(pre).topk(int(sae.cfg.k), dim=-1).indices
+        return (top[:, :, None] == torch.tensor(f)).any(dim=1)
+
+
 class ScoreLog:
     """Keeps every score a reader receives, by (request, sample, monitor, layer)."""
 
