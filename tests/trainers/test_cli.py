@@ -249,31 +249,58 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
     assert any(k.endswith("heldout_accuracy") for k in kept)
 
 
+# Runs ``actbus.cli.main`` (what ``python -m actbus.cli`` exits with) on each argv in
+# turn, in one process: one interpreter start and one import of the trainers for all.
+_MANY = """
+import contextlib, io, json, sys
+from actbus.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        except Exception as e:  # a flag let through: name the case, not a traceback
+            code = f"raised {e!r}"
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _run_many(*argvs: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(exit status, stderr) of ``actbus ARGV...`` for each argv."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-c", _MANY, json.dumps([list(a) for a in argvs])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [(code, err) for code, err in json.loads(r.stdout.splitlines()[-1])]
+
+
 def test_bad_flags_are_named():
-    r = _run("sae", "--layer", "0")
+    r = _run("sae", "--layer", "0")  # once as a user runs it: the real exit status
     assert r.returncode == 2 and "--connect ADDR" in r.stderr
-    r = _run("sae", "--from", "/nonexistent", "--layer", "0")
-    assert r.returncode == 2 and "/nonexistent" in r.stderr
-    r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "999",
-             "--expansion", "2")  # fmt: skip
-    assert r.returncode == 2 and "k: expected 1..d_sae (16)" in r.stderr
-    r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
-             "--policy", "sometimes")  # fmt: skip
-    assert r.returncode == 2 and "sometimes" in r.stderr
-    r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
-             "--max-duty", "0")  # fmt: skip
-    assert r.returncode == 2 and "--max-duty: expected a share of time in (0, 1]" in r.stderr
-    r = _run("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
-             "--cpu-threads", "0")  # fmt: skip
-    assert r.returncode == 2 and "--cpu-threads: expected 1 or more threads" in r.stderr
-    sae = ("sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0", "--k", "2",
-           "--expansion", "2", "--push", "ipc:///tmp/c", "--push-vector", "v")  # fmt: skip
-    r = _run(*sae, "--push-features", "1,2")
-    assert r.returncode == 2 and "--push-features: with --push-vector give the one" in r.stderr
-    r = _run(*sae, "--push-features", "16")
-    assert r.returncode == 2 and "latent 16 is out of range; the SAE has 16" in r.stderr
-    r = _run(*sae, "--push-features", "1", "--push-monitor", "m")
-    assert r.returncode == 2 and "drop --push-monitor or --push-vector" in r.stderr
+    live = ("run", "sae", "--connect", "ipc:///tmp/x", "--d-in", "8", "--layer", "0")
+    sae = (*live, "--k", "2", "--expansion", "2", "--push", "ipc:///tmp/c", "--push-vector", "v")
+    cases = {
+        ("run", "sae", "--from", "/nonexistent", "--layer", "0"): "/nonexistent",
+        (*live, "--k", "999", "--expansion", "2"): "k: expected 1..d_sae (16)",
+        (*live, "--k", "2", "--policy", "sometimes"): "sometimes",
+        (*live, "--k", "2", "--max-duty", "0"): "--max-duty: expected a share of time in (0, 1]",
+        (*live, "--k", "2", "--cpu-threads", "0"): "--cpu-threads: expected 1 or more threads",
+        (*sae, "--push-features", "1,2"): "--push-features: with --push-vector give the one",
+        (*sae, "--push-features", "16"): "latent 16 is out of range; the SAE has 16",
+        (*sae, "--push-features", "1", "--push-monitor", "m"): "drop --push-monitor",
+    }
+    for (argv, want), (code, err) in zip(cases.items(), _run_many(*cases), strict=True):
+        assert code == 2 and want in err, (argv, code, err[-2000:])
 
 
 def test_several_saes_from_one_subscription(tmp_path):
