@@ -147,6 +147,10 @@ class ReturnCollector(Collector):
         """One per set of publishers in this process: those of the data-parallel
         ranks this front end sends requests to (``dp``; default: rank 0 alone)."""
         addrs = cls.refuse(cfg, dp, "subscribe to the bus instead")
+        from actbus.capture import retproc
+
+        if cls is ReturnCollector and retproc.enabled():  # received in a child process
+            return _REGISTRY.get(addrs, retproc.ProcessReturnCollector)  # type: ignore[return-value]
         return _REGISTRY.get(addrs, cls)
 
     # ------------------------------------------------------------- front end side
@@ -350,7 +354,14 @@ def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
 _NO_IDS = torch.zeros(0, dtype=torch.int64)
 
 
+def _register_process_collector() -> None:
+    from actbus.capture.retproc import ProcessReturnCollector
+
+    ProcessReturnCollector.registry = _REGISTRY
+
+
 _REGISTRY = ReturnCollector.registry = Registry()
+_register_process_collector()
 _COLLECTORS = _REGISTRY.collectors
 _OWNER = _REGISTRY.owner
 """Caller id -> the collector holding its rows, for the output processor's wrapper."""
