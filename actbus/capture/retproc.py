@@ -133,6 +133,7 @@ class ProcessReturnCollector:
         self._dtype = DTYPES.get(self.welcome.get("dtype", "float32"), torch.float32)
         self._width = int(self._welcome_hidden())
         self._itemsize = torch.empty(0, dtype=self._dtype).element_size()
+        log.info("actbus: returned rows from %s are received in process %d", self.address, self.pid)
 
     def _welcome_hidden(self) -> int:
         return int(self.welcome.get("hidden_size", 0))
