@@ -77,7 +77,7 @@ def slab_arrays(mem: Any, row_bytes: int) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 class _Slab:
-    __slots__ = ("data", "file", "id", "live", "mem", "pos", "tok", "used")
+    __slots__ = ("data", "file", "id", "mem", "members", "pos", "tok", "used")
 
     def __init__(self, prefix: str, sid: int, rows: int, row_bytes: int) -> None:
         self.id = sid
@@ -90,7 +90,12 @@ class _Slab:
             os.close(fd)
         self.data, self.pos, self.tok = slab_arrays(self.mem, row_bytes)
         self.used = 0
-        self.live = 0  # regions of registered requests here
+        self.members: set[_Tap] = set()
+        """Taps of registered requests with their region here."""
+
+    @property
+    def live(self) -> int:
+        return len(self.members)
 
     def free(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -182,8 +187,11 @@ class Receiver:
         elif kind == "release":
             req = self.reqs.pop(msg[1], None)
             if req is not None:
+                touched = {t.slab for t in req.taps.values() if t.slab is not None}
                 for t in req.taps.values():
-                    self._leave(t.slab)
+                    self._leave(t)
+                for slab in touched:
+                    self._compact(slab)
             if not self.reqs:  # idle: keep no slab for requests to come
                 self._idle()
         elif kind == "close":
@@ -201,7 +209,6 @@ class Receiver:
             self.filling[row_bytes] = slab
         base = slab.used
         slab.used += rows
-        slab.live += 1
         return slab, base
 
     def _next(self, rows: int, row_bytes: int) -> _Slab:
@@ -209,8 +216,10 @@ class Receiver:
         spare = self.spare.get(row_bytes)
         if spare is not None and len(spare.pos) >= rows:
             slab = self.spare.pop(row_bytes)
-        else:
+        else:  # faulted in ahead of the writes too: the thread soon runs ahead of them
             slab = self._new(max(usual, rows), row_bytes)
+            if self.populate is not None:
+                self.populate(slab.data)
         if self.populate is not None and row_bytes not in self.spare:
             self.spare[row_bytes] = nxt = self._new(usual, row_bytes)
             self.populate(nxt.data)
@@ -222,11 +231,25 @@ class Receiver:
         self.next_slab += 1
         return slab
 
-    def _leave(self, slab: _Slab | None) -> None:
-        if slab is None:
+    def _compact(self, slab: _Slab) -> None:
+        """A full slab whose registered regions hold a quarter of its rows or less moves
+        them out, so one long request keeps no more than its own rows alive."""
+        if slab.data is None or slab.live == 0 or self._filling(slab):
             return
-        slab.live -= 1
-        if slab.live == 0 and self.filling.get(len(slab.data[0])) is not slab:
+        if 4 * sum(t.cap for t in slab.members) <= len(slab.pos):
+            for t in list(slab.members):
+                self._move(t, t.cap, slab.data.shape[1], False)
+
+    def _filling(self, slab: _Slab) -> bool:
+        return self.filling.get(slab.data.shape[1]) is slab
+
+    def _leave(self, t: _Tap, slab: _Slab | None = None) -> None:
+        """``t`` has no region in ``slab`` (default: its own) any more."""
+        slab = slab or t.slab
+        if slab is None or slab.data is None:
+            return
+        slab.members.discard(t)
+        if slab.live == 0 and not self._filling(slab):
             self._free(slab)
 
     def _idle(self) -> None:
@@ -259,13 +282,15 @@ class Receiver:
                 slab.data[dst] = t.slab.data[src]
         old = t.slab
         t.slab, t.base, t.cap = slab, base, capacity
+        slab.members.add(t)
         if n:
             t.last = int(slab.pos[base + n - 1])
         row = self.table[t.entry]
         row[SEQ] += 1
         row[SLAB], row[BASE], row[CAP], row[END], row[ROWB] = slab.id, base, capacity, n, row_bytes
         row[SEQ] += 1
-        self._leave(old)
+        if old is not None and old is not slab:
+            self._leave(t, old)
 
     # ------------------------------------------------------------- rows
     def _file(self, key, tap, positions, token_ids, data, ended) -> None:

@@ -59,6 +59,25 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+SHM = "/dev/shm"
+MIN_SHM_BYTES = 2 << 30
+"""The receiver's slabs live in ``/dev/shm``; with less room free there than this (a
+container's default is 64 MiB), rows are received in the front end's process instead:
+a slab written past a full tmpfs would kill the receiver (SIGBUS)."""
+
+
+def shm_room() -> str | None:
+    """Why ``/dev/shm`` cannot hold the receiver's slabs, or None when it can."""
+    try:
+        st = os.statvfs(SHM)
+    except OSError as e:
+        return f"{SHM} is not there ({e})"
+    free = st.f_bavail * st.f_frsize
+    if free < MIN_SHM_BYTES:
+        return f"{SHM} has {free >> 20} MiB free, under {MIN_SHM_BYTES >> 20} MiB"
+    return None
+
+
 class ReturnReceiverError(RuntimeError):
     """The child process receiving returned rows is gone."""
 
@@ -92,8 +111,7 @@ class ProcessReturnCollector:
         self._waits = [0, 0.0, 0.0, 0]
         self._closed = False
         self._checked_at = time.monotonic()
-        shm = Path("/dev/shm")
-        self._dir = tempfile.mkdtemp(prefix="actbus-ret-", dir=shm if shm.is_dir() else None)
+        self._dir = tempfile.mkdtemp(prefix="actbus-ret-", dir=SHM)
         self._table_file = os.path.join(self._dir, "table")
         fd = os.open(self._table_file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -150,7 +150,16 @@ class ReturnCollector(Collector):
         from actbus.capture import retproc
 
         if cls is ReturnCollector and retproc.enabled():  # received in a child process
-            return _REGISTRY.get(addrs, retproc.ProcessReturnCollector)  # type: ignore[return-value]
+            why = retproc.shm_room()
+            if why is None:
+                return _REGISTRY.get(addrs, retproc.ProcessReturnCollector)  # type: ignore[return-value]
+            if addrs not in _WARNED:
+                _WARNED.append(addrs)
+                log.warning(
+                    "actbus: returned rows are received in this process, sharing its GIL "
+                    "(slower): %s (give the container more, e.g. --shm-size 8g, or set "
+                    "%s=0 to silence this)", why, retproc.ENV,
+                )  # fmt: skip
         return _REGISTRY.get(addrs, cls)
 
     # ------------------------------------------------------------- front end side
@@ -352,6 +361,7 @@ def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
 
 
 _NO_IDS = torch.zeros(0, dtype=torch.int64)
+_WARNED: list[list[str]] = []
 
 
 def _register_process_collector() -> None:

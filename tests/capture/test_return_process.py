@@ -189,3 +189,37 @@ def test_stash_is_bounded(monkeypatch):
         rec._stash(("x", 0), ((0, "h"), np.array([i]), np.array([i]), row, False))
     assert rec.stash_bytes <= 1000 and len(rec.stash[("x", 0)]) == 2
     assert rec.head[retchild.H_STASH_DROPPED] == 3
+
+
+def test_a_long_request_does_not_keep_its_neighbours_slab(bus):
+    """Once the other requests in a full slab are collected, the one left moves out:
+    the slab's file goes, the survivor's rows (and a view taken before) stay right."""
+    address, pub = bus
+    col = ProcessReturnCollector(address, slab_bytes=64 * (16 + 16))  # 64 rows a slab
+    prompt = 8
+    try:
+        for r in range(4):  # 16 rows a tap each: two requests' taps fill a slab
+            col.expect(f"r{r}", 1, SEL, prompt, max_tokens=4)
+        _send(pub, 0, {f"r{r}": list(range(prompt)) for r in range(4)}, ended=["r1", "r2"])
+        early = col.take("r0", 0, 1, final=False, delta=False)
+        deadline = time.monotonic() + 10
+        while len(early.positions) < prompt:
+            early = col.take("r0", 0, 1, final=False, delta=False)
+            assert time.monotonic() < deadline
+        first = col._read(col._pending[("r0", 0)].entries[TAPS[0]])[retchild.SLAB]
+        _send(pub, 1, {"r3": [prompt]}, ended=["r3"])
+        for r in (1, 2, 3):
+            col.take(f"r{r}", 0, 1, final=True, delta=False)
+        deadline = time.monotonic() + 10
+        while os.path.exists(retchild.slab_path(col._prefix, int(first))):
+            assert time.monotonic() < deadline, os.listdir(col._dir)
+            time.sleep(0.05)
+        now = col._read(col._pending[("r0", 0)].entries[TAPS[0]])[retchild.SLAB]
+        assert now != first
+        _send(pub, 2, {"r0": [prompt]}, ended=["r0"])
+        acts = col.take("r0", 0, 2, final=True, delta=False)
+        assert acts.complete
+        _check(acts, 0, list(range(prompt + 1)))
+        _check(early, 0, list(range(prompt)))  # a view into the slab now freed
+    finally:
+        col.close()
