@@ -42,7 +42,13 @@ import numpy as np
 import torch
 
 from actbus.capture import retchild as rc
-from actbus.capture.collector import RETURN_TIMEOUT_S, SLOW_WAIT_S, STALL_S, Registry
+from actbus.capture.collector import (
+    RETURN_TIMEOUT_S,
+    SLOW_WAIT_S,
+    STALL_S,
+    Collector,
+    Registry,
+)
 from actbus.capture.selection import Selection
 from actbus.errors import ConfigError
 from actbus.wire import DTYPES
@@ -175,9 +181,7 @@ class ProcessReturnCollector:
     # ------------------------------------------------------------- registries
     @classmethod
     def for_config(cls, cfg: Any, dp: Any = None) -> ProcessReturnCollector:
-        from actbus.capture.returns import ReturnCollector
-
-        addrs = ReturnCollector.refuse(cfg, dp, "subscribe to the bus instead")
+        addrs = Collector.refuse.__func__(cls, cfg, dp, "subscribe to the bus instead")
         return cls.registry.get(addrs, cls)  # type: ignore[return-value]
 
     # ------------------------------------------------------------- front end side
@@ -211,7 +215,7 @@ class ProcessReturnCollector:
         max_tokens: int | None = None,
     ) -> None:
         """Register a request's ``n`` samples (with the child) before it is queued."""
-        from actbus.capture.returns import CAPACITY_CAP, CAPACITY_GUESS, _expected_rows
+        from actbus.capture.activations import CAPACITY_CAP, CAPACITY_GUESS, _expected_rows
 
         budget = prompt_len + (max_tokens if max_tokens else CAPACITY_GUESS) - 1
         rows = _expected_rows(sel, prompt_len, min(budget, prompt_len + CAPACITY_CAP))
@@ -297,7 +301,7 @@ class ProcessReturnCollector:
         ends_follow: bool = True,
     ):
         """As ``ReturnCollector.take``: views of the rows below the output's positions."""
-        from actbus.capture.returns import Activations, _expected_rows
+        from actbus.capture.activations import Activations, _expected_rows
 
         key = (caller_id, index)
         with self._lock:
