@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 LAYER_STEP = 8
-ARMS = ("per_request", "batched", "process", "bus")
+ARMS = ("per_request", "batched", "bus")
 
 
 def _plan(args: argparse.Namespace) -> list[tuple[list[tuple[int, list[int]]], list[int]]]:
@@ -100,12 +100,7 @@ def publisher_main(args: argparse.Namespace) -> int:
     plan = _plan(args)
     print("ready", flush=True)
     sys.stdin.readline()  # go
-    t0 = time.monotonic()
-    held: list[int] = []  # bytes queued at the publisher, after each step's messages
     for step, (rows, ended) in enumerate(plan):
-        if args.step_ms:  # an engine's pace: a step every step_ms
-            time.sleep(max(0.0, t0 + step * args.step_ms / 1e3 - time.monotonic()))
-        held.append(pub._queued_bytes)
         ids = [f"r{r}" for r, _ in rows]
         counts = [len(p) for _, p in rows]
         positions = np.concatenate([p for _, p in rows]) if rows else np.zeros(0, np.int64)
@@ -126,21 +121,14 @@ def publisher_main(args: argparse.Namespace) -> int:
             hdr = Header(step, layer, "post_block", "bfloat16", tuple(x.shape), "m", ri, ended=ends)
             pub.publish(hdr, x)
     sys.stdin.readline()  # done
-    stats = pub.stats()
-    q = np.array(held or [0], dtype=np.float64) / 2**20
-    print(json.dumps({
-        "held_ms": stats["latency"],  # publish to send: how long messages wait for credit
-        "queued_mb_mean": round(float(q.mean()), 2),
-        "queued_mb_max": round(float(q.max()), 2),
-    }), flush=True)  # fmt: skip
     pub.close()
     return 0
 
 
 def _start_publisher(args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--publisher", "--address", args.address]
-    for k in ("requests", "prompt", "gen", "chunk", "taps", "hidden", "step_ms"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    for k in ("requests", "prompt", "gen", "chunk", "taps", "hidden"):
+        cmd += [f"--{k}", str(getattr(args, k))]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
@@ -152,16 +140,11 @@ def _go(proc: subprocess.Popen) -> None:
     proc.stdin.flush()
 
 
-def _finish(proc: subprocess.Popen) -> dict[str, Any]:
-    """The publisher's figures: how long messages were held before being sent."""
-    assert proc.stdin is not None and proc.stdout is not None
+def _finish(proc: subprocess.Popen) -> None:
+    assert proc.stdin is not None
     proc.stdin.write("done\n")
     proc.stdin.flush()
-    got = json.loads(proc.stdout.readline())
     proc.wait(timeout=60)
-    held = got.pop("held_ms")
-    return got | {"held_p50_ms": held["p50_ms"], "held_p99_ms": held["p99_ms"],
-                  "held_max_ms": held["max_ms"]}  # fmt: skip
 
 
 class Probe:
@@ -192,15 +175,13 @@ class Probe:
         self._thread.join()
 
 
-def _thread_cpu(native_id: int | None, pid: int | None = None) -> np.ndarray:
-    """One thread of this process (or a whole process, ``pid``), from /proc: user s,
-    system s, minor page faults."""
-    if native_id is None and pid is None:
+def _thread_cpu(native_id: int | None) -> np.ndarray:
+    """One thread of this process, from /proc: user s, system s, minor page faults."""
+    if native_id is None:
         return np.full(3, np.nan)
     import os
 
-    path = f"/proc/{pid}/stat" if pid else f"/proc/self/task/{native_id}/stat"
-    with open(path) as f:
+    with open(f"/proc/self/task/{native_id}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     tick = os.sysconf("SC_CLK_TCK")
     return np.array([int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])])
@@ -213,15 +194,8 @@ def run_collector(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     plan = _plan(args)
     proc = _start_publisher(args)
     if hasattr(ReturnCollector, "batched"):  # the code before it had no choice
-        ReturnCollector.batched = arm in ("batched", "process")
-    if arm == "process":
-        from actbus.capture.retproc import ProcessReturnCollector
-
-        col = ProcessReturnCollector(args.address)
-        tid, pid = None, col.pid  # the receiver is the child process
-    else:
-        col = ReturnCollector(args.address)
-        tid, pid = col._thread.native_id, None
+        ReturnCollector.batched = arm == "batched"
+    col = ReturnCollector(args.address)
     layers = tuple(LAYER_STEP * i for i in range(args.taps))
     sel = Selection(layers=layers, hooks=("post_block",))
     # The code before the fast path took no token budget (this script measures both).
@@ -236,7 +210,8 @@ def run_collector(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     probe = Probe() if args.probe else None
     alone = probe.rate(1.0) if probe else 0.0
     n0 = probe.count if probe else 0
-    th0 = _thread_cpu(tid, pid)
+    tid = col._thread.native_id
+    th0 = _thread_cpu(tid)
     _go(proc)
     t0, c0 = time.monotonic(), time.process_time()
     if prof:
@@ -253,7 +228,7 @@ def run_collector(args: argparse.Namespace, arm: str) -> dict[str, Any]:
             if final:
                 finals.append((r, delta_rows[r] if args.delta else [acts]))
     elapsed, cpu = time.monotonic() - t0, time.process_time() - c0
-    thread_cpu = _thread_cpu(tid, pid) - th0
+    thread_cpu = _thread_cpu(tid) - th0
     loops = (probe.count - n0) if probe else 0
     if probe:
         probe.stop()
@@ -261,9 +236,9 @@ def run_collector(args: argparse.Namespace, arm: str) -> dict[str, Any]:
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
     col.close()
-    held = _finish(proc)
+    _finish(proc)
     checked = sum(_check(r, pieces, args, layers) for r, pieces in finals)
-    return _figures(elapsed, cpu, thread_cpu, alone, loops) | held | {"rows_checked": checked}
+    return _figures(elapsed, cpu, thread_cpu, alone, loops) | {"rows_checked": checked}
 
 
 def _figures(elapsed: float, cpu: float, thread: np.ndarray, alone: float, loops: int) -> dict:
@@ -329,8 +304,8 @@ def run_bus(args: argparse.Namespace) -> dict[str, Any]:
     if probe:
         probe.stop()
     sub.close()
-    held = _finish(proc)
-    return _figures(elapsed, cpu, thread_cpu - th0, alone, loops) | held | {"messages": got[0]}
+    _finish(proc)
+    return _figures(elapsed, cpu, thread_cpu - th0, alone, loops) | {"messages": got[0]}
 
 
 def main() -> int:
@@ -342,7 +317,6 @@ def main() -> int:
     ap.add_argument("--taps", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--delta", action="store_true", help="a DELTA output every step")
-    ap.add_argument("--step-ms", type=float, default=0.0, help="publish a step every N ms")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"of {ARMS}, in order")
     ap.add_argument("--probe", action="store_true", help="a GIL probe thread (see above)")
@@ -352,8 +326,7 @@ def main() -> int:
     if args.publisher:
         return publisher_main(args)
     args.address = f"ipc://{tempfile.mkdtemp(prefix='bench-ret-')}/bus.sock"
-    keys = ("requests", "prompt", "gen", "chunk", "taps", "hidden", "step_ms", "probe")
-    out = {k: getattr(args, k) for k in keys}
+    out = {k: getattr(args, k) for k in ("requests", "prompt", "gen", "chunk", "taps", "hidden")}
     out["delta"] = args.delta
     arms = args.arms.split(",")
     if any(a not in ARMS for a in arms):
@@ -362,16 +335,13 @@ def main() -> int:
     for arm in arms:
         args.address = f"ipc://{tempfile.mkdtemp(prefix='bench-ret-')}/bus.sock"
         results[arm] = run_bus(args) if arm == "bus" else run_collector(args, arm)
-    head = ("arm", "s", "cpu s", "recv user s", "recv sys s", "recv faults", "probe slowdown",
-            "held p50 ms", "held p99 ms", "queued MB max")  # fmt: skip
-    print("\n{:11s} {:>7s} {:>7s} {:>12s} {:>11s} {:>12s} {:>14s} {:>11s} {:>11s} {:>13s}"
-          .format(*head))  # fmt: skip
+    head = ("arm", "s", "cpu s", "recv user s", "recv sys s", "recv faults", "probe slowdown")
+    print("\n{:10s} {:>7s} {:>7s} {:>12s} {:>11s} {:>12s} {:>12s}".format(*head))
     for arm, r in results.items():
         gil = f"{r['probe_slowdown']:.3f}" if "probe_slowdown" in r else ""
         print(
-            f"{arm:11s} {r['s']:7.3f} {r['cpu_s']:7.3f} {r['recv_user_s']:12.3f} "
-            f"{r['recv_sys_s']:11.3f} {r['recv_faults']:12,d} {gil:>14s} "
-            f"{r['held_p50_ms']:11.1f} {r['held_p99_ms']:11.1f} {r['queued_mb_max']:13.1f}"
+            f"{arm:10s} {r['s']:7.3f} {r['cpu_s']:7.3f} {r['recv_user_s']:12.3f} "
+            f"{r['recv_sys_s']:11.3f} {r['recv_faults']:12,d} {gil:>12s}"
         )
         out |= {f"{arm}_{k}": v for k, v in r.items()}
     print(json.dumps(out))

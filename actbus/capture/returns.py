@@ -41,12 +41,6 @@ import torch
 
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch
-from actbus.capture.activations import (
-    CAPACITY_CAP,
-    CAPACITY_GUESS,
-    Activations,
-    _expected_rows,
-)
 from actbus.capture.collector import (  # noqa: F401  (the timeouts: named here too)
     FORGET_AFTER_S,
     FORGET_UNENDED_S,
@@ -60,6 +54,40 @@ from actbus.capture.selection import Selection
 from actbus.wire import DTYPES, RowIndex
 
 log = logging.getLogger("actbus.returns")
+CAPACITY_GUESS = 256
+"""Generated tokens to make room for when a request sets no ``max_tokens``,"""
+CAPACITY_CAP = 4096
+"""and room for at most this many beyond its prompt at first (buffers grow past it)."""
+
+
+@dataclass
+class Activations:
+    """One request's (one sample's) captured rows, in position order."""
+
+    positions: torch.Tensor
+    """int64 ``[n]``: token positions in the sequence (prompt first)."""
+    token_ids: torch.Tensor
+    """int64 ``[n]``: the token fed at each position."""
+    tensors: dict[tuple[int, str], torch.Tensor]
+    """``(layer, hook)`` -> ``[n, hidden]``, rows aligned with ``positions``."""
+    complete: bool
+    """Every row the selection implies for these tokens is here (final outputs)."""
+
+    def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
+        return self.tensors[key]
+
+    @staticmethod
+    def join(first: Activations | None, then: Activations) -> Activations:
+        """Two consecutive DELTA pieces as one (vLLM merges outputs a slow reader
+        has not taken yet)."""
+        if first is None:
+            return then
+        return Activations(
+            torch.cat([first.positions, then.positions]),
+            torch.cat([first.token_ids, then.token_ids]),
+            {k: torch.cat([first.tensors[k], t]) for k, t in then.tensors.items()},
+            then.complete,
+        )
 
 
 @dataclass
@@ -119,19 +147,6 @@ class ReturnCollector(Collector):
         """One per set of publishers in this process: those of the data-parallel
         ranks this front end sends requests to (``dp``; default: rank 0 alone)."""
         addrs = cls.refuse(cfg, dp, "subscribe to the bus instead")
-        from actbus.capture import retproc
-
-        if cls is ReturnCollector and retproc.enabled():  # received in a child process
-            why = retproc.shm_room()
-            if why is None:
-                return _REGISTRY.get(addrs, retproc.ProcessReturnCollector)  # type: ignore[return-value]
-            if addrs not in _WARNED:
-                _WARNED.append(addrs)
-                log.warning(
-                    "actbus: returned rows are received in this process, sharing its GIL "
-                    "(slower): %s (give the container more, e.g. --shm-size 8g, or set "
-                    "%s=0 to silence this)", why, retproc.ENV,
-                )  # fmt: skip
         return _REGISTRY.get(addrs, cls)
 
     # ------------------------------------------------------------- front end side
@@ -323,18 +338,19 @@ def _as_items(rows: np.ndarray) -> np.ndarray:
     return rows.view(f"V{rows.shape[1]}").reshape(len(rows))
 
 
+def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
+    """Rows per tap that positions ``0 .. limit-1`` give under ``sel`` (None: ``last``,
+    whose one row comes with the request's end), by the worker's own row mask."""
+    if sel.positions == "last":
+        return None
+    mask = sel.row_mask(np.arange(limit), prompt_len)
+    return limit if mask is None else int(mask.sum())
+
+
 _NO_IDS = torch.zeros(0, dtype=torch.int64)
-_WARNED: list[list[str]] = []
-
-
-def _register_process_collector() -> None:
-    from actbus.capture.retproc import ProcessReturnCollector
-
-    ProcessReturnCollector.registry = _REGISTRY
 
 
 _REGISTRY = ReturnCollector.registry = Registry()
-_register_process_collector()
 _COLLECTORS = _REGISTRY.collectors
 _OWNER = _REGISTRY.owner
 """Caller id -> the collector holding its rows, for the output processor's wrapper."""
