@@ -53,6 +53,10 @@ class RowVersions:
                 self.seen[rid].append(rows.request_steer_versions(i))
             self.ended |= {e.request_id for e in out.header.ended}
 
+    def has(self, rid: str) -> bool:
+        """Some of ``rid``'s rows have arrived (so a worker admitted it)."""
+        return bool(self.seen.get(rid))
+
     def versions(self, rid: str, timeout: float = 60) -> list[dict]:
         deadline = time.monotonic() + timeout
         while rid not in self.ended and time.monotonic() < deadline:
@@ -87,11 +91,16 @@ def test_a_push_steers_requests_admitted_after_it_and_rows_carry_its_version(sch
             assert c.push_vector("live_dir", v1.numpy())["version"] == start + 1
             first = _generate(llm, [prompts[0]], [_params(plain)])[0]
             eng.add_request("live-old", TokensPrompt(prompt_token_ids=prompts[1]), _params(matched))
-            eng.step()
-            assert c.push_vector("live_dir", v2.numpy())["version"] == start + 2
-            eng.add_request("live-new", TokensPrompt(prompt_token_ids=prompts[2]), _params(matched))
             done = {}
             deadline = time.monotonic() + 120
+            # The next push must land after live-old was admitted: its first rows show it
+            # (one step() can return before the engine core scheduled it).
+            while not rows.has("live-old") and time.monotonic() < deadline:
+                done |= {o.request_id: o for o in eng.step() if o.finished}
+                time.sleep(0 if eng.has_unfinished_requests() else 0.01)
+            assert rows.has("live-old"), "live-old's rows never came"
+            assert c.push_vector("live_dir", v2.numpy())["version"] == start + 2
+            eng.add_request("live-new", TokensPrompt(prompt_token_ids=prompts[2]), _params(matched))
             while eng.has_unfinished_requests() and time.monotonic() < deadline:
                 done |= {o.request_id: o for o in eng.step() if o.finished}
             st = c.status()
