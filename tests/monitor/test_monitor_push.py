@@ -93,7 +93,7 @@ def test_pushed_weights_score_later_requests_with_their_version(sched_engine):
         finally:  # the engine's own weights back, for the tests after these
             c.push("raw", np.asarray(raw["weight"], dtype=np.float32), [raw["bias"]])
     assert st["monitors"]["raw"] == {"version": start + 2, "in_use": start + 2}
-    swaps = [s for s in st["swaps"] if s["monitor"] == "raw"][-2:]
+    swaps = [s for s in st["swaps"] if s.get("monitor") == "raw"][-2:]
     assert [s["version"] for s in swaps] == versions
     assert all(0 <= s["swap_ms"] < 30_000 and s["scheduled"] >= s["received"] for s in swaps)
     after = sched_engine.llm.collective_rpc(compile_counts)
