@@ -82,7 +82,7 @@ def main() -> int:
         read_scale,
         stream_bound,
     )
-    from tests.support.oracle import hf_activations, max_rel_error
+    from tests.support.oracle import hf_activations, max_rel_error, rel_errors
     from tests.support.steer_oracle import HFGate, HFSteer, hf_steered_forward
 
     path = build_tiny_model(
@@ -139,7 +139,7 @@ def main() -> int:
     tol = args.tol or (1e-3 if exact else 3e-2)
     worst_hf: dict[str, float] = {}
     worst_self: dict[str, float] = {}
-    within: dict[str, list[int]] = {}  # name -> [tokens within tol, tokens]
+    within: dict[str, list[int]] = {}  # name -> [within tol, compared, at a jump]
     problems: list[str] = []
     scored = 0
     rows_vs_hf: dict[str, list] = {}  # point -> [worst relative error, request, position]
@@ -155,8 +155,7 @@ def main() -> int:
                 continue
             acts = hf_activations(path, fed, LAYERS, HOOKS, dtype=dt, device=args.device)
             for key, t in rows.tensors.items():  # the capture oracle, on these rows
-                d = (t.float().cpu() - acts[key].float().cpu()).norm(dim=-1)
-                e = d / acts[key].float().cpu().norm(dim=-1).clamp_min(1e-12)
+                e = rel_errors(t.cpu(), acts[key].cpu())
                 name = f"{key[0]}/{key[1]}"
                 if e.max() > rows_vs_hf.get(name, [0.0])[0]:
                     rows_vs_hf[name] = [
@@ -182,14 +181,12 @@ def main() -> int:
                     err = err[~jumps]
                     if len(err):
                         worst_hf[spec.name] = max(worst_hf.get(spec.name, 0.0), float(err.max()))
-                    w = within.setdefault(spec.name, [0, 0, 0])  # within, compared, jumps
+                    w = within.setdefault(spec.name, [0, 0, 0])
                     w[0] += int((err <= tol).sum())
                     w[1] += len(err)
                     w[2] += int(jumps.sum())
-                    ref_own = expected_scores(spec, cfg[spec.name], own)
-                    scale_own = torch.maximum(
-                        ref_own.norm(dim=-1), read_scale(spec, cfg[spec.name], own)
-                    )
+                    ref_own = expected_scores(spec, src, own)
+                    scale_own = torch.maximum(ref_own.norm(dim=-1), read_scale(spec, src, own))
                     e2 = float(((got - ref_own).norm(dim=-1) / scale_own.clamp_min(1e-12)).max())
                     worst_self[spec.name] = max(worst_self.get(spec.name, 0.0), e2)
                     scored += len(got)
@@ -270,11 +267,10 @@ def main() -> int:
         if not 0 < opened < len(fed):
             problems.append(f"gate case {i}: the gate never or always opened")
         for key, rows_at in got.tensors.items():
-            err = max_rel_error(rows_at.float().to(args.device), want[key].float())
-            worst_gate[f"{i}/{key[0]}/{key[1]}"] = err
-            d = (rows_at.float().cpu() - want[key].float().cpu()).norm(dim=-1)
+            e = rel_errors(rows_at.cpu(), want[key].cpu())
+            worst_gate[f"{i}/{key[0]}/{key[1]}"] = float(e.max())
             gate_report[-1].setdefault("worst", {})[f"{key[0]}/{key[1]}"] = [
-                round(err, 4), int(d.argmax())]  # fmt: skip
+                round(float(e.max()), 4), int(e.argmax())]  # fmt: skip
 
     # A push: later requests carry the new version and its scores; nothing recompiles.
     before = llm.collective_rpc(compile_counts)

@@ -102,8 +102,12 @@ def hf_activations(
     return {k: v for k, v in outs.items() if k[1] in hooks}
 
 
-def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Max over rows of ||got - ref|| / ||ref||: per-token relative error."""
+def rel_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per row, ``||got - ref|| / ||ref||``: each token's relative error."""
     assert got.shape == ref.shape, (got.shape, ref.shape)
-    err = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-12)
-    return float(err.max())
+    return (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-12)
+
+
+def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max over rows of ``rel_errors``."""
+    return float(rel_errors(got, ref).max())
