@@ -164,48 +164,70 @@ def engine_counters(address: str, timeout: float = 30.0) -> dict[str, float]:
         sub.wait_welcome(timeout)
         st = request(sub, timeout)
     keys = ("last_step", "tokens", "capture_s", "stall_s", "publisher_cpu_s")
-    return {k: float(st.get(k, 0) or 0) for k in keys}
+    keys += ("queued_bytes_peak", "unpinned")
+    out = {k: float(st.get(k, 0) or 0) for k in keys}
+    for k, v in (st.get("pinned_host") or {}).items():  # the engine's page-locked memory
+        out[f"pinned.{k}"] = float(v)
+    return out
 
 
 def engine_cost(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What the timed generation cost the engine's side (``engine_counters`` deltas):
     actbus's ms per step on the engine thread, stalls, the publisher thread's CPU."""
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
     steps = max(1.0, d["last_step"])
-    return {
+    cost = {
         "steps": int(d["last_step"]),
         "capture_ms_per_step": round(1e3 * d["capture_s"] / steps, 3),
         "stall_s": round(d["stall_s"], 3),
         "publisher_cpu_ms_per_step": round(1e3 * d["publisher_cpu_s"] / steps, 3),
+        "queued_mb_peak": round(after["queued_bytes_peak"] / 2**20, 1),
+        "unpinned": int(d["unpinned"]),
     }
+    if "pinned.num_host_alloc" in after:  # CUDA: page-locked memory grown while timed
+        cost["pinned_allocs"] = int(d["pinned.num_host_alloc"])
+        cost["pinned_mb"] = round(after.get("pinned.allocated_bytes.current", 0) / 2**20, 1)
+        if "pinned.host_alloc_time.total" in after:  # microseconds
+            cost["pinned_alloc_ms"] = round(d["pinned.host_alloc_time.total"] / 1e3, 1)
+    return cost
 
 
-def collector_cpu() -> float:
-    """CPU seconds of every front-end receiving thread in this process so far (returned
-    rows and returned scores; ``Collector.stats``): they share the GIL with vLLM's
-    output processing."""
+def collector_totals() -> dict[str, float]:
+    """Every front-end receiving thread's counters (``Collector.stats``: returned rows
+    and returned scores), summed; ``final_wait_max_s`` is the longest. These threads
+    share the GIL with vLLM's output processing."""
     from actbus.capture.returns import ReturnCollector
     from actbus.monitor.returns import ScoreCollector
 
     cols = [*ReturnCollector.registry.collectors.values()]
     cols += ScoreCollector.registry.collectors.values()
-    return sum(c.stats()["recv_cpu_s"] for c in cols)
+    out = {"recv_cpu_s": 0.0, "final_waits": 0.0, "final_wait_s": 0.0, "final_wait_max_s": 0.0}
+    for c in cols:
+        st = c.stats()
+        for k in ("recv_cpu_s", "final_waits", "final_wait_s"):
+            out[k] += st.get(k, 0.0)
+        out["final_wait_max_s"] = max(out["final_wait_max_s"], st.get("final_wait_max_s", 0.0))
+    return out
 
 
 class CostMeter:
     """Where an arm's cost lies over its timed generation: made just before it, read
     (``result``) just after. The engine's side (``engine_cost``) and this front end's
-    receiving threads (``collector_cpu``), per engine step."""
+    receiving threads (``collector_totals``), per engine step."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.before = engine_counters(address)
-        self.cpu0 = collector_cpu()
+        self.front0 = collector_totals()
 
     def result(self) -> dict[str, Any]:
         cost: dict[str, Any] = engine_cost(self.before, engine_counters(self.address))
-        cpu = collector_cpu() - self.cpu0
+        front = collector_totals()
+        cpu = front["recv_cpu_s"] - self.front0["recv_cpu_s"]
         cost["collector_cpu_ms_per_step"] = round(1e3 * cpu / max(1, cost["steps"]), 3)
+        # Final outputs held back for their last rows: the receiver's lag, paid at the end.
+        cost["final_wait_s"] = round(front["final_wait_s"] - self.front0["final_wait_s"], 3)
+        cost["final_wait_max_s"] = round(front["final_wait_max_s"], 3)
         return cost
 
 
@@ -214,7 +236,11 @@ def cost_line(c: dict[str, Any]) -> str:
     return (
         f"per step: actbus on the engine thread {c['capture_ms_per_step']} ms, publisher "
         f"thread {c['publisher_cpu_ms_per_step']} ms CPU, front-end receiving "
-        f"{c['collector_cpu_ms_per_step']} ms CPU; stalled {c['stall_s']} s"
+        f"{c['collector_cpu_ms_per_step']} ms CPU; stalled {c['stall_s']} s; queue peak "
+        f"{c.get('queued_mb_peak', 0)} MiB; pinned host grown {c.get('pinned_allocs', '-')} "
+        f"times ({c.get('pinned_alloc_ms', '-')} ms), {c.get('pinned_mb', '-')} MiB; final "
+        f"outputs waited {c.get('final_wait_s', 0)} s (longest {c.get('final_wait_max_s', 0)}); "
+        f"{c.get('unpinned', 0)} queued messages moved out of pinned memory"
     )
 
 

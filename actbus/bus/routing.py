@@ -82,6 +82,7 @@ class Item:
     sent_once: bool = False
     variants: dict[str, Item | None] | None = None  # per match filter, made once
     counted: tuple[Route, ...] = ()  # subscribers whose queued_in counts it
+    left_queue: bool = False  # taken from the publisher's queue (routed or dropped)
 
     def materialize(self) -> None:
         """Wait for the device copy, then encode: done on the publisher thread."""
@@ -93,6 +94,19 @@ class Item:
             return
         self.header_bytes = self.header.encode()
         self.payload = tensor_to_frame(self.tensor)
+
+    def unpin(self) -> None:
+        """Hold the payload (and the row index's token ids) in ordinary memory, not
+        the pinned staging block they were copied into: see ``Publisher``'s backlog.
+        The copy needs no GIL (torch lets it go)."""
+        if self.tensor is None:
+            return
+        self.tensor = torch.empty(self.tensor.shape, dtype=self.tensor.dtype).copy_(self.tensor)
+        if self.payload is not None:
+            self.payload = tensor_to_frame(self.tensor)
+        rows = self.header.rows
+        if rows.token_ids.base is not None:  # a view of the step's pinned token ids
+            rows.token_ids = rows.token_ids.copy()
 
     @property
     def wire_bytes(self) -> int:
