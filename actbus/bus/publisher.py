@@ -424,6 +424,7 @@ class Publisher:
                 self._stopped.set()
                 self._closing = True
                 self._queue.clear()
+                self._pinned.clear()
                 self._cond.notify_all()
                 os.close(self._wake_r)
                 os.close(self._wake_w)
@@ -649,7 +650,7 @@ class Publisher:
             if not item.left_queue:
                 if item.ready is not None:
                     if not item.ready.query():
-                        return False  # the next turn comes with the next publish or beat
+                        return False  # its copy is under way: the next turn takes it
                     item.ready = None
                 if time.monotonic() > stop:
                     return True
@@ -770,8 +771,8 @@ def _pinned_host() -> dict[str, float]:
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is None:
         return {}
-    keep = ("allocated_bytes.current", "active_bytes.current", "num_host_alloc")
-    return {k: float(v) for k, v in stats().items() if k in keep or k == "host_alloc_time.total"}
+    keep = ("allocated_bytes.current", "num_host_alloc", "host_alloc_time.total")
+    return {k: float(v) for k, v in stats().items() if k in keep}
 
 
 def _who(s: Route) -> str:
