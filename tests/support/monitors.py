@@ -119,14 +119,19 @@ def expected_scores(spec: MonitorSpec, source: dict, stream: torch.Tensor) -> to
 def read_scale(spec: MonitorSpec, source: dict, stream: torch.Tensor) -> torch.Tensor:
     """``[tokens]``: the size of what the monitor reads before its activation (an SAE's
     pre-activations of its features, a linear direction's ``||w|| ||x|| + |b|``, a
-    probe's probability). A ReLU that zeroes most of a token's features, or a linear
-    score crossing zero, leaves a tiny score whose relative error would measure the
-    stream's float32 rounding, not the monitor."""
-    from trainers.checkpoint import load_sae
+    probe's probability, times its logits' size where they are above 1). A ReLU that
+    zeroes most of a token's features, or a linear score crossing zero, leaves a tiny
+    score whose relative error would measure the stream's float32 rounding, not the
+    monitor. So does a saturated probe: ``dp / p = (1 - p) dz``, its probability's
+    relative error is its logit's absolute error, which grows with the logit (a logit
+    of -18.9 off by 6e-6 of itself moves ``p = 6e-9`` by 1.2e-4 of itself)."""
+    from trainers.checkpoint import load_probe, load_sae
 
     with torch.no_grad():
         if spec.kind == "probe":  # a probability: never near a sign change
-            return expected_scores(spec, source, stream).norm(dim=-1)
+            z = load_probe(source["probe"])(stream.float())
+            p = torch.sigmoid(z)
+            return p.norm(dim=-1) * z.norm(dim=-1).clamp_min(1.0)
         if spec.kind == "weight":  # a dot product's own scale: ||w|| ||x|| + |b|
             w = torch.tensor(source["weight"], dtype=torch.float32)
             return w.norm() * stream.float().norm(dim=-1) + abs(source["bias"])
