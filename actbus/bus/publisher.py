@@ -645,17 +645,17 @@ class Publisher:
         if not held_back:
             return False
         stop = time.monotonic() + CONTROL_TURN_S
+        # The rest are still queued: only this thread takes from the queue.
         while pinned:  # in publish order, the order the side stream copies them
             item = pinned[0]
-            if not item.left_queue:
-                if item.ready is not None:
-                    if not item.ready.query():
-                        return False  # its copy is under way: the next turn takes it
-                    item.ready = None
-                if time.monotonic() > stop:
-                    return True
-                item.unpin()
-                self.unpinned += 1
+            if item.ready is not None:
+                if not item.ready.query():
+                    return False  # its copy is under way: the next turn takes it
+                item.ready = None
+            if time.monotonic() > stop:
+                return True
+            item.unpin()
+            self.unpinned += 1
             pinned.popleft()
         return False
 
