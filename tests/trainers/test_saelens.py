@@ -4,10 +4,14 @@ module, are saved by the trainer's own callback, and ``sae_lens.SAE.load_from_di
 given the directory unedited, encodes and reconstructs the engine's rows as actbus's
 module does, to float32 precision.
 
-The tolerance: the same latents active, and every latent and reconstruction within
-``RTOL * |value| + ATOL * max|x|`` of actbus's, RTOL = 1e-5 and ATOL = 4e-6 (about 32
-float32 ulps of the largest activation): the fold rounds each weight once, and the two
-compute ``pre`` in a different order. Measured on the tiny Llama: at most 6e-7 * max|x|.
+The tolerance: every latent and reconstruction within ``RTOL * |value| + ATOL * max|x|``
+of actbus's, RTOL = 1e-5 and ATOL = 4e-6 (about 32 float32 ulps of the largest
+activation): the fold rounds each weight once, and the two compute ``pre`` in a different
+order. Measured on the tiny Llama: at most 6e-7 * max|x|. The same rounding can put a
+latent that sits on its gate (a JumpReLU threshold, ReLU's zero, a row's k-th value) on
+either side of it: such a flip is allowed only where the latent is within that tolerance
+of its gate, in at most one row in a hundred, and those rows are left out of the value
+comparison (a flip moves a latent by its whole threshold). CI once saw one on jumprelu.
 """
 
 from __future__ import annotations
@@ -103,6 +107,35 @@ def _train_live(engine, out: Path) -> tuple[SAETrainer, ActivationDataModule]:
     return module, dm
 
 
+def _gate(kind: str, sae, z_other: torch.Tensor) -> torch.Tensor:
+    """The value a latent must pass to fire, broadcast to ``z``'s shape."""
+    if kind == "jumprelu":
+        return sae.log_threshold.detach().exp().expand_as(z_other)
+    if kind == "batchtopk":
+        return sae.threshold.detach().expand_as(z_other)
+    if kind == "topk":  # the weakest latent the other side kept on the row
+        low = z_other.masked_fill(z_other <= 0, torch.inf).amin(1, keepdim=True)
+        return low.expand_as(z_other)
+    return torch.zeros_like(z_other)
+
+
+def _same_active_set(kind: str, sae, z: torch.Tensor, z_sl: torch.Tensor, atol: float):
+    """Rows whose active latents agree; fails on a flip that is not a rounding at its gate."""
+    flip = (z > 0) != (z_sl > 0)
+    if flip.any():
+        value = torch.where(z > 0, z, z_sl)[flip]  # the side where it fired
+        gate = torch.where(z > 0, _gate(kind, sae, z_sl), _gate(kind, sae, z))[flip]
+        off = (value - gate).abs()
+        print(f"\n{kind}: {int(flip.sum())} latents flipped, "
+              f"at most {float(off.max()):.2e} from their gate")  # fmt: skip
+        assert bool((off <= RTOL * value.abs() + atol).all()), (
+            f"{kind}: a different set of active latents, {off.max():.3e} from the gate"
+        )
+    steady = ~flip.any(1)
+    assert steady.float().mean() >= 0.99, f"{kind}: {int((~steady).sum())} rows flipped"
+    return steady
+
+
 def test_saelens_loads_every_kind_to_the_same_latents(sched_engine, tmp_path):
     from sae_lens import SAE
 
@@ -133,10 +166,10 @@ def test_saelens_loads_every_kind_to_the_same_latents(sched_engine, tmp_path):
             z, z_sl = sae.encode(x), loaded.encode(x)
             r, r_sl = sae(x), loaded(x)
         scale = float(x.abs().max())
-        assert torch.equal(z > 0, z_sl > 0), f"{kind}: a different set of active latents"
+        steady = _same_active_set(kind, sae, z, z_sl, ATOL * scale)
         assert (z > 0).any(1).float().mean() > 0.5, f"{kind}: hardly anything fires"
-        torch.testing.assert_close(z_sl, z, rtol=RTOL, atol=ATOL * scale)
-        torch.testing.assert_close(r_sl, r, rtol=RTOL, atol=ATOL * scale)
+        torch.testing.assert_close(z_sl[steady], z[steady], rtol=RTOL, atol=ATOL * scale)
+        torch.testing.assert_close(r_sl[steady], r[steady], rtol=RTOL, atol=ATOL * scale)
         err = float((r - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
         print(f"\n{kind} on {hook}: {len(x)} rows, fvu {err:.3f}, max |dz| "
               f"{float((z - z_sl).abs().max()):.2e}, max |dr| {float((r - r_sl).abs().max()):.2e}"
@@ -144,4 +177,5 @@ def test_saelens_loads_every_kind_to_the_same_latents(sched_engine, tmp_path):
         # actbus's own loader rebuilds the module to the same precision.
         again = load_sae(path).eval()
         with torch.no_grad():
-            torch.testing.assert_close(again(x), r, rtol=RTOL, atol=ATOL * scale)
+            steady = _same_active_set(kind, sae, z, again.encode(x), ATOL * scale)
+            torch.testing.assert_close(again(x)[steady], r[steady], rtol=RTOL, atol=ATOL * scale)
