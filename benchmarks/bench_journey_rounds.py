@@ -1,0 +1,218 @@
+"""Where the journey's cost lies: one engine, the journey's consumers one set at a time.
+
+``bench_journey.py`` gives each arm its own engine, so its ratios carry the spread
+between engine instances (plain ran at 9,884 and 10,910 tok/s in two leases). Here one
+engine, actbus loaded, tapping the journey's layer, serves the same prompts in rounds;
+before each round a set of consumers starts and subscribes, after it they are stopped
+(SIGTERM: the trainer saves and exits). Every round is compared with ``idle`` (nothing
+subscribed), measured first and again last to show drift:
+
+    idle        nothing subscribed (capture runs, nothing is sent)
+    sink        the journey's fs sink (every 64th step, int8)
+    sink_t1     the same with one CPU thread (OMP_NUM_THREADS=1)
+    null        a null consumer taking every step (drop_oldest): the bus at full rate
+    sae_drop    the journey's trainer, drop_oldest at --max-duty 0.05
+    sae_block   the journey's trainer under block
+    sae_block_t2 the same with two CPU threads (OMP_NUM_THREADS=2)
+
+Per round: generated tok/s and its ratio to ``idle``, each consumer's CPU seconds
+during the generation, actbus's time on the engine thread per step, the publisher's
+stall. Prints a table, then one JSON line (``ratio_<round>`` for each).
+
+    python benchmarks/bench_journey_rounds.py [--prompts 1024] [--rounds idle,sink,...]
+    python benchmarks/bench_journey_rounds.py --tiny    # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from benchmarks import bench_journey as bj  # noqa: E402
+from benchmarks.engine_arms import engine_cost, engine_counters  # noqa: E402
+
+ROUNDS: dict[str, tuple[tuple[str, str], ...]] = {
+    # round -> (consumer, its policy) pairs; the sae's policy picks block or drop_oldest
+    "idle": (),
+    "sink": (("fs-sink", ""),),
+    "sink_t1": (("fs-sink", ""),),
+    "null": (("null", "drop_oldest"),),
+    "sae_drop": (("sae", "drop_oldest"),),
+    "sae_block": (("sae", "block"),),
+    "sae_block_t2": (("sae", "block"),),
+}
+THREADS = {"sink_t1": 1, "sae_block_t2": 2}
+"""Rounds whose consumers run with OMP_NUM_THREADS set (torch's CPU thread pool)."""
+
+
+def _start(rnd: str, address: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The round's consumers, started; returns name -> process."""
+    from actbus.cli import consumer_command
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    if rnd in THREADS:
+        env["OMP_NUM_THREADS"] = str(THREADS[rnd])
+    procs = {}
+    for name, policy in ROUNDS[rnd]:
+        log = work / f"{rnd}-{name}.log"
+        if name == "fs-sink":
+            cmd = consumer_command(
+                "fs-sink", address, "--out", str(work / f"{rnd}-run"), "--layers",
+                str(args.layer), "--hooks", "post_block", *bj.sink_flags(args),
+            )  # fmt: skip
+        elif name == "null":
+            cmd = consumer_command("null", address, "--policy", policy)  # every tapped layer
+        else:
+            device = ["--accelerator", "cpu", "--precision", "32-true"] if args.tiny else [
+                "--accelerator", "gpu", "--precision", "bf16-mixed"]  # fmt: skip
+            cmd = [
+                sys.executable, "-m", "actbus.cli", "run", "sae", "--connect", address,
+                "--layer", str(args.layer), "--hook", "post_block", "--kind", "topk",
+                "--expansion", "16", "--k", "64", "--policy", policy, "--out",
+                str(work / f"{rnd}-saes"), "--summary", str(work / f"{rnd}-sae.json"),
+                "--no-progress", *device,
+            ]  # fmt: skip
+            if policy != "block":
+                cmd += ["--max-duty", str(args.drop_duty)]
+        procs[name] = bj._spawn(cmd, log, env)
+    return procs
+
+
+def run_rounds(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    import common  # examples/common.py
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-rounds-"))
+    model_dir, vocab = bj._model(args, work)
+    address = f"ipc://{tempfile.mkdtemp(prefix='actbus-rounds-')}/bus.sock"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.monotonic()
+    llm = LLM(
+        str(model_dir),
+        load_format="auto" if args.tiny else "dummy",
+        skip_tokenizer_init=True,
+        dtype="float32" if args.tiny else "bfloat16",
+        max_model_len=args.input + args.output + 8,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=0,
+        additional_config={
+            "actbus": {"publish": address, "layers": [args.layer], "queue_mb": args.queue_mb}
+        },
+    )
+    print(f"engine up in {time.monotonic() - t0:.0f} s", flush=True)
+    import random
+
+    rng = random.Random(0)
+    low = min(1000, vocab // 4)
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(low, vocab) for _ in range(args.input)])
+        for _ in range(args.prompts)
+    ]
+    sp = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
+    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:16], warm, use_tqdm=False)
+
+    results: dict[str, dict[str, Any]] = {}
+    for rnd in args.rounds:
+        label = rnd if rnd not in results else f"{rnd}_end"
+        procs = _start(rnd, address, args, work)
+        deadline = time.monotonic() + args.subscribe_timeout
+        while procs and not set(procs) <= set(common.subscribers(address)):
+            dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            if dead or time.monotonic() > deadline:
+                logs = {n: (work / f"{rnd}-{n}.log").read_text()[-2000:] for n in procs}
+                raise SystemExit(f"{rnd}: not subscribed (exited: {dead})\n{json.dumps(logs)}")
+            time.sleep(1.0)
+        before = engine_counters(address)
+        cpu0 = {n: bj._cpu_s(p.pid) for n, p in procs.items()}
+        t0 = time.monotonic()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        gen_s = time.monotonic() - t0
+        cost = engine_cost(before, engine_counters(address))
+        cpu = {n: round(bj._cpu_s(p.pid) - cpu0[n], 2) for n, p in procs.items()}
+        stall = bj._publisher_stats(address)["stall_s"]
+        rcs = {n: common.finish(p, args.consumer_timeout, signal.SIGTERM) for n, p in procs.items()}
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        r = {
+            "tok_per_s": round(generated / gen_s, 1),
+            "gen_s": round(gen_s, 2),
+            "consumer_cpu_s": cpu,
+            "capture_ms_per_step": cost.get("capture_ms_per_step"),
+            "publisher_cpu_ms_per_step": cost.get("publisher_cpu_ms_per_step"),
+            "stall_s": stall,
+            "exit_codes": rcs,
+        }
+        summary = work / f"{rnd}-sae.json"
+        if summary.exists():
+            s = json.loads(summary.read_text())
+            r["trained"] = int(sum(v for k, v in s["data"].items() if k.startswith("tokens/")))
+            r["trainer_steps"] = s["steps"]
+        results[label] = r
+        print(f"  {label:14s} {r['tok_per_s']:>10.1f} tok/s  cpu {cpu}", flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test with the tiny Llama")
+    ap.add_argument("--prompts", type=int, default=None, help="1024 (--tiny: 16)")
+    ap.add_argument(
+        "--rounds",
+        default="idle,sink,sink_t1,null,sae_drop,sae_block,sae_block_t2,idle",
+        help=f"rounds in order, from {list(ROUNDS)}; a repeated one is reported as NAME_end",
+    )
+    ap.add_argument("--drop-duty", type=float, default=0.05)
+    ap.add_argument("--queue-mb", type=int, default=1024)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--subscribe-timeout", type=float, default=120.0)
+    ap.add_argument("--consumer-timeout", type=float, default=60.0)
+    args = ap.parse_args()
+    defaults = dict(bj.DEFAULTS["tiny" if args.tiny else "gpu"])
+    defaults["prompts"] = 16 if args.tiny else 1024
+    for k, v in defaults.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    args.rounds = args.rounds.split(",")
+    unknown = [r for r in args.rounds if r not in ROUNDS]
+    if unknown:
+        ap.error(f"--rounds: unknown {unknown}; choose from {list(ROUNDS)}")
+    os.environ["VLLM_PLUGINS"] = "actbus"
+    results = run_rounds(args)
+    base = results[args.rounds[0]]["tok_per_s"]
+    print(f"\n{'round':14s} {'tok/s':>10s} {'vs first':>8s} {'engine ms':>9s} {'stall s':>8s}  "
+          "consumers' CPU s")  # fmt: skip
+    out: dict[str, Any] = {"prompts": args.prompts, "layer": args.layer}
+    for label, r in results.items():
+        ratio = r["tok_per_s"] / base
+        print(
+            f"{label:14s} {r['tok_per_s']:>10.1f} {ratio:>8.3f} "
+            f"{r['capture_ms_per_step'] or 0:>9.2f} {r['stall_s']:>8.1f}  {r['consumer_cpu_s']}"
+            + (f"  trained {r['trained']:,}" if "trained" in r else "")
+        )
+        out[f"tok_per_s_{label}"] = r["tok_per_s"]
+        out[f"ratio_{label}"] = round(ratio, 4)
+        out[f"consumer_cpu_s_{label}"] = r["consumer_cpu_s"]
+        out[f"capture_ms_per_step_{label}"] = r["capture_ms_per_step"]
+        if "trained" in r:
+            out[f"trained_{label}"] = r["trained"]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
