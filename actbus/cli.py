@@ -11,11 +11,32 @@ lists them and hands one the rest of the line. So the core names no plugin packa
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from importlib.metadata import EntryPoint, entry_points
 
 GROUP = "actbus.commands"
+ENGINE_COMMANDS = ("serve",)
+"""Commands that start vLLM, which sizes its own CPU thread pools: their environment is
+left as the user gave it."""
+QUIET_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""What every other command's process runs with unless the user set it: idle OpenMP
+workers sleep instead of spinning (``quiet_openmp``)."""
+
+
+def quiet_openmp(environ: MutableMapping[str, str]) -> None:
+    """Let torch's idle CPU workers sleep: actbus's processes run beside an engine.
+
+    GNU OpenMP, torch's CPU thread pool on Linux, keeps every idle worker spinning for a
+    while after each parallel op: on this project's 2-core CI machine 5.6 ms of a core per
+    worker per op, and a pool is as wide as the machine. Beside vLLM those are bursts on
+    every core, the ones its step loop needs too (vLLM trims its own pools for the same
+    reason). Must be in the environment before torch is imported; values the user set
+    are kept.
+    """
+    for key, value in QUIET_OPENMP.items():
+        environ.setdefault(key, value)
 
 
 def consumer_command(name: str, address: str, *flags: str) -> list[str]:
@@ -74,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if name not in ENGINE_COMMANDS and "torch" not in sys.modules:  # else too late to matter
+        quiet_openmp(os.environ)
     return int(cmds[name].load()(rest) or 0)
 
 

@@ -9,11 +9,12 @@ subscribed), measured first and again last to show drift:
 
     idle        nothing subscribed (capture runs, nothing is sent)
     sink        the journey's fs sink (every 64th step, int8)
-    sink_t1     the same with one CPU thread (OMP_NUM_THREADS=1)
+    sink_spin   the same with torch's idle CPU workers spinning, as before actbus's
+                commands set OMP_WAIT_POLICY=PASSIVE (GOMP_SPINCOUNT=300000)
     null        a null consumer taking every step (drop_oldest): the bus at full rate
-    sae_drop    the journey's trainer, drop_oldest at --max-duty 0.05
+    sae_drop    the journey's trainer, drop_oldest at --max-duty 0.02
     sae_block   the journey's trainer under block
-    sae_block_t2 the same with two CPU threads (OMP_NUM_THREADS=2)
+    sae_block_spin the same with idle CPU workers spinning (GOMP_SPINCOUNT=300000)
 
 Per round: generated tok/s and its ratio to ``idle``, each consumer's CPU seconds
 during the generation, actbus's time on the engine thread per step, the publisher's
@@ -46,14 +47,15 @@ ROUNDS: dict[str, tuple[tuple[str, str], ...]] = {
     # round -> (consumer, its policy) pairs; the sae's policy picks block or drop_oldest
     "idle": (),
     "sink": (("fs-sink", ""),),
-    "sink_t1": (("fs-sink", ""),),
+    "sink_spin": (("fs-sink", ""),),
     "null": (("null", "drop_oldest"),),
     "sae_drop": (("sae", "drop_oldest"),),
     "sae_block": (("sae", "block"),),
-    "sae_block_t2": (("sae", "block"),),
+    "sae_block_spin": (("sae", "block"),),
 }
-THREADS = {"sink_t1": 1, "sae_block_t2": 2}
-"""Rounds whose consumers run with OMP_NUM_THREADS set (torch's CPU thread pool)."""
+SPIN = {"GOMP_SPINCOUNT": "300000"}
+"""GNU OpenMP's own default, which overrides the OMP_WAIT_POLICY=PASSIVE that actbus's
+commands start with: the ``_spin`` rounds' consumers, as before that change."""
 
 
 def _start(rnd: str, address: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -61,8 +63,8 @@ def _start(rnd: str, address: str, args: argparse.Namespace, work: Path) -> dict
     from actbus.cli import consumer_command
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
-    if rnd in THREADS:
-        env["OMP_NUM_THREADS"] = str(THREADS[rnd])
+    if rnd.endswith("_spin"):
+        env |= SPIN
     procs = {}
     for name, policy in ROUNDS[rnd]:
         log = work / f"{rnd}-{name}.log"
@@ -173,10 +175,10 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=None, help="1024 (--tiny: 16)")
     ap.add_argument(
         "--rounds",
-        default="idle,sink,sink_t1,null,sae_drop,sae_block,sae_block_t2,idle",
+        default="idle,sink,sink_spin,null,sae_drop,sae_block,sae_block_spin,idle",
         help=f"rounds in order, from {list(ROUNDS)}; a repeated one is reported as NAME_end",
     )
-    ap.add_argument("--drop-duty", type=float, default=0.05)
+    ap.add_argument("--drop-duty", type=float, default=0.02)
     ap.add_argument("--queue-mb", type=int, default=1024)
     ap.add_argument("--work", default=None)
     ap.add_argument("--subscribe-timeout", type=float, default=120.0)

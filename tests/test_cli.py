@@ -100,3 +100,36 @@ def test_a_bad_address_is_named_by_its_flag(tmp_path):
         out = _actbus(*args)
         assert out.returncode in (1, 2) and f"{flag}: not a ZeroMQ address" in out.stderr, args
         assert "Traceback" not in out.stderr
+
+
+def _openmp_spin(*args: str, **env: str) -> str:
+    """GNU OpenMP's spin count in an ``actbus`` process, as the library itself reports it
+    at start (``OMP_DISPLAY_ENV``): what torch's CPU pool will do when idle."""
+    import os
+    import re
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "actbus.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**environ, "OMP_DISPLAY_ENV": "VERBOSE", **env},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = re.search(r"GOMP_SPINCOUNT = '(\d+)'", out.stderr)
+    if found is None:
+        import pytest
+
+        pytest.skip("torch here does not use GNU OpenMP")
+    return found.group(1)
+
+
+def test_consumers_idle_openmp_workers_sleep():
+    # Unset, GNU OpenMP spins 300,000 times per idle worker after every parallel op.
+    assert _openmp_spin("run", "fs-sink", "--help") == "0"
+    assert _openmp_spin("run", "null", "--help") == "0"
+    # What the user sets wins.
+    assert int(_openmp_spin("run", "null", "--help", OMP_WAIT_POLICY="ACTIVE")) > 300_000
+    # vLLM's own processes are left as they were.
+    assert _openmp_spin("serve", "--help") == "300000"
