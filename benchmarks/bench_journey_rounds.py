@@ -145,6 +145,7 @@ def run_rounds(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         outs = llm.generate(prompts, sp, use_tqdm=False)
         gen_s = time.monotonic() - t0
         cost = engine_cost(before, engine_counters(address))
+        published = cost["steps"] > 0
         cpu = {n: round(bj._cpu_s(p.pid) - cpu0[n], 2) for n, p in procs.items()}
         stall = bj._publisher_stats(address)["stall_s"]
         rcs = {n: common.finish(p, args.consumer_timeout, signal.SIGTERM) for n, p in procs.items()}
@@ -153,8 +154,9 @@ def run_rounds(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "tok_per_s": round(generated / gen_s, 1),
             "gen_s": round(gen_s, 2),
             "consumer_cpu_s": cpu,
-            "capture_ms_per_step": cost.get("capture_ms_per_step"),
-            "publisher_cpu_ms_per_step": cost.get("publisher_cpu_ms_per_step"),
+            # per published step: none while nothing is subscribed (no step is counted)
+            "capture_ms_per_step": cost["capture_ms_per_step"] if published else None,
+            "publisher_cpu_ms_per_step": cost["publisher_cpu_ms_per_step"] if published else None,
             "stall_s": stall,
             "exit_codes": rcs,
         }
@@ -201,9 +203,10 @@ def main() -> int:
     out: dict[str, Any] = {"prompts": args.prompts, "layer": args.layer}
     for label, r in results.items():
         ratio = r["tok_per_s"] / base
+        ms = "-" if r["capture_ms_per_step"] is None else f"{r['capture_ms_per_step']:.2f}"
         print(
             f"{label:14s} {r['tok_per_s']:>10.1f} {ratio:>8.3f} "
-            f"{r['capture_ms_per_step'] or 0:>9.2f} {r['stall_s']:>8.1f}  {r['consumer_cpu_s']}"
+            f"{ms:>9s} {r['stall_s']:>8.1f}  {r['consumer_cpu_s']}"
             + (f"  trained {r['trained']:,}" if "trained" in r else "")
         )
         out[f"tok_per_s_{label}"] = r["tok_per_s"]
