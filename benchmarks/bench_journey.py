@@ -242,6 +242,41 @@ def _consumers(
     return procs
 
 
+def engine(
+    args: argparse.Namespace, model_dir: Path, vocab: int, extra: dict[str, Any]
+) -> tuple[Any, list[Any], Any]:
+    """The arm's engine (vLLM's defaults, the arm's ``additional_config``), warmed up
+    before anyone subscribes, its prompts and the timed generation's sampling params."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        str(model_dir),
+        load_format="auto" if args.tiny else "dummy",
+        skip_tokenizer_init=True,
+        dtype="float32" if args.tiny else "bfloat16",
+        max_model_len=args.input + args.output + 8,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=0,
+        additional_config=extra,
+    )
+    rng = random.Random(0)
+    low = min(1000, vocab // 4)
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(low, vocab) for _ in range(args.input)])
+        for _ in range(args.prompts)
+    ]
+    sp = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
+    llm.generate(
+        prompts[:16],
+        SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
+        use_tqdm=False,
+    )  # warm-up: nothing of it is served
+    return llm, prompts, sp
+
+
 def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One arm, in this process: the engine, its consumers, the timed generation."""
     import common  # examples/common.py: waiting for subscribers, stopping processes
@@ -255,35 +290,9 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if policy is not None:
         extra = {"actbus": {"publish": address, "layers": [args.layer], "queue_mb": args.queue_mb}}
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     t0 = time.monotonic()
-    llm = LLM(
-        str(model_dir),
-        load_format="auto" if args.tiny else "dummy",
-        skip_tokenizer_init=True,
-        dtype="float32" if args.tiny else "bfloat16",
-        max_model_len=args.input + args.output + 8,
-        max_num_batched_tokens=8192,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=0,
-        additional_config=extra,
-    )
+    llm, prompts, sp = engine(args, model_dir, vocab, extra)
     start_s = time.monotonic() - t0
-    rng = random.Random(0)
-    low = min(1000, vocab // 4)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[rng.randrange(low, vocab) for _ in range(args.input)])
-        for _ in range(args.prompts)
-    ]
-    sp = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
-    llm.generate(
-        prompts[:16],
-        SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False),
-        use_tqdm=False,
-    )  # warm-up, before anyone subscribes: nothing of it is served
 
     procs: dict[str, subprocess.Popen] = {}
     result: dict[str, Any] = {"arm": name, "engine_start_s": round(start_s, 1)}

@@ -97,36 +97,10 @@ def run_rounds(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-rounds-"))
     model_dir, vocab = bj._model(args, work)
     address = f"ipc://{tempfile.mkdtemp(prefix='actbus-rounds-')}/bus.sock"
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     t0 = time.monotonic()
-    llm = LLM(
-        str(model_dir),
-        load_format="auto" if args.tiny else "dummy",
-        skip_tokenizer_init=True,
-        dtype="float32" if args.tiny else "bfloat16",
-        max_model_len=args.input + args.output + 8,
-        max_num_batched_tokens=8192,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=0,
-        additional_config={
-            "actbus": {"publish": address, "layers": [args.layer], "queue_mb": args.queue_mb}
-        },
-    )
+    extra = {"actbus": {"publish": address, "layers": [args.layer], "queue_mb": args.queue_mb}}
+    llm, prompts, sp = bj.engine(args, model_dir, vocab, extra)
     print(f"engine up in {time.monotonic() - t0:.0f} s", flush=True)
-    import random
-
-    rng = random.Random(0)
-    low = min(1000, vocab // 4)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[rng.randrange(low, vocab) for _ in range(args.input)])
-        for _ in range(args.prompts)
-    ]
-    sp = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
-    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
-    llm.generate(prompts[:16], warm, use_tqdm=False)
 
     results: dict[str, dict[str, Any]] = {}
     for rnd in args.rounds:

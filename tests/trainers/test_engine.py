@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -136,7 +137,9 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
         f"\n{rounds} rounds; sae {s['steps']} steps, fvu {fvu[:3]} -> {fvu[-3:]}; data {s['data']}"
     )
     assert s["steps"] >= 20
-    first, last = sum(fvu[:5]) / 5, sum(fvu[-5:]) / 5
+    # Medians of ten: the drained buffer's last batch may hold a few rows (2 in one CI
+    # run, 74,754 = 584 x 128 + 2), whose FVU over their own tiny variance was 1.26.
+    first, last = statistics.median(fvu[:10]), statistics.median(fvu[-10:])
     assert last < 0.85 * first, (first, last)
     # Nothing unaccounted for: tokens trained + still buffered == rows received.
     d = s["data"]
