@@ -41,11 +41,16 @@ with trained share 1.0, drop >= 0.95 of plain.
 
     python benchmarks/bench_journey.py [--prompts 2048 --input 256 --output 256]
     python benchmarks/bench_journey.py --tiny      # CPU smoke test: the tiny Llama
+
+The trainer takes ``--sae-batch-tokens`` rows a step (8192 on a GPU). ``--mps`` runs
+every arm, plain included, under an MPS daemon of its own (``benchmarks/mps.py``), so
+that the engine and the trainer share the GPU's SMs instead of time-slicing it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -66,6 +71,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from actbus.cli import quiet_openmp  # noqa: E402
 from benchmarks.bench_capture import LLAMA3_8B  # noqa: E402  (one shape for both benchmarks)
 from benchmarks.engine_arms import engine_cost, engine_counters  # noqa: E402
+from benchmarks.mps import mps_daemon  # noqa: E402
 
 ARMS = {"plain": None, "block": "block", "drop": "drop_oldest", "drop_sae": "drop_oldest",
         "side": "drop_oldest"}  # fmt: skip
@@ -83,6 +89,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "gpu": {"prompts": 2048, "input": 256, "output": 256, "layer": 16, "sink_every": 64},
     "tiny": {"prompts": 16, "input": 32, "output": 32, "layer": 3, "sink_every": 4},
 }
+# Rows per SAE step. Per row, a step's fixed costs (Adam over 0.5 G parameters, the
+# decoder's projection and renormalisation) halve from 4096 to 8192: 7.2 against 5.9 us
+# a row on an H200 (benchmarks/RESULTS.md, "SAE training throughput").
+DEFAULTS["gpu"]["sae_batch_tokens"] = 8192
+DEFAULTS["tiny"]["sae_batch_tokens"] = 4096
 DEFAULTS["gpu"]["gpu_memory_utilization"] = 0.6  # the rest is the trainer's
 DEFAULTS["tiny"]["gpu_memory_utilization"] = 0.3  # on CPU: the KV cache's share of memory
 TRAINER_STATS = "--trainer-stats"
@@ -211,14 +222,11 @@ def _consumers(
         "WANDB_SILENT": "true",
     }
     quiet_openmp(env)  # the trainer runs from this script, not `actbus run sae`: the same env
-    device = ["--accelerator", "cpu"] if args.tiny else ["--accelerator", "gpu"]
-    device += ["--precision", "32-true" if args.tiny else "bf16-mixed"]
     sae = [
         sys.executable, __file__, TRAINER_STATS, str(work / "trainer-stats.json"),
         "--connect", address, "--layer", str(args.layer), "--hook", "post_block",
-        "--kind", "topk", "--expansion", "16", "--k", "64", "--policy", policy,
-        "--out", str(work / "saes"), "--summary", str(work / "sae.json"), "--no-progress",
-        *device,
+        "--policy", policy, "--out", str(work / "saes"), "--summary", str(work / "sae.json"),
+        "--no-progress", *sae_flags(args),
     ]  # fmt: skip
     if policy != "block" and args.drop_duty < 1.0:
         sae += ["--max-duty", str(args.drop_duty)]
@@ -240,6 +248,15 @@ def _consumers(
         ]  # fmt: skip
         procs["wandb"] = _spawn(wandb, work / "wandb.log", env)
     return procs
+
+
+def sae_flags(args: argparse.Namespace) -> list[str]:
+    """The journey's SAE: topk, 16x, k=64, ``--sae-batch-tokens`` rows a step, bf16-mixed
+    on the GPU (32-true with ``--tiny``)."""
+    device = ["--accelerator", "cpu", "--precision", "32-true"] if args.tiny else [
+        "--accelerator", "gpu", "--precision", "bf16-mixed"]  # fmt: skip
+    return ["--kind", "topk", "--expansion", "16", "--k", "64",
+            "--batch-tokens", str(args.sae_batch_tokens), *device]  # fmt: skip
 
 
 def engine(
@@ -453,6 +470,8 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "queue_mb": args.queue_mb,
         "drop_duty": args.drop_duty,
+        "sae_batch_tokens": args.sae_batch_tokens,
+        "mps": args.mps,
         "sink": " ".join(sink_flags(args)),
         "wandb": "offline" if has_wandb() else "skipped: not installed",
     }
@@ -525,6 +544,14 @@ def main() -> int:
     )
     ap.add_argument("--queue-mb", type=int, default=1024, help="the publisher's queue_mb")
     ap.add_argument(
+        "--sae-batch-tokens", type=int, default=None, help="the trainer's rows a step: 8192 (4096)"
+    )
+    ap.add_argument(
+        "--mps",
+        action="store_true",
+        help="run every arm, plain included, under an MPS daemon of its own (benchmarks/mps.py)",
+    )
+    ap.add_argument(
         "--drop-duty",
         type=float,
         default=0.02,
@@ -559,9 +586,12 @@ def main() -> int:
         print("wandb is not installed: the wandb consumer is skipped", flush=True)
     results: dict[str, dict[str, Any]] = {}
     timed_out: dict[str, float] = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        if not keep:  # callbacks run last-in first-out: the daemon stops before this
+            stack.callback(shutil.rmtree, work, ignore_errors=True)
+        mps_env = stack.enter_context(mps_daemon(work)) if args.mps else {}
         for name in arms:
-            env = dict(os.environ)
+            env = {**os.environ, **mps_env}
             env["VLLM_PLUGINS"] = "actbus" if ARMS[name] else "no-plugin"
             # the same flags (so the same defaults), one arm, every arm's files under work
             cmd = [sys.executable, __file__, *sys.argv[1:], "--one", name, "--work", str(work)]
@@ -585,9 +615,6 @@ def main() -> int:
                 f"  {name:8s} {r['tok_per_s']:>10.1f} tok/s  ({time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
-    finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
 
     base = results.get("plain", {}).get("tok_per_s")
     print(

@@ -12,6 +12,8 @@ subscribed), measured first and again last to show drift:
     sink_spin   the same with torch's idle CPU workers spinning, as before actbus's
                 commands set OMP_WAIT_POLICY=PASSIVE (GOMP_SPINCOUNT=300000)
     null        a null consumer taking every step (drop_oldest): the bus at full rate
+    wandb       the journey's W&B dashboard, offline (its default policy, sample:5/s)
+    side        the drop arm's consumers beside its trainer: the fs sink and W&B
     sae_drop    the journey's trainer, drop_oldest at --max-duty 0.02
     sae_block   the journey's trainer under block
     sae_block_spin the same with idle CPU workers spinning (GOMP_SPINCOUNT=300000)
@@ -22,11 +24,15 @@ stall. Prints a table, then one JSON line (``ratio_<round>`` for each).
 
     python benchmarks/bench_journey_rounds.py [--prompts 1024] [--rounds idle,sink,...]
     python benchmarks/bench_journey_rounds.py --tiny    # CPU smoke test
+
+``--mps`` runs the engine and every consumer under an MPS daemon of its own
+(``benchmarks/mps.py``); the trainer takes ``--sae-batch-tokens`` rows a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -42,6 +48,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from benchmarks import bench_journey as bj  # noqa: E402
 from benchmarks.engine_arms import engine_cost, engine_counters  # noqa: E402
+from benchmarks.mps import mps_daemon  # noqa: E402
 
 ROUNDS: dict[str, tuple[tuple[str, str], ...]] = {
     # round -> (consumer, its policy) pairs; the sae's policy picks block or drop_oldest
@@ -49,6 +56,8 @@ ROUNDS: dict[str, tuple[tuple[str, str], ...]] = {
     "sink": (("fs-sink", ""),),
     "sink_spin": (("fs-sink", ""),),
     "null": (("null", "drop_oldest"),),
+    "wandb": (("wandb", ""),),
+    "side": (("fs-sink", ""), ("wandb", "")),
     "sae_drop": (("sae", "drop_oldest"),),
     "sae_block": (("sae", "block"),),
     "sae_block_spin": (("sae", "block"),),
@@ -62,7 +71,7 @@ def _start(rnd: str, address: str, args: argparse.Namespace, work: Path) -> dict
     """The round's consumers, started; returns name -> process."""
     from actbus.cli import consumer_command
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     if rnd.endswith("_spin"):
         env |= SPIN
     procs = {}
@@ -73,17 +82,18 @@ def _start(rnd: str, address: str, args: argparse.Namespace, work: Path) -> dict
                 "fs-sink", address, "--out", str(work / f"{rnd}-run"), "--layers",
                 str(args.layer), "--hooks", "post_block", *bj.sink_flags(args),
             )  # fmt: skip
+        elif name == "wandb":  # offline, every 2 s, as in bench_journey
+            cmd = consumer_command(
+                "wandb", address, "--interval", "2", "--wandb-dir", str(work / rnd)
+            )
         elif name == "null":
             cmd = consumer_command("null", address, "--policy", policy)  # every tapped layer
         else:
-            device = ["--accelerator", "cpu", "--precision", "32-true"] if args.tiny else [
-                "--accelerator", "gpu", "--precision", "bf16-mixed"]  # fmt: skip
             cmd = [
                 sys.executable, "-m", "actbus.cli", "run", "sae", "--connect", address,
-                "--layer", str(args.layer), "--hook", "post_block", "--kind", "topk",
-                "--expansion", "16", "--k", "64", "--policy", policy, "--out",
-                str(work / f"{rnd}-saes"), "--summary", str(work / f"{rnd}-sae.json"),
-                "--no-progress", *device,
+                "--layer", str(args.layer), "--hook", "post_block", "--policy", policy,
+                "--out", str(work / f"{rnd}-saes"), "--summary", str(work / f"{rnd}-sae.json"),
+                "--no-progress", *bj.sae_flags(args),
             ]  # fmt: skip
             if policy != "block":
                 cmd += ["--max-duty", str(args.drop_duty)]
@@ -155,6 +165,8 @@ def main() -> int:
         help=f"rounds in order, from {list(ROUNDS)}; a repeated one is reported as NAME_end",
     )
     ap.add_argument("--drop-duty", type=float, default=0.02)
+    ap.add_argument("--sae-batch-tokens", type=int, default=None, help="8192 (--tiny: 4096)")
+    ap.add_argument("--mps", action="store_true", help="engine and consumers under MPS")
     ap.add_argument("--queue-mb", type=int, default=1024)
     ap.add_argument("--work", default=None)
     ap.add_argument("--subscribe-timeout", type=float, default=120.0)
@@ -170,11 +182,15 @@ def main() -> int:
     if unknown:
         ap.error(f"--rounds: unknown {unknown}; choose from {list(ROUNDS)}")
     os.environ["VLLM_PLUGINS"] = "actbus"
-    results = run_rounds(args)
+    with contextlib.ExitStack() as stack:
+        if args.mps:  # this process runs the engine: its own environment first
+            os.environ.update(stack.enter_context(mps_daemon(Path(tempfile.mkdtemp()))))
+        results = run_rounds(args)
     base = results[args.rounds[0]]["tok_per_s"]
     print(f"\n{'round':14s} {'tok/s':>10s} {'vs first':>8s} {'engine ms':>9s} {'stall s':>8s}  "
           "consumers' CPU s")  # fmt: skip
-    out: dict[str, Any] = {"prompts": args.prompts, "layer": args.layer}
+    out: dict[str, Any] = {"prompts": args.prompts, "layer": args.layer, "mps": args.mps,
+                           "sae_batch_tokens": args.sae_batch_tokens}  # fmt: skip
     for label, r in results.items():
         ratio = r["tok_per_s"] / base
         ms = "-" if r["capture_ms_per_step"] is None else f"{r['capture_ms_per_step']:.2f}"

@@ -174,15 +174,18 @@ class ActivationStats:
         self._reference(t, xd, sq)
         # Per-batch moments (not per-batch variances: a batch of a few rows would
         # bias those low); batches without (finite) rows carry no figures.
-        starts = (ends - sizes)[sizes > 0]
+        # Slices, not ufunc.reduceat along axis 0: numpy's reduceat walks a
+        # [rows, hidden] array column by column, 8x slower here than summing each
+        # batch's contiguous block (a busy dashboard's whole core on an 8B's steps).
+        spans = [(b - n_, b) for n_, b in zip(sizes.tolist(), ends.tolist(), strict=True) if n_]
         count = sizes[sizes > 0][:, None]
-        m1 = np.add.reduceat(xd, starts, axis=0) / count
-        m2 = np.add.reduceat(sq, starts, axis=0) / count
+        m1 = np.stack([xd[a:b].sum(0) for a, b in spans]) / count
+        m2 = np.stack([sq[a:b].sum(0) for a, b in spans]) / count
         t.m1 = self._ema(t.m1, m1)
         t.m2 = self._ema(t.m2, m2)
         # Against the median dimension's RMS: the outliers themselves do not raise the bar.
         typical = np.sqrt(np.median(m2, axis=1))
-        peak = np.maximum.reduceat(np.abs(xd), starts, axis=0)
+        peak = np.stack([np.abs(xd[a:b]).max(0) for a, b in spans])
         frac = (peak > self.config.outlier_k * typical[:, None]).mean(1)
         frac[typical == 0] = 0.0
         t.outliers.extend(frac.tolist())

@@ -71,6 +71,28 @@ class _Step(torch.autograd.Function):
         return None, (-(1.0 / bw) * near * grad).sum(0), None
 
 
+class _CentredBias(torch.autograd.Function):
+    """``b_enc`` in value; its backward also gives ``b_dec`` the gradient of centring.
+
+    The encoder computes ``(x - b_dec) @ W_enc + b_enc``. Centring with a live
+    ``b_dec`` makes autograd compute the gradient of every input row, a
+    ``[rows, d_sae] x [d_sae, d_in]`` matmul as large as the encoder's, only to sum
+    it; summed first, it is ``-W_enc @ grad(b_enc)``: one matrix-vector product, in
+    the dtype the encoder ran in, and no forward work at all.
+    """
+
+    @staticmethod
+    def forward(ctx, b_enc, b_dec, w_enc):
+        ctx.save_for_backward(w_enc)
+        ctx.b_dec_dtype = b_dec.dtype
+        return b_enc.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad, -(w @ grad.to(w.dtype)).to(ctx.b_dec_dtype), None
+
+
 class _DecoderGrad(torch.autograd.Function):
     """Zero in value; its backward gives W_dec the gradient of a sparse decode.
 
@@ -140,16 +162,17 @@ class SparseAutoencoder(nn.Module):
 
     # ------------------------------------------------------------------- pieces
     def pre_acts(self, xn: torch.Tensor) -> torch.Tensor:
-        bias = self.b_enc
+        w, b_enc, b_dec = self.W_enc, self.b_enc, self.b_dec.detach()
+        dev = xn.device.type
+        if torch.is_autocast_enabled(dev):
+            # Under autocast the whole pre-activation is in the compute dtype, bias
+            # included: it is the step's largest tensor ([rows, d_sae]), and top-k,
+            # ReLU and their backwards all read it. An fp32 bias would promote it.
+            dtype = torch.get_autocast_dtype(dev)
+            w, b_dec = w.to(dtype), b_dec.to(dtype)
         if torch.is_grad_enabled() and self.b_dec.requires_grad:
-            # b_dec's gradient through the encoder, -colsum(d pre) @ W_enc^T, by one
-            # matrix-vector product on a term that is zero in value. Centring with a
-            # live b_dec instead makes autograd compute the gradient of every input
-            # row, a [rows, d_sae] x [d_sae, d_in] matmul as large as the encoder's,
-            # only to sum it (a tenth of a step for d=4096, 16x on an H100).
-            with torch.autocast(device_type=xn.device.type, enabled=False):
-                bias = bias + (self.b_dec.detach() - self.b_dec) @ self.W_enc.detach()
-        return (xn - self.b_dec.detach()) @ self.W_enc + bias
+            b_enc = _CentredBias.apply(b_enc, self.b_dec, w.detach())
+        return (xn.to(w.dtype) - b_dec) @ w + b_enc.to(w.dtype)
 
     def _decode_bags(
         self, values: torch.Tensor, cols: torch.Tensor, offsets: torch.Tensor, rows: int
@@ -164,7 +187,8 @@ class SparseAutoencoder(nn.Module):
             z = z.index_put((bag, cols), values)
             return z @ self.W_dec
         w = self.W_dec
-        # A gather, memory-bound: kept in the weights' dtype whatever autocast would pick.
+        # A gather, memory-bound: kept in the weights' dtype whatever autocast would pick
+        # (CUDA has no bf16 kernel for the gradient of per_sample_weights either).
         # W_dec enters detached: embedding_bag's own weight gradient (a sort and a
         # segment reduction in fp32) is replaced by _DecoderGrad's matmul.
         with torch.autocast(device_type=values.device.type, enabled=False):

@@ -16,7 +16,9 @@ from trainers.sae import SparseAutoencoder, geometric_median
 KINDS = ("topk", "batchtopk", "relu", "jumprelu")
 
 
-def _train(cfg: SAEConfig, steps: int) -> tuple[SparseAutoencoder, list[float]]:
+def _train(
+    cfg: SAEConfig, steps: int, autocast: bool = False
+) -> tuple[SparseAutoencoder, list[float]]:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     atoms, _ = planted()
@@ -29,7 +31,8 @@ def _train(cfg: SAEConfig, steps: int) -> tuple[SparseAutoencoder, list[float]]:
         x = 3.0 * sample(256, g, atoms) + 0.5  # off-centre and off-scale: normalisation matters
         if not bool(sae.initialized):
             sae.initialize(x)
-        out = sae.training_loss(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = sae.training_loss(x)
         opt.zero_grad()
         out["loss"].backward()
         sae.remove_parallel_grad()
@@ -91,6 +94,23 @@ def test_every_kind_learns_and_reloads(kind, tmp_path):
     assert fvu < 0.7, fvu
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_autocast_trains_as_well_as_fp32(kind):
+    """Under bf16 autocast (the trainers' GPU default) the encoder's output, bias
+    included, is bf16 and b_dec's gradient comes from _CentredBias in bf16. Training
+    must land where fp32 training does."""
+    cfg = SAEConfig(d_in=64, d_sae=256, kind=kind, k=8, lr=3e-3, dead_tokens=2048)
+    _, fp32 = _train(cfg, 100)
+    sae, bf16 = _train(cfg, 100, autocast=True)
+    first, last = sum(bf16[:3]) / 3, sum(bf16[-10:]) / 10
+    ref = sum(fp32[-10:]) / 10
+    print(kind, "fp32", ref, "bf16", first, last)
+    assert last < 0.8 * first, (bf16[:3], bf16[-10:])
+    assert abs(last - ref) <= 0.05 * ref + 0.01, (ref, last)
+    assert sae.W_enc.dtype == sae.W_dec.dtype == sae.b_dec.dtype == torch.float32
+    assert torch.allclose(sae.W_dec.norm(dim=1), torch.ones(256), atol=1e-5)
+
+
 def test_sparse_and_dense_decoders_agree():
     x = torch.randn(64, 32)
     grads = []
@@ -105,9 +125,12 @@ def test_sparse_and_dense_decoders_agree():
         assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_encoder_gives_b_dec_the_gradient_of_plain_centring():
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_encoder_gives_b_dec_the_gradient_of_plain_centring(autocast):
     """pre_acts routes b_dec's gradient through a matrix-vector product instead of a
-    per-row gradient; values and every gradient must match (x - b_dec) @ W_enc + b_enc."""
+    per-row gradient; values and every gradient must match (x - b_dec) @ W_enc + b_enc
+    (under autocast, where pre_acts computes in bf16: that expression on the same
+    bf16-rounded operands, to bf16's precision)."""
     g = torch.Generator().manual_seed(5)
     sae = SparseAutoencoder(SAEConfig(d_in=32, d_sae=128, kind="topk", k=4))
     with torch.no_grad():
@@ -115,15 +138,27 @@ def test_encoder_gives_b_dec_the_gradient_of_plain_centring():
         sae.b_enc.copy_(torch.randn(128, generator=g))
     xn, up = torch.randn(64, 32, generator=g), torch.randn(64, 128, generator=g)
     grads, values = [], []
+    dt = torch.bfloat16 if autocast else torch.float32
     for plain in (False, True):
         sae.zero_grad()
-        pre = (xn - sae.b_dec) @ sae.W_enc + sae.b_enc if plain else sae.pre_acts(xn)
-        (pre * up).sum().backward()
-        values.append(pre.detach())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if plain:  # in fp32 on the bf16-rounded operands: autograd's sums exact
+                w, b_enc, b_dec = (t.to(dt).float() for t in (sae.W_enc, sae.b_enc, sae.b_dec))
+                with torch.autocast("cpu", enabled=False):
+                    pre = ((xn.to(dt).float() - b_dec) @ w + b_enc).to(dt)
+            else:
+                pre = sae.pre_acts(xn)
+        assert pre.dtype == dt
+        (pre.float() * up).sum().backward()
+        values.append(pre.detach().float())
         grads.append([sae.b_dec.grad.clone(), sae.W_enc.grad.clone(), sae.b_enc.grad.clone()])
-    assert torch.equal(values[0], values[1])
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if autocast:  # bf16 rounds each element by up to 2**-8 of the tensor's scale
+        for a, b in zip([values[0], *grads[0]], [values[1], *grads[1]], strict=True):
+            assert float((a - b).abs().max()) <= 2e-2 * float(b.abs().max()), (a, b)
+    else:
+        assert torch.equal(values[0], values[1])
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert grads[0][0].abs().sum() > 0
 
 
