@@ -51,10 +51,6 @@ class CaptureConfig:
     queue_mb: int = 1024
     """Byte budget of captured data waiting for the publisher thread. When full,
     the engine waits (lossless) rather than dropping."""
-    pinned_warm_mb: int = 512
-    """Page-locked host memory (MiB) put in torch's pinned cache at engine start, in
-    blocks of every size a step's device-to-host copy can need (GPU only; 0: off), so
-    that the first steps published do not allocate it on the engine's thread."""
     heartbeat_s: float = 0.5
     """How often the publisher tells subscribers it is alive."""
     subscriber_timeout_s: float = 30.0
@@ -130,7 +126,6 @@ class CaptureConfig:
             kw["hooks"] = parse_hooks(raw["hooks"], "actbus.hooks")
         for name, kind, lo, what in (
             ("queue_mb", int, 1, "an integer number of MiB >= 1"),
-            ("pinned_warm_mb", int, 0, "an integer number of MiB >= 0 (0: off)"),
             ("heartbeat_s", (int, float), 0.01, "seconds >= 0.01"),
             ("subscriber_timeout_s", (int, float), 1.0, "seconds >= 1"),
             ("max_window_mb", (int, float), 1.0, "MiB >= 1 (credit per subscriber)"),

@@ -29,7 +29,6 @@ import torch
 
 from actbus.bus.outlet import Admission, Outlet, TapOffer
 from actbus.bus.publisher import Publisher
-from actbus.capture import pinned
 from actbus.capture.internals import StepGuard
 from actbus.capture.requests import caller_request_id
 from actbus.capture.scheduler import StepRequests
@@ -183,10 +182,6 @@ class CaptureWorker:
         each request steers with, for its rows' index."""
         self.publisher: Outlet
         address = cfg.publish_address(dp[0])
-        if taps.device.type == "cuda":  # the largest copy: a step's rows of one stage chunk
-            row_bytes = taps.hidden_size * taps.dtype.itemsize
-            largest = min(STAGE_BYTES, len(taps.keys) * taps.max_rows * row_bytes)
-            pinned.warm(largest, cfg.pinned_warm_mb << 20)
         if stage[0] > 0:
             self.publisher = StageForwarder(stage_address(address))
             atexit.register(self.close)  # flushes what is still queued for the first stage

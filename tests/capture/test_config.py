@@ -38,8 +38,6 @@ def test_valid_config_parses():
         ),
         ({"layers": [1], "publish": 5555}, "actbus.publish: expected a string"),
         ({"layers": [1], "queue_mb": 0}, "actbus.queue_mb"),
-        ({"layers": [1], "pinned_warm_mb": -1}, "actbus.pinned_warm_mb"),
-        ({"layers": [1], "pinned_warm_mb": 1.5}, "actbus.pinned_warm_mb"),
         ([1, 2], "expected a mapping"),
     ],
 )
