@@ -90,7 +90,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"prompts": 16, "input": 32, "output": 32, "layer": 3, "sink_every": 4},
 }
 # Rows per SAE step. Per row, a step's fixed costs (Adam over 0.5 G parameters, the
-# decoder's projection and renormalisation) halve from 4096 to 8192: 7.2 against 5.9 us
+# decoder's projection and renormalisation) halve from 4096 to 8192: 6.35 against 5.15 us
 # a row on an H200 (benchmarks/RESULTS.md, "SAE training throughput").
 DEFAULTS["gpu"]["sae_batch_tokens"] = 8192
 DEFAULTS["tiny"]["sae_batch_tokens"] = 4096

@@ -3,10 +3,10 @@ SMs instead of taking turns.
 
 Without MPS, processes on one GPU time-slice it: while the trainer holds a slice the
 engine's kernels wait, and each switch costs both. Under MPS their kernels run side by
-side. Measured on an H200 with an engine stand-in (``benchmarks/RESULTS.md``): a trainer
-taking 16k rows/s cost the stand-in 13.4% time-sliced and 10.8% under MPS, and MPS
-alone cost it nothing. A user runs the same daemon (``nvidia-cuda-mps-control -d``)
-before starting vLLM and the trainers; this module does it for one benchmark run.
+side. On an H200 (``bench_journey_rounds.py``, one engine, ``benchmarks/RESULTS.md``)
+the journey's SAE training on every token cost generation 21% time-sliced and 14% under
+MPS. A user starts the same daemon (``nvidia-cuda-mps-control -d``) before vLLM and the
+trainers (``docs/gpu.md``); this module does it for one benchmark run.
 """
 
 from __future__ import annotations
