@@ -158,14 +158,15 @@ class TokenHub:
                     raise RuntimeError(f"trainer data source failed: {self.error}") from self.error
                 if self._max_reached():
                     return None
+                draining = self._finished or stop.is_set()
                 if self._can_progress():
                     self._warm = True
-                    sizes = dict.fromkeys(self.keys, cfg.batch_tokens)
+                    sizes = {k: self._batch_size(k, draining) for k in self.keys}
                     break
-                if self._finished or stop.is_set():
+                if draining:
                     if not any(self._filled(k) for k in self.keys):
                         return None
-                    sizes = {k: min(cfg.batch_tokens, self._filled(k)) for k in self.keys}
+                    sizes = {k: self._batch_size(k, draining) for k in self.keys}
                     break
                 if not self._warm:
                     self._log_warmup()
@@ -180,6 +181,16 @@ class TokenHub:
             self._cond.notify_all()
         d = next((r.activation.shape[1] for r in out.values() if r is not None), 0)
         return {k: (r if r is not None else _empty(d)).as_batch() for k, r in out.items()}
+
+    def _batch_size(self, key: str, draining: bool) -> int:
+        """``batch_tokens``, or while draining (the source finished or the trainer
+        stops) a stream's last rows with the batch before them when fewer than half a
+        batch would be left: an optimizer step on a few rows is a full step on noise.
+        Only a drain that holds under half a batch in all makes a batch that small."""
+        b, have = self.cfg.batch_tokens, self._filled(key)
+        if draining and have < b + b // 2:
+            return have
+        return min(b, have)
 
     def _log_warmup(self) -> None:
         """Every ``WARMUP_LOG_S``: how many tokens each stream has of the warm-up."""

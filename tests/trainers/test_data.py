@@ -3,16 +3,18 @@ messages at the publisher, every one counted; what arrives is trained on exactly
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 from tests.support.trainer_synth import SynthPublisher
 from trainers.buffer import ShuffleBuffer, TrainingRows
 from trainers.config import DataConfig
-from trainers.data import ActivationDataModule, TokenStream
+from trainers.data import ActivationDataModule, TokenHub, TokenStream
 
 
 def test_slow_trainer_drops_oldest_and_counts_every_drop(tmp_path):
@@ -124,3 +126,42 @@ def test_data_config_errors_name_the_field():
     with pytest.raises(ValueError, match="buffer_tokens"):
         DataConfig(streams=((0, "post_block"),), address="ipc:///x", batch_tokens=512,
                    buffer_tokens=600)  # fmt: skip
+
+
+def _rows(n: int, start: int = 0) -> TrainingRows:
+    return TrainingRows(
+        torch.randn(n, 8),
+        torch.arange(start, start + n),
+        np.array([f"r{i}" for i in range(start, start + n)], dtype=object),
+        torch.zeros(n, dtype=torch.float64),
+        torch.zeros(n, 0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("total", "sizes"),
+    [
+        (302, [100, 100, 102]),  # 2 left over: they go with the last batch
+        (340, [100, 100, 140]),
+        (360, [100, 100, 100, 60]),  # 60 is over half a batch: a batch of its own
+        (300, [100, 100, 100]),
+        (40, [40]),  # a drain of under half a batch in all is one small batch
+    ],
+)
+def test_a_drain_leaves_no_batch_of_a_few_rows(total, sizes):
+    """Once the source has finished, a stream's last rows join the batch before them
+    when fewer than half a batch would be left; every row is handed out once."""
+    cfg = DataConfig(
+        streams=((0, "post_block"),), address="ipc:///x", batch_tokens=100,
+        buffer_tokens=1000, warmup_tokens=0,
+    )  # fmt: skip
+    hub, stop = TokenHub(cfg), threading.Event()
+    (key,) = hub.keys
+    hub.put(key, _rows(total), stop)
+    hub.finish()
+    got, seen = [], []
+    while (b := hub.next_batch(stop)) is not None:
+        got.append(len(b[key]["position"]))
+        seen += b[key]["position"].tolist()
+    assert got == sizes
+    assert sorted(seen) == list(range(total))
