@@ -120,20 +120,15 @@ def test_wandb_run_holds_bus_and_activation_metrics(tmp_path):
         assert last[f"tags/split=eval/L{layer}.post_block/rows"] == 2 * sampled
 
 
-def _wait_until_written(path, timeout: float = 30.0) -> None:
-    """Until the log holds its exit record. wandb-core's writer can still be writing
+def _written(path) -> bool:
+    """Whether the log holds its exit record. wandb-core's writer can still be writing
     when ``run.finish()`` returns: in fresh-clone runs of the suite the file read back
     without its history row once, without its run record the next time, and whole a
     minute later."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if any(r.WhichOneof("record_type") == "exit" for r in records(path)):
-                return
-        except CorruptLog:  # a chunk half written
-            pass
-        assert time.monotonic() < deadline, f"{path}: no exit record after {timeout} s"
-        time.sleep(0.1)
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in records(path))
+    except CorruptLog:  # a chunk half written
+        return False
 
 
 def test_offline_reader_refuses_a_corrupt_log(tmp_path):
@@ -145,7 +140,7 @@ def test_offline_reader_refuses_a_corrupt_log(tmp_path):
     run.log({"x": 1.5})
     run.finish()
     [path] = find_runs(tmp_path)
-    _wait_until_written(path)
+    wait_for(lambda: _written(path), 30, "the log's exit record")
     assert run_info(path)["project"] == "p"
     assert [r["x"] for r in history(path)] == [1.5]
     data = bytearray(path.read_bytes())
