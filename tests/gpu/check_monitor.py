@@ -29,7 +29,7 @@ endpoint: later requests carry the new version and its scores, steer with the ne
 vector (against HF with it hooked in), and nothing recompiles or recaptures.
 Prints one JSON line.
 
-    python tests/gpu/check_monitor.py --dtype bfloat16 --runner v2
+    python tests/gpu/check_monitor.py --dtype bfloat16 --runner v2   # --tp 2 | --pp 2
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=None, help="against HF (bf16: 3e-2)")
     ap.add_argument("--self-tol", type=float, default=1e-2, help="against the engine's rows")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     # A random model with large weights is chaotic: in bf16 its stream strays from HF's
     # by 4% after one attention and 30% after four layers (measured here with 0.2), so
     # the oracle uses the HF default, as the capture check does.
@@ -104,6 +106,8 @@ def main() -> int:
         max_num_seqs=32,
         enable_prefix_caching=True,
         seed=0,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
         additional_config={
             "actbus": {
                 "publish": f"ipc://{work}/bus.sock",
@@ -338,6 +342,8 @@ def main() -> int:
         "check": "monitor_oracle_gpu",
         "ok": ok,
         "dtype": args.dtype,
+        "tp": args.tp,
+        "pp": args.pp,
         "runner_requested": args.runner,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "engine_start_s": round(start_s, 1),

@@ -15,7 +15,7 @@ stream, front index flipped in stream order) must give every step one version wh
 
 Prints one JSON line (``swap_ms`` p50/p99 from the endpoint's status too).
 
-    python tests/gpu/check_push.py --dtype bfloat16 --runner v1   # or v2; --device cpu
+    python tests/gpu/check_push.py --dtype bfloat16 --runner v1   # or v2; --tp 2 | --pp 2
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--runner", default="v1", choices=["v1", "v2"])
     ap.add_argument("--tol", type=float, default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     ap.add_argument("--every-ms", type=float, default=5.0, help="time between pushes")
     args = ap.parse_args()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
@@ -70,6 +72,8 @@ def main() -> int:
         max_num_batched_tokens=256,
         max_num_seqs=32,
         seed=0,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
         additional_config={
             "actbus": {
                 "publish": f"ipc://{tmp}/bus.sock",
@@ -163,6 +167,8 @@ def main() -> int:
         "check": "push_swap_gpu",
         "ok": ok,
         "dtype": args.dtype,
+        "tp": args.tp,
+        "pp": args.pp,
         "runner_requested": args.runner,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "gen_s": round(gen_s, 2),
