@@ -60,6 +60,9 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     ap.add_argument("--attention-backend", default=None, help="e.g. FLEX_ATTENTION")
     args = ap.parse_args()
+    from tests.support.installed import require_actbus_plugin
+
+    require_actbus_plugin()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
 
     import torch

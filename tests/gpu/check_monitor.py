@@ -64,6 +64,9 @@ def main() -> int:
     # the oracle uses the HF default, as the capture check does.
     ap.add_argument("--init", type=float, default=0.02, help="initializer_range")
     args = ap.parse_args()
+    from tests.support.installed import require_actbus_plugin
+
+    require_actbus_plugin()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(compile_counts)
     # The checkpoints are made with torch on the CPU first (its OpenMP threads started):

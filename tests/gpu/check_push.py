@@ -46,6 +46,9 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     ap.add_argument("--every-ms", type=float, default=5.0, help="time between pushes")
     args = ap.parse_args()
+    from tests.support.installed import require_actbus_plugin
+
+    require_actbus_plugin()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(compile_counts)
 
