@@ -147,7 +147,7 @@ class _Frontend:
     """What the front end needs of the engine's capture config, parsed once."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from actbus.capture.session import _checked, _num_layers
+        from actbus.capture.session import _checked, _num_layers, pipeline_stages
 
         checked = _checked(vllm_config)
         self.active = checked is not None
@@ -167,6 +167,7 @@ class _Frontend:
                 num_layers=self.num_layers,
                 hidden_size=vllm_config.model_config.get_hidden_size(),
                 monitors=cfg.monitor,
+                stages=pipeline_stages(vllm_config),
             )
             if cfg.steer is not None
             else None

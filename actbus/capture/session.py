@@ -90,6 +90,22 @@ def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
     return cfg, cfg.resolve_layers(_num_layers(mc), mc.model)
 
 
+def pipeline_stages(vllm_config: Any) -> tuple[int, ...] | None:
+    """Per decoder layer, the pipeline stage that computes it, as vLLM partitions them
+    (``VLLM_PP_LAYER_PARTITION`` included); None without pipeline parallelism."""
+    size = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if size == 1:
+        return None
+    from vllm.distributed.utils import get_pp_indices
+
+    n = _num_layers(vllm_config.model_config)
+    stages = [0] * n
+    for rank in range(size):
+        start, end = get_pp_indices(n, rank, size)
+        stages[start:end] = [rank] * (end - start)
+    return tuple(stages)
+
+
 def validate(vllm_config: Any) -> CaptureConfig | None:
     """Check everything that can be checked without loading weights."""
     checked = _checked(vllm_config)
@@ -104,6 +120,7 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
             num_layers=_num_layers(mc),
             hidden_size=mc.get_hidden_size(),
             monitors=cfg.monitor,
+            stages=pipeline_stages(vllm_config),
         )
         LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now

@@ -118,9 +118,12 @@ class SteerFrontend:
         num_layers: int,
         hidden_size: int,
         monitors: MonitorConfig | None = None,
+        stages: tuple[int, ...] | None = None,
     ) -> None:
         self.cfg = cfg
         self.monitors = monitors
+        self.stages = stages
+        """Per layer, the pipeline stage that computes it (None: one stage)."""
         self.num_layers = num_layers
         self.layers = cfg.resolve_layers(num_layers)
         self.hooks = cfg.hooks
@@ -196,6 +199,14 @@ class SteerFrontend:
                 f"{where}.source: 'token' reads this token's score, but monitor {g.monitor!r} "
                 f"at layer {layer} {d.hook} is scored after the steered point (layer {s.layer} "
                 f"{s.hook}); gate with a monitor at an earlier point, or use source 'previous'"
+            )
+        if self.stages is not None and self.stages[layer] != self.stages[s.layer]:
+            raise ConfigError(
+                f"{where}.layer: monitor {g.monitor!r} at layer {layer} is scored on pipeline "
+                f"stage {self.stages[layer]}, but the steered layer {s.layer} runs on stage "
+                f"{self.stages[s.layer]}, which never sees that score; under pipeline "
+                "parallelism a gate reads a monitor on its own stage (stage of each layer: "
+                f"{list(self.stages)})"
             )
         sharp = 0.0 if g.sharpness is None else g.sharpness
         return (g.monitor, layer, d.hook, feature, g.threshold, sharp, g.source)

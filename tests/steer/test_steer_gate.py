@@ -193,7 +193,7 @@ def test_gates_match_eager_and_leave_closed_tokens_bitwise_alone():
 
 
 # ---------------------------------------------------------------- config, no graph
-def _frontend(monitors=True):
+def _frontend(monitors=True, stages=None):
     from actbus.monitor.config import MonitorConfig
     from actbus.steer.config import SteerConfig
     from actbus.steer.frontend import SteerFrontend
@@ -209,7 +209,9 @@ def _frontend(monitors=True):
         }
     )
     steer = SteerConfig.from_dict({"hooks": ["pre_attn", "post_attn", "post_block"]})
-    fe = SteerFrontend(steer, num_layers=4, hidden_size=4, monitors=mcfg if monitors else None)
+    fe = SteerFrontend(
+        steer, num_layers=4, hidden_size=4, monitors=mcfg if monitors else None, stages=stages
+    )
     fe.registry.register("v", np.ones(4))
     return fe
 
@@ -288,6 +290,43 @@ def test_bad_gates_name_the_field_and_the_fix(gate, needle):
             [{"vector": "v", "layers": 2, "hooks": "pre_attn", "gate": gate}], True, "steer"
         )
     assert needle in str(e.value), str(e.value)
+
+
+def test_under_pipeline_parallelism_a_gate_reads_a_monitor_on_its_own_stage():
+    """A later stage never computes an earlier stage's monitors, so a gate across stages
+    would read a buffer nothing writes (seen on 2 GPUs at PP=2: steered rows 0.6-1.2
+    off HF): refused by name, for the token's score and the previous token's alike."""
+    from actbus.errors import ConfigError
+
+    fe = _frontend(stages=(0, 0, 1, 1))  # monitor 'p' at layer 1: stage 0
+    for source in ("token", "previous"):
+        gate = {"monitor": "p", "threshold": 0.5, "source": source}
+        with pytest.raises(ConfigError) as e:
+            fe.request([{"vector": "v", "layers": 2, "hooks": "pre_attn", "gate": gate}], True, "s")
+        assert str(e.value).startswith("s[0].gate.layer: monitor 'p' at layer 1 is scored on ")
+        assert "pipeline stage 0, but the steered layer 2 runs on stage 1" in str(e.value)
+    # the same stage, and a one-stage engine, as before
+    assert fe.request([{"vector": "v", "layers": 1, "gate": gate}], True, "s") is not None
+    gate = {"monitor": "p", "threshold": 0.5}
+    assert _frontend().request([{"vector": "v", "layers": 2, "gate": gate}], True, "s")
+
+
+def test_pipeline_stages_follow_vllms_partition(monkeypatch):
+    from types import SimpleNamespace
+
+    from actbus.capture.session import pipeline_stages
+
+    def config(layers, pp):
+        mc = SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=layers))
+        return SimpleNamespace(
+            model_config=mc, parallel_config=SimpleNamespace(pipeline_parallel_size=pp)
+        )
+
+    assert pipeline_stages(config(4, 1)) is None
+    assert pipeline_stages(config(4, 2)) == (0, 0, 1, 1)
+    assert pipeline_stages(config(5, 2)) == (0, 0, 0, 1, 1)  # vLLM: the last stage lighter
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
+    assert pipeline_stages(config(4, 2)) == (0, 1, 1, 1)
 
 
 def test_a_gate_needs_monitors_and_salts_the_prefill_cache():
