@@ -72,6 +72,11 @@ def main() -> int:
     # The checkpoints are made with torch on the CPU first (its OpenMP threads started):
     # an engine core forked after that can hang at its first parallel op.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if args.pp > 1:
+        # Stage 0 holds layers 0-2, so the probe at layer 1 gates layer 2 on its own
+        # stage; the raw monitor at layer 2 gating layer 3 then crosses stages, which
+        # the engine must refuse by name (a later stage never sees the score).
+        os.environ["VLLM_PP_LAYER_PARTITION"] = f"{4 - args.pp + 1}" + ",1" * (args.pp - 1)
 
     import torch
 
@@ -231,6 +236,19 @@ def main() -> int:
         ({"monitor": "probe", "layer": 1, "threshold": thr_probe, "sharpness": 8.0}, 2,
          "pre_attn", probe, 8.0),
     ]  # fmt: skip
+    if args.pp > 1:
+        gate, layer, hook, *_ = gates.pop(0)
+        try:
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=prompts[2])],
+                params({"actbus": {"steer": [{"vector": vecs[0].tolist(), "layers": layer,
+                                              "hooks": hook, "gate": gate}]}}),
+                use_tqdm=False,
+            )  # fmt: skip
+            problems.append("a gate across pipeline stages was not refused")
+        except Exception as e:  # the front end's ConfigError, as vLLM raises it
+            if "is scored on pipeline stage" not in str(e):
+                problems.append(f"a gate across pipeline stages failed otherwise: {e}")
     gp = [
         params({"actbus": {"return": True, "monitor": [spec.name], "monitor_return": True,
                            "steer": [{"vector": vecs[i].tolist(), "layers": layer,
