@@ -509,8 +509,8 @@ def _count_bad_labels(stats: dict[str, Any], rows: int, request_id: str, tags: A
     """Rows whose label tag is not a number are skipped and counted (the first logged)."""
     if not stats.get("bad_label_rows"):
         log.warning(
-            "request %r: a label tag is not a number (tags %.200r); its rows are skipped "
-            "and counted as data/bad_label_rows",
+            "request %r: a label tag is not a number (or is beyond float32's +-3.4e38; tags "
+            "%.200r); its rows are skipped and counted as data/bad_label_rows",
             request_id,
             tags,
         )
@@ -520,7 +520,8 @@ def _count_bad_labels(stats: dict[str, Any], rows: int, request_id: str, tags: A
 def _report_bad_labels(stats: dict[str, Any]) -> None:
     if stats.get("bad_label_rows"):
         log.warning(
-            "skipped %d rows whose label tag is not a number (data/bad_label_rows)",
+            "skipped %d rows whose label tag is not a number float32 holds "
+            "(data/bad_label_rows)",
             stats["bad_label_rows"],
         )
 
