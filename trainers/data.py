@@ -520,8 +520,7 @@ def _count_bad_labels(stats: dict[str, Any], rows: int, request_id: str, tags: A
 def _report_bad_labels(stats: dict[str, Any]) -> None:
     if stats.get("bad_label_rows"):
         log.warning(
-            "skipped %d rows whose label tag is not a number float32 holds "
-            "(data/bad_label_rows)",
+            "skipped %d rows whose label tag is not a number float32 holds (data/bad_label_rows)",
             stats["bad_label_rows"],
         )
 
