@@ -10,7 +10,8 @@ writable by the engine's user only from the moment it exists (``bind_private_ipc
 and TCP control needs CURVE keys even on loopback: any local user can reach a loopback
 port, and ZeroMQ cannot tell who they are (``insecure_allow_any_interface`` opts out).
 
-A peer sends ``encode_push`` / ``encode_vector_push`` frames (or ``{"op": "status"}``)
+A peer sends ``encode_push`` / ``encode_vector_push`` frames (or ``{"op": "status"}``,
+or ``{"op": "swaps", "start": N}`` for a page of the swap log: ``ControlClient.swaps``)
 and gets one msgpack reply: ``{"ok": true, "monitor" (or "vector"), "version",
 "received"}`` or ``{"ok": false, "field", "error"}``. Every message is checked here, on
 this thread (size, shape, finite values, known monitor or live vector, increasing
@@ -246,6 +247,19 @@ class ControlServer:
                 },
             }
 
+    def swaps_page(self, start: Any) -> dict[str, Any]:
+        """At most ``SWAPS_REPORTED`` swap records from number ``start`` (swaps are
+        numbered from 0 since the engine started; the last ``SWAPS_KEPT`` are kept):
+        ``{"ok", "swaps", "next"}``, ``next`` the number after the last one given."""
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise PushError("start", "expected a swap number, an integer >= 0")
+        with self._lock:
+            first = self._swaps_total - len(self._swaps)
+            at = max(start, first)
+            end = min(at + SWAPS_REPORTED, self._swaps_total)
+            page = list(itertools.islice(self._swaps, at - first, end - first))
+            return {"ok": True, "swaps": page, "next": max(end, at)}
+
     # -------------------------------------------------------------- socket side
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -302,8 +316,10 @@ class ControlServer:
         op = header.get("op")
         if op == "status":
             return self.status()
+        if op == "swaps":
+            return self.swaps_page(header.get("start", 0))
         if op != "push":
-            raise PushError("op", f"{str(op)[:20]!r} is not one of push, status")
+            raise PushError("op", f"{str(op)[:20]!r} is not one of push, status, swaps")
         if "monitor" in header and "vector" in header:
             raise PushError("message", "a push names a monitor or a vector, not both")
         with self._lock:
@@ -396,8 +412,22 @@ class ControlClient:
         return self._call(encode_vector_push(vector, values, version, call_id=self._calls))
 
     def status(self) -> dict[str, Any]:
+        """Versions and counters; the latest swaps (``swaps``) and their figures
+        (``swap_ms``: p50, p99, max over the last ``SWAPS_KEPT``)."""
         self._calls += 1
         return self._call([msgpack.packb({"op": "status", "id": self._calls})])
+
+    def swaps(self, start: int = 0) -> list[dict[str, Any]]:
+        """Every swap record the engine keeps from number ``start`` on (the last
+        ``SWAPS_KEPT``), read a page at a time so each reply stays small."""
+        out: list[dict[str, Any]] = []
+        while True:
+            self._calls += 1
+            reply = self._call([msgpack.packb({"op": "swaps", "start": start, "id": self._calls})])
+            out += reply["swaps"]
+            if not reply["swaps"]:
+                return out
+            start = reply["next"]
 
     def _call(self, frames: list[bytes]) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout_s

@@ -120,6 +120,12 @@ def test_status_replies_to_peers_that_never_read_stay_bounded(tmp_path):
         assert len(msgpack.packb(st)) < 8192  # was ~320 KiB
         assert st["swaps_total"] == SWAPS_KEPT and len(st["swaps"]) == SWAPS_REPORTED
         assert st["swap_ms"]["over"] == SWAPS_KEPT and st["swap_ms"]["max"] >= 0
+        with ControlClient(address, timeout_s=30) as c:  # the whole log, a page a reply
+            log = c.swaps()
+            assert [s["version"] for s in log] == list(range(2, SWAPS_KEPT + 2))
+            assert [s["version"] for s in c.swaps(SWAPS_KEPT - 3)] == [4095, 4096, 4097]
+            with pytest.raises(PushRefused, match="start: expected a swap number"):
+                c.swaps(-1)
         # 900 asked; what did not fit the kernel's buffers and SEND_HWM is counted
         assert after["replies_dropped"] > 450, after
     finally:
