@@ -2,13 +2,13 @@
 steering vectors while serving.
 
 The engine core binds a ROUTER socket at ``actbus.control`` (one per data-parallel
-engine core, like the publisher). Its rules are the publisher's (``security``): an
-ipc path or loopback by default; any other interface only with CURVE keys, and then
-only clients whose public key is in ``authorized_keys`` get through the handshake.
-Control writes into the model's monitors, so an ipc socket file is readable and
-writable by the engine's user only from the moment it exists (``bind_private_ipc``),
-and TCP control needs CURVE keys even on loopback: any local user can reach a loopback
-port, and ZeroMQ cannot tell who they are (``insecure_allow_any_interface`` opts out).
+engine core, like the publisher). Its rules are the publisher's (``security``) and
+stricter: an ipc path by default; TCP only with CURVE keys, and then only clients
+whose public key is in ``authorized_keys`` get through the handshake. Control writes
+into the model's monitors, so an ipc socket file is readable and writable by the
+engine's user only from the moment it exists (``bind_private_ipc``), and TCP control
+needs CURVE keys even on loopback: any local user can reach a loopback port, and
+ZeroMQ cannot tell who they are (``insecure_allow_any_interface`` opts out).
 
 A peer sends ``encode_push`` / ``encode_vector_push`` frames (or ``{"op": "status"}``,
 or ``{"op": "swaps", "start": N}`` for a page of the swap log: ``ControlClient.swaps``)
@@ -39,6 +39,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -180,7 +181,7 @@ class ControlServer:
         largest = max([s.nbytes for s in slots.values()] + [4 * w for w in self.vectors.values()])
         self._sock.setsockopt(zmq.MAXMSGSIZE, largest + 65536)
         self._auth.apply(self._ctx, self._sock)
-        self._ipc_path = None
+        self._ipc_path: Path | None = None
         if cfg.address.startswith("ipc://") and not cfg.address.startswith("ipc://@"):
             self._ipc_path = bind_private_ipc(self._sock, cfg.address)
         else:
