@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,7 +232,12 @@ class FileWatch:
     list is taken once it has stayed the same for ``settle_s``: a file that keeps
     flipping between lists changes nothing until it settles (counted in ``flips``)."""
 
-    def __init__(self, path: Path, settle_s: float = FILE_SETTLE_S, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        path: Path,
+        settle_s: float = FILE_SETTLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.path = path
         self.settle_s = settle_s
         self._clock = clock
