@@ -189,7 +189,7 @@ class Pusher:
             if self.error is not None:
                 raise SystemExit(f"the pusher failed: {self.error!r}")
             mine = set(self.versions)
-            swaps = [s["swap_ms"] for s in self._client.status()["swaps"] if s["version"] in mine]
+            swaps = [s["swap_ms"] for s in self._client.swaps() if s["version"] in mine]
         finally:
             self._client.close()
         out = {"pushes_sent": len(mine), "pushes_used": len(swaps)}

@@ -90,8 +90,9 @@ def parse_labels(
     tags: Sequence[Mapping[str, Any] | None], label_tags: tuple[str, ...]
 ) -> tuple[torch.Tensor, list[int]]:
     """Labels ``[len(tags), len(label_tags)]`` (float32, NaN where a tag is absent) and
-    the indices whose label tags are not all finite numbers (e.g. ``'<img ...>'`` from
-    an HTTP request): their labels are NaN too, for the caller to count and skip."""
+    the indices whose label tags are not all finite float32 numbers (e.g. ``'<img ...>'``
+    or ``"1e39"`` from an HTTP request): their labels are NaN too, for the caller to
+    count and skip."""
     out = torch.full((len(tags), len(label_tags)), float("nan"))
     bad: list[int] = []
     for i, t in enumerate(tags if label_tags else ()):
@@ -110,8 +111,13 @@ def parse_labels(
     return out, bad
 
 
+LABEL_MAX = float(np.finfo(np.float32).max)
+"""Labels are float32: a larger value (1e39, 1e308) would become an infinity there."""
+
+
 def _as_float(v: Any) -> float | None:
-    """The number a tag value holds (NaN when absent), or None when it is not a finite one."""
+    """The number a tag value holds (NaN when absent), or None when it is not a finite
+    float32 (labels are float32: 1e308 is finite as a Python float, infinite there)."""
     if v is None:
         return float("nan")
     if isinstance(v, (int, float, str)):  # bool is an int; "1" a number
@@ -119,7 +125,7 @@ def _as_float(v: Any) -> float | None:
             f = float(v)
         except (ValueError, OverflowError):
             return None
-        return f if math.isfinite(f) else None
+        return f if math.isfinite(f) and abs(f) <= LABEL_MAX else None
     return None
 
 

@@ -24,6 +24,10 @@ module did to float32 precision (rounding of one multiplication per weight).
 A probe directory holds ``probe.safetensors`` (the linear head and the input
 standardisation) and ``probe.json`` (its config, which head predicts which request
 tag, and how to read the outputs); ``load_probe`` rebuilds it.
+
+A checkpoint is never written with a NaN or an infinity in it, nor with an SAE scale
+that cannot be folded (zero or infinite): ``CheckpointError`` names the tensor instead,
+and the previous checkpoint of that directory stays as it was.
 """
 
 from __future__ import annotations
@@ -118,11 +122,20 @@ def _cfg_json(sae: SparseAutoencoder, source: dict[str, Any], extra: dict) -> di
     return out
 
 
+class CheckpointError(ValueError):
+    """What would be saved is not a usable model (NaN weights, a zero scale)."""
+
+
 @torch.no_grad()
 def folded_weights(sae: SparseAutoencoder) -> dict[str, torch.Tensor]:
     """The weights acting on raw activations (SAELens' names), computed in float64 and
     rounded once to the weights' dtype."""
     s = float(sae.norm_scale)
+    if not (s > 0 and s < float("inf")):
+        raise CheckpointError(
+            f"the SAE's input scale is {s}: its first batch's rows were zero or too large "
+            "to square; nothing saved (train on rows of the stream's usual size)"
+        )
     dtype = sae.W_enc.dtype
 
     def f(t: torch.Tensor, factor: float) -> torch.Tensor:
@@ -169,10 +182,22 @@ def save_sae(
     }
     if sae.cfg.kind == "jumprelu":
         state["log_threshold"] = sae.log_threshold.detach()
-    _save(folded_weights(sae), path / WEIGHTS)
+    weights = folded_weights(sae)
+    _check_finite(weights, path / WEIGHTS)
+    _check_finite(state, path / STATE)
+    _save(weights, path / WEIGHTS)
     _save(state, path / STATE)
     _write_json(path / CFG, _cfg_json(sae, source, extra or {}))
     return path
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    for k, v in tensors.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise CheckpointError(
+                f"{path}: {k} holds NaN or infinite values (training diverged: a smaller "
+                "--lr, or rows of a usual size); nothing saved, the previous files stay"
+            )
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -242,7 +267,9 @@ def save_probe(
         if c.kind == "logistic"
         else "the predicted tag value"
     )
-    _save({k: v.detach() for k, v in probe.state_dict().items()}, path / PROBE_WEIGHTS)
+    weights = {k: v.detach() for k, v in probe.state_dict().items()}
+    _check_finite(weights, path / PROBE_WEIGHTS)
+    _save(weights, path / PROBE_WEIGHTS)
     meta = {
         "actbus": c.to_dict(),
         "heads": {tag: i for i, tag in enumerate(c.labels)},

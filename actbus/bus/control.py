@@ -2,21 +2,27 @@
 steering vectors while serving.
 
 The engine core binds a ROUTER socket at ``actbus.control`` (one per data-parallel
-engine core, like the publisher). Its rules are the publisher's (``security``): an
-ipc path or loopback by default; any other interface only with CURVE keys, and then
-only clients whose public key is in ``authorized_keys`` get through the handshake.
-Control writes into the model's monitors, so an ipc socket file is made readable and
-writable by the engine's user only.
+engine core, like the publisher). Its rules are the publisher's (``security``) and
+stricter: an ipc path by default; TCP only with CURVE keys, and then only clients
+whose public key is in ``authorized_keys`` get through the handshake. Control writes
+into the model's monitors, so an ipc socket file is readable and writable by the
+engine's user only from the moment it exists (``bind_private_ipc``), and TCP control
+needs CURVE keys even on loopback: any local user can reach a loopback port, and
+ZeroMQ cannot tell who they are (``insecure_allow_any_interface`` opts out).
 
-A peer sends ``encode_push`` / ``encode_vector_push`` frames (or ``{"op": "status"}``)
+A peer sends ``encode_push`` / ``encode_vector_push`` frames (or ``{"op": "status"}``,
+or ``{"op": "swaps", "start": N}`` for a page of the swap log: ``ControlClient.swaps``)
 and gets one msgpack reply: ``{"ok": true, "monitor" (or "vector"), "version",
 "received"}`` or ``{"ok": false, "field", "error"}``. Every message is checked here, on
 this thread (size, shape, finite values, known monitor or live vector, increasing
 version: ``actbus.bus.pushwire``); a refused one changes nothing. Memory is bounded
 whatever peers send: at most one pending push per monitor and per live vector (a newer
 one replaces a pending one that no step used yet), a message size cap
-(``ZMQ_MAXMSGSIZE``: a larger one drops that peer's connection) and a receive queue
-bound.
+(``ZMQ_MAXMSGSIZE``: a larger one drops that peer's connection), a receive queue
+bound, and replies bounded in size (``status`` holds the last ``SWAPS_REPORTED`` swaps
+and figures over the last ``SWAPS_KEPT``) and in number per peer (``ZMQ_SNDHWM``: a
+peer that never reads its replies loses the newer ones, counted in
+``replies_dropped``). Refused pushes are logged at a bounded rate (``LogRate``).
 
 ``take`` hands the pending pushes to the scheduler for the next step and records,
 per version, when it was received and when the step that uses it was scheduled
@@ -26,15 +32,18 @@ per version, when it was received and when the step that uses it was scheduled
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from actbus.bus.addresses import check_address
@@ -47,15 +56,21 @@ from actbus.bus.pushwire import (
     encode_push,
     encode_vector_push,
 )
-from actbus.bus.security import ClientAuth, ServerAuth, check_server_keys
+from actbus.bus.security import ClientAuth, ServerAuth, bind_private_ipc, check_server_keys
 from actbus.errors import ConfigError
+from actbus.logcap import LogRate, capped_text
 
 log = logging.getLogger("actbus.control")
 
 MAX_HEADER_BYTES = 4096
 MAX_FRAMES = 4
 RECV_HWM = 64
+SEND_HWM = 4
+"""Replies queued per peer, at most: one that does not read them loses the newer ones."""
 SWAPS_KEPT = 4096
+"""Swaps the ``swap_ms`` figures of ``status`` are taken over."""
+SWAPS_REPORTED = 32
+"""Swap records a ``status`` reply holds (the latest): a reply stays a few KiB."""
 FIELD = "actbus.control"
 
 
@@ -100,7 +115,23 @@ class ControlConfig:
             curve=bool(keys),
             insecure_allow_any_interface=insecure,
         )
+        check_keyless_tcp(raw["address"], curve=bool(keys), insecure=insecure)
         return cls(raw["address"], insecure_allow_any_interface=insecure, **keys)
+
+
+def check_keyless_tcp(address: str, *, curve: bool, insecure: bool) -> None:
+    """Refuse control on TCP without CURVE keys, loopback included: every local user can
+    connect to a loopback port and push weights, and ZeroMQ cannot tell who connected.
+    An ipc socket file (0600) lets only this user in."""
+    if curve or insecure or not address.startswith("tcp://"):
+        return
+    raise ConfigError(
+        f"{FIELD}.address={address!r}: control on TCP needs CURVE keys, even on loopback "
+        "(any local user can reach a loopback port and push weights); bind an ipc path "
+        "(ipc:///run/user/UID/actbus-control.sock: only this user may connect), or run "
+        f"`actbus keys DIR` and set {FIELD}.server_secret_key=DIR/server.key_secret and "
+        f"{FIELD}.authorized_keys=DIR/authorized_keys"
+    )
 
 
 class ControlServer:
@@ -125,6 +156,9 @@ class ControlServer:
         self.accepted = 0
         self.refused = 0
         self.superseded = 0
+        self.replies_dropped = 0
+        self._refused_log = LogRate(per_s=1.0, burst=10)  # the socket thread's only
+        self._swaps_total = 0
         self._pending: dict[tuple[str, str], Push] = {}
         self._swaps: deque[dict[str, Any]] = deque(maxlen=SWAPS_KEPT)
         self._lock = threading.Lock()
@@ -135,16 +169,23 @@ class ControlServer:
             insecure_allow_any_interface=cfg.insecure_allow_any_interface,
             prefix=f"{FIELD}.",
         )
+        check_keyless_tcp(
+            cfg.address, curve=self._auth.curve, insecure=cfg.insecure_allow_any_interface
+        )
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
         self._sock.rcvhwm = RECV_HWM
+        self._sock.sndhwm = SEND_HWM
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises: counted
         largest = max([s.nbytes for s in slots.values()] + [4 * w for w in self.vectors.values()])
         self._sock.setsockopt(zmq.MAXMSGSIZE, largest + 65536)
         self._auth.apply(self._ctx, self._sock)
-        self._sock.bind(cfg.address)
-        if cfg.address.startswith("ipc://"):
-            os.chmod(cfg.address[len("ipc://") :], 0o600)
+        self._ipc_path: Path | None = None
+        if cfg.address.startswith("ipc://") and not cfg.address.startswith("ipc://@"):
+            self._ipc_path = bind_private_ipc(self._sock, cfg.address)
+        else:
+            self._sock.bind(cfg.address)
         self._call_id: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="actbus-control", daemon=True)
@@ -165,6 +206,7 @@ class ControlServer:
             self._pending.clear()
             for p in out:
                 (self.in_use if p.kind == "monitor" else self.vector_in_use)[p.name] = p.version
+                self._swaps_total += 1
                 self._swaps.append(
                     {
                         p.kind: p.name,
@@ -177,7 +219,12 @@ class ControlServer:
         return out
 
     def status(self) -> dict[str, Any]:
+        """Versions, counters, the latest ``SWAPS_REPORTED`` swaps, and the ``swap_ms``
+        figures (p50, p99, max) over the last ``SWAPS_KEPT``: a few KiB however long
+        the engine has run."""
         with self._lock:
+            ms = np.fromiter((s["swap_ms"] for s in self._swaps), float, len(self._swaps))
+            recent = list(itertools.islice(self._swaps, max(0, len(ms) - SWAPS_REPORTED), None))
             return {
                 "ok": True,
                 "monitors": {
@@ -190,8 +237,29 @@ class ControlServer:
                 "accepted": self.accepted,
                 "refused": self.refused,
                 "superseded": self.superseded,
-                "swaps": list(self._swaps),
+                "replies_dropped": self.replies_dropped,
+                "swaps": recent,
+                "swaps_total": self._swaps_total,
+                "swap_ms": {
+                    "over": len(ms),
+                    "p50": float(np.percentile(ms, 50)) if len(ms) else None,
+                    "p99": float(np.percentile(ms, 99)) if len(ms) else None,
+                    "max": float(ms.max()) if len(ms) else None,
+                },
             }
+
+    def swaps_page(self, start: Any) -> dict[str, Any]:
+        """At most ``SWAPS_REPORTED`` swap records from number ``start`` (swaps are
+        numbered from 0 since the engine started; the last ``SWAPS_KEPT`` are kept):
+        ``{"ok", "swaps", "next"}``, ``next`` the number after the last one given."""
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise PushError("start", "expected a swap number, an integer >= 0")
+        with self._lock:
+            first = self._swaps_total - len(self._swaps)
+            at = max(start, first)
+            end = min(at + SWAPS_REPORTED, self._swaps_total)
+            page = list(itertools.islice(self._swaps, at - first, end - first))
+            return {"ok": True, "swaps": page, "next": max(end, at)}
 
     # -------------------------------------------------------------- socket side
     def _run(self) -> None:
@@ -215,14 +283,23 @@ class ControlServer:
                 with self._lock:
                     self.refused += 1
                 reply = {"ok": False, "field": e.field, "error": str(e)}
-                log.warning("actbus: refused a push: %s", e)
+                self._refused_log.log(
+                    log, logging.WARNING, "actbus: refused a push (%d so far): %s",
+                    self.refused, capped_text(str(e)),
+                )  # fmt: skip
             except Exception as e:  # never let one peer's message end the endpoint
-                log.exception("actbus: control message failed")
+                self._refused_log.log(
+                    log, logging.ERROR, "actbus: control message failed: %s",
+                    capped_text(f"{type(e).__name__}: {e}"),
+                )  # fmt: skip
                 reply = {"ok": False, "field": "message", "error": f"{type(e).__name__}: {e}"}
             if self._call_id is not None:
                 reply["id"] = self._call_id
-            with contextlib.suppress(zmq.ZMQError):  # the peer left
+            try:
                 self._sock.send_multipart([ident, msgpack.packb(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError:  # the peer left, or does not read its replies
+                with self._lock:
+                    self.replies_dropped += 1
 
     def _handle(self, frames: list[bytes]) -> dict[str, Any]:
         if not frames or len(frames) > MAX_FRAMES or len(frames[0]) > MAX_HEADER_BYTES:
@@ -240,8 +317,10 @@ class ControlServer:
         op = header.get("op")
         if op == "status":
             return self.status()
+        if op == "swaps":
+            return self.swaps_page(header.get("start", 0))
         if op != "push":
-            raise PushError("op", f"{str(op)[:20]!r} is not one of push, status")
+            raise PushError("op", f"{str(op)[:20]!r} is not one of push, status, swaps")
         if "monitor" in header and "vector" in header:
             raise PushError("message", "a push names a monitor or a vector, not both")
         with self._lock:
@@ -268,6 +347,9 @@ class ControlServer:
         self._sock.close(linger=0)
         self._auth.close()
         self._ctx.term()
+        if self._ipc_path is not None:  # ZeroMQ unlinked only the name it bound
+            with contextlib.suppress(OSError):
+                self._ipc_path.unlink()
 
 
 class PushRefused(RuntimeError):
@@ -331,8 +413,22 @@ class ControlClient:
         return self._call(encode_vector_push(vector, values, version, call_id=self._calls))
 
     def status(self) -> dict[str, Any]:
+        """Versions and counters; the latest swaps (``swaps``) and their figures
+        (``swap_ms``: p50, p99, max over the last ``SWAPS_KEPT``)."""
         self._calls += 1
         return self._call([msgpack.packb({"op": "status", "id": self._calls})])
+
+    def swaps(self, start: int = 0) -> list[dict[str, Any]]:
+        """Every swap record the engine keeps from number ``start`` on (the last
+        ``SWAPS_KEPT``), read a page at a time so each reply stays small."""
+        out: list[dict[str, Any]] = []
+        while True:
+            self._calls += 1
+            reply = self._call([msgpack.packb({"op": "swaps", "start": start, "id": self._calls})])
+            out += reply["swaps"]
+            if not reply["swaps"]:
+                return out
+            start = reply["next"]
 
     def _call(self, frames: list[bytes]) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout_s

@@ -9,7 +9,13 @@ Three spellings, combinable where it makes sense:
   range per address; it may appear in a list item);
 - ``@FILE``: a file listing endpoints, one per line (``#`` starts a comment, blank
   lines are skipped, lines may use ranges). The file is read again whenever it
-  changes, so a fleet that scales up or down needs no restart of its subscribers.
+  changes, so a fleet that scales up or down needs no restart of its subscribers; a
+  new list is taken once it has stayed the same for ``FILE_SETTLE_S`` (a file that
+  keeps flipping cannot make its subscribers re-subscribe over and over).
+
+At most ``MAX_ENDPOINTS`` publishers, counted as a spec or a file is read (a range is
+counted before it is expanded), and a file of at most ``MAX_FILE_BYTES``: a listing of
+thousands of ranges is refused at once, not parsed for seconds.
 
 Every address is checked as ``check_address`` checks it (errors name ``--connect``).
 
@@ -26,15 +32,22 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from actbus.bus.addresses import check_address
 from actbus.errors import ConfigError
+from actbus.logcap import LogRate
 
 log = logging.getLogger("actbus.endpoints")
 MAX_ENDPOINTS = 1024
 """More publishers than this in one spec is a typo (a range of ports, say)."""
+MAX_FILE_BYTES = 1 << 20
+"""An endpoints file larger than this is refused (1,024 addresses take ~100 KB)."""
+FILE_SETTLE_S = 3.0
+"""A changed endpoints file is applied once its new list has stayed this long."""
 _BRACES = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(\d+)\.\.(\d+)")
 _RANK = re.compile(r"(?:(\d+)\+)?dp_rank")
@@ -58,8 +71,9 @@ def _braces(item: str, field_name: str, example: str) -> tuple[str, str, str] | 
     return item[: m.start()], m.group(1), item[m.end() :]
 
 
-def expand(item: str, *, field_name: str = "--connect") -> list[str]:
-    """One address, or the addresses of its rank range, each checked."""
+def expand(item: str, *, field_name: str = "--connect", room: int = MAX_ENDPOINTS) -> list[str]:
+    """One address, or the addresses of its rank range, each checked; more than
+    ``room`` of them is refused before any is built."""
     parts = _braces(item, field_name, RANGE_EXAMPLE)
     if parts is None:
         return [check_address(item, field_name=field_name, allow_remote=True)]
@@ -78,8 +92,8 @@ def expand(item: str, *, field_name: str = "--connect") -> list[str]:
     lo, hi = (int(x) for x in m.groups())
     if hi < lo:
         raise ConfigError(f"{field_name}={item!r}: the range {{{lo}..{hi}}} runs backwards")
-    if hi - lo + 1 > MAX_ENDPOINTS:
-        raise ConfigError(f"{field_name}={item!r}: at most {MAX_ENDPOINTS} publishers")
+    if hi - lo + 1 > room:
+        raise ConfigError(f"{field_name}={item!r}: at most {MAX_ENDPOINTS} publishers in all")
     return [
         check_address(f"{before}{i}{after}", field_name=field_name, allow_remote=True)
         for i in range(lo, hi + 1)
@@ -144,18 +158,30 @@ def _unique(addresses: list[str], field_name: str, where: str) -> list[str]:
 
 
 def read_file(path: Path, field_name: str = "--connect") -> list[str]:
-    """The endpoints listed in ``path`` (errors name the file and line)."""
+    """The endpoints listed in ``path`` (errors name the file and line); the caps
+    (``MAX_FILE_BYTES``, ``MAX_ENDPOINTS``) apply as it is read."""
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(
             f"{field_name}=@{path}: cannot read the endpoints file: {e.strerror or e}"
         ) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(
+            f"{field_name}=@{path}: the endpoints file is over {MAX_FILE_BYTES} bytes; list "
+            f"at most {MAX_ENDPOINTS} publishers, one a line"
+        )
+    text = raw.decode(errors="replace")
     out: list[str] = []
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if line:
-            out += expand(line, field_name=f"{field_name}=@{path} line {n}")
+        if not line:
+            continue
+        where = f"{field_name}=@{path} line {n}"
+        if len(out) >= MAX_ENDPOINTS:
+            raise ConfigError(f"{where}: more than {MAX_ENDPOINTS} publishers in the file")
+        out += expand(line, field_name=where, room=MAX_ENDPOINTS - len(out))
     return _unique(out, field_name, f" in {path}")
 
 
@@ -180,7 +206,11 @@ class Endpoints:
         items = [s.strip() for s in spec.split(",")]
         if not all(items):
             raise ConfigError(f"{field_name}={spec!r}: an empty item in the list")
-        out = [a for item in items for a in expand(item, field_name=field_name)]
+        out: list[str] = []
+        for item in items:
+            if len(out) >= MAX_ENDPOINTS:
+                raise ConfigError(f"{field_name}: more than {MAX_ENDPOINTS} publishers")
+            out += expand(item, field_name=field_name, room=MAX_ENDPOINTS - len(out))
         return cls(spec, tuple(_unique(out, field_name, "")), None)
 
     @property
@@ -198,15 +228,29 @@ class Endpoints:
 
 class FileWatch:
     """Re-reads an endpoints file when its mtime or size changes. A file that breaks
-    (a bad line, removed while rewritten) is logged and the last good list kept."""
+    (a bad line, removed while rewritten) is logged and the last good list kept. A new
+    list is taken once it has stayed the same for ``settle_s``: a file that keeps
+    flipping between lists changes nothing until it settles (counted in ``flips``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(
+        self,
+        path: Path,
+        settle_s: float = FILE_SETTLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.path = path
+        self.settle_s = settle_s
+        self._clock = clock
         self._sig: tuple[int, int] | None = None
         self.addresses: list[str] = []
+        self.flips = 0
+        """New lists replaced by another before they settled."""
+        self._next: tuple[list[str], float] | None = None  # a new list, and since when
+        self._log = LogRate(per_s=0.1, burst=2)
 
     def changed(self) -> bool:
         """True when the list changed since the last call (read it in ``addresses``)."""
+        now = self._clock()
         try:
             st = os.stat(self.path)
         except OSError as e:
@@ -215,15 +259,33 @@ class FileWatch:
                 self._sig = None
             return False
         sig = (st.st_mtime_ns, st.st_size)
-        if sig == self._sig:
+        if sig != self._sig:
+            self._sig = sig
+            try:
+                new = read_file(self.path)
+            except ConfigError as e:
+                log.warning("%s; keeping the last good list of %d", e, len(self.addresses))
+                return False
+            if self._next is not None and self._next[0] != new:  # replaced unsettled
+                self.flips += 1
+                self._log.log(
+                    log, logging.WARNING,
+                    "endpoints file %s keeps changing (%d lists replaced before they "
+                    "settled); keeping the %d publishers read now until one list stays %.0fs",
+                    self.path, self.flips, len(self.addresses), self.settle_s,
+                )  # fmt: skip
+            if new == self.addresses:
+                self._next = None
+            elif self._next is None or self._next[0] != new:
+                self._next = (new, now)
+        if self._next is None or now - self._next[1] < self.settle_s:
             return False
-        self._sig = sig
-        try:
-            new = read_file(self.path)
-        except ConfigError as e:
-            log.warning("%s; keeping the last good list of %d", e, len(self.addresses))
-            return False
-        if new == self.addresses:
-            return False
-        self.addresses = new
+        self.addresses, self._next = self._next[0], None
         return True
+
+    def read_now(self) -> list[str]:
+        """Take the file's list as it is now (at start: nothing to settle from)."""
+        self.changed()
+        if self._next is not None:
+            self.addresses, self._next = self._next[0], None
+        return self.addresses

@@ -14,6 +14,15 @@ that comes back (a new ``publisher_id``) is taken up again: its batches carry th
 new ``Source``. With an endpoints file (``--connect @FILE``) publishers listed later
 are subscribed to, and ones removed are let go, while the stream runs.
 
+All of a fan-in's subscribers share one ZeroMQ context (its I/O thread) and one
+thread that sends their KEEPALIVEs, so a fan-in costs a few threads whatever the
+number of publishers, and about ``FDS_PER_PUBLISHER`` file descriptors per publisher:
+a list that would not fit the process's ``RLIMIT_NOFILE`` is refused at start (and an
+endpoints file that grows past it is not followed) with an error naming ``ulimit -n``.
+
+Reading a non-loopback tcp publisher without CURVE keys is allowed (the publisher had
+to opt in with ``insecure_allow_any_interface``) but logged as INSECURE.
+
 ``subscribe`` is the one way every command opens its stream: a single address gets
 a plain ``Subscriber`` (the single-publisher path, unchanged), anything else a
 ``FanIn`` with the same reading interface.
@@ -23,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import fields
@@ -30,14 +41,50 @@ from typing import Any
 
 import zmq
 
-from actbus.bus.endpoints import Endpoints, FileWatch
+from actbus.bus.addresses import is_loopback_address
+from actbus.bus.endpoints import MAX_ENDPOINTS, Endpoints, FileWatch
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch, Event, Subscriber, SubscriberStats
+from actbus.errors import ConfigError
 
 log = logging.getLogger("actbus.fanin")
 FILE_CHECK_S = 1.0
 """How often an endpoints file is looked at (its mtime; read only when it changed)."""
 _SUMMED = ("received", "bytes_received", "missed", "rejected", "welcomes", "lost")
+FDS_PER_PUBLISHER = 6
+"""File descriptors one publisher's subscriber holds (measured on Linux): the data and
+the keepalive sockets' mailboxes and connections, and the handshake monitor's pair."""
+FDS_RESERVE = 64
+"""File descriptors left for the rest of the process (files, logs, the consumer's own)."""
+
+
+def check_fd_budget(count: int, field_name: str = "--connect") -> None:
+    """Refuse ``count`` publishers whose sockets would not fit ``RLIMIT_NOFILE``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = count * FDS_PER_PUBLISHER + FDS_RESERVE
+    most = max(0, (soft - FDS_RESERVE) // FDS_PER_PUBLISHER)
+    if soft != resource.RLIM_INFINITY and need > soft:
+        raise ConfigError(
+            f"{field_name}: {count} publishers need about {need} open files, and this "
+            f"process may open {soft} (RLIMIT_NOFILE); raise it (`ulimit -n {need}`) or "
+            f"read fewer publishers per consumer (at most {most} here)"
+        )
+
+
+def warn_keyless(addresses: list[str], curve: bool) -> None:
+    """One INSECURE line for the non-loopback tcp publishers read without CURVE keys."""
+    if curve:
+        return
+    remote = [a for a in addresses if not is_loopback_address(a)]
+    if remote:
+        more = f" and {len(remote) - 3} more" if len(remote) > 3 else ""
+        log.warning(
+            "INSECURE: reading %s%s without CURVE keys: anyone on the network path can read "
+            "the stream, and a host that takes an address can feed this consumer; set "
+            "server_key and client_secret_key (--server-key, --client-secret-key)",
+            ", ".join(remote[:3]),
+            more,
+        )
 
 
 class FanIn:
@@ -54,7 +101,14 @@ class FanIn:
         )
         self.address = self.endpoints.describe()
         self.subscription = subscription or Subscription()
-        self._kw = subscriber_kw
+        self._kw = {**subscriber_kw, "keepalive": False}
+        self._keepalive = subscriber_kw.get("keepalive", True)
+        self._curve = subscriber_kw.get("client_secret_key") is not None
+        self._ctx = zmq.Context()
+        # Every subscriber's data, keepalive and monitor sockets, in this one context.
+        self._ctx.set(zmq.MAX_SOCKETS, 4 * MAX_ENDPOINTS + 64)
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
         self.publishers: dict[str, Subscriber] = {}
         """One subscriber per publisher address, in the order they were listed."""
         self._retired = SubscriberStats()  # counters of publishers let go (file edits)
@@ -68,10 +122,16 @@ class FanIn:
         self._watch = FileWatch(self.endpoints.file) if self.endpoints.file else None
         self._next_file_check = 0.0
         try:
-            self._sync(self.endpoints.current())
+            first = self._watch.read_now() if self._watch else self.endpoints.current()
+            check_fd_budget(len(first))
+            self._sync(first)
             if self._watch is not None:
-                self._watch.changed()  # its signature now: edits from here on are news
                 self._next_file_check = time.monotonic() + FILE_CHECK_S
+            if self._keepalive:
+                self._keeper = threading.Thread(
+                    target=self._keep_alive, name="actbus-fanin-keepalive", daemon=True
+                )
+                self._keeper.start()
         except BaseException:
             self.close()
             raise
@@ -207,6 +267,11 @@ class FanIn:
             return
         self._next_file_check = time.monotonic() + FILE_CHECK_S
         if self._watch.changed():
+            try:
+                check_fd_budget(len(self._watch.addresses), f"--connect=@{self._watch.path}")
+            except ConfigError as e:
+                log.warning("%s; keeping the %d publishers read now", e, len(self.publishers))
+                return
             self._sync(self._watch.addresses)
 
     def _sync(self, addresses: list[str]) -> None:
@@ -221,9 +286,10 @@ class FanIn:
             self._ended.discard(addr)
             s.close()
             log.info("publisher %s no longer listed: unsubscribed", addr)
+        warn_keyless([a for a in addresses if a not in self.publishers], self._curve)
         for addr in addresses:
             if addr not in self.publishers:
-                s = Subscriber(addr, self.subscription, **self._kw)
+                s = Subscriber(addr, self.subscription, context=self._ctx, **self._kw)
                 self.publishers[addr] = s
                 self._poller.register(s.socket, zmq.POLLIN)
                 if self._watch is not None or self._order:
@@ -232,11 +298,35 @@ class FanIn:
         if self._current not in self._order:
             self._current = None
 
+    def _keep_alive(self) -> None:
+        """One thread for every subscriber's KEEPALIVEs (see ``Subscriber``): each gets a
+        socket of its own here, made, used and closed on this thread only."""
+        socks: dict[Subscriber, zmq.Socket] = {}
+        try:
+            while True:
+                subs = list(self._order)  # replaced, never changed in place: a snapshot
+                if self._stop.wait(min((s.beat_s() for s in subs), default=0.5)):
+                    return
+                for s in [s for s in socks if s not in subs]:
+                    socks.pop(s).close(linger=0)
+                for s in subs:
+                    if s not in socks:
+                        socks[s] = s.keepalive_socket()
+                    s.beat(socks[s])
+        finally:
+            for sock in socks.values():
+                sock.close(linger=0)
+
     def close(self) -> None:
         """Say goodbye to every publisher. Idempotent."""
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
         for s in self.publishers.values():
             with contextlib.suppress(Exception):
                 s.close()
+        if not self._ctx.closed:  # any socket a failed close left open is closed here
+            self._ctx.destroy(linger=0)
 
     def __enter__(self) -> FanIn:
         return self
@@ -252,6 +342,7 @@ def subscribe(
     single-publisher path, unchanged), a ``FanIn`` for several or a file."""
     endpoints = connect if isinstance(connect, Endpoints) else Endpoints.parse(connect)
     if not endpoints.fan_in:
+        warn_keyless(list(endpoints.addresses), kw.get("client_secret_key") is not None)
         return Subscriber(endpoints.addresses[0], subscription, **kw)
     return FanIn(endpoints, subscription, **kw)
 

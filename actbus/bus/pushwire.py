@@ -24,6 +24,11 @@ import numpy as np
 from actbus.errors import ConfigError
 
 MAX_VERSION = 2**62
+"""No version goes above this (int64 arithmetic everywhere keeps its headroom)."""
+MAX_VERSION_STEP = 2**32
+"""An explicit version is at most this far above the current one: room for a training
+step or a Unix time in seconds, while no one push can use up the version space (and
+so lock out later explicit versions): that takes 2**30 accepted pushes."""
 
 
 @dataclass(frozen=True)
@@ -132,9 +137,23 @@ def _known_name(
 def _next_version(header: dict[str, Any], current: int, what: str) -> int:
     version = header.get("version")
     if version is None:
+        if current >= MAX_VERSION:
+            raise PushError(
+                "version",
+                f"{what} is at the highest version {MAX_VERSION}; restart the engine to "
+                "number its pushes afresh",
+            )
         return current + 1
-    if not isinstance(version, int) or isinstance(version, bool) or version > MAX_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool):
         raise PushError("version", f"expected an integer, got {str(version)[:40]}")
+    if version > min(current + MAX_VERSION_STEP, MAX_VERSION):
+        raise PushError(
+            "version",
+            f"{str(version)[:40]} is more than {MAX_VERSION_STEP} (2**32) above {what}'s "
+            f"current version {current} (or above {MAX_VERSION}): it would use up the "
+            "version space; give a smaller version, or leave it out and the engine numbers "
+            "the push",
+        )
     if version <= current:
         raise PushError(
             "version",

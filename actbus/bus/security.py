@@ -14,6 +14,7 @@ closed on any error.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -37,6 +38,8 @@ log = logging.getLogger("actbus.security")
 SERVER = "server"
 AUTHORIZED_KEYS = "authorized_keys"
 SECRET_MODE = 0o600
+_IPC_PATH_MAX = 107
+"""The longest path a Unix socket address holds (``sun_path`` less its NUL)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,39 @@ def check_server_keys(
     if load and server_secret_key is not None and authorized_keys is not None:
         load_secret_key(server_secret_key, f"{prefix}server_secret_key")
         load_authorized_keys(authorized_keys, f"{prefix}authorized_keys")
+
+
+def bind_private_ipc(sock: zmq.Socket, address: str, mode: int = SECRET_MODE) -> Path:
+    """Bind ``sock`` to the ipc path of ``address`` so that the socket file has ``mode``
+    from the moment anyone can reach it; the path bound.
+
+    A socket file is made with the process's umask (not thread-safe to change), so
+    chmod after bind leaves a window in which another local user can connect. Here the
+    socket is bound inside a fresh directory only this user may enter (0700), set to
+    ``mode`` there, and renamed into place: the connection keeps working (a socket is
+    found by its file), and the path others see is never anything but ``mode``. The
+    caller unlinks the path after closing the socket (ZeroMQ would unlink the
+    temporary name)."""
+    path = Path(address[len("ipc://") :]).absolute()
+    private = tempfile.mkdtemp(prefix=".actbus-bind-", dir=path.parent)  # 0700
+    try:
+        inner = os.path.join(private, "s")
+        if len(inner.encode()) > _IPC_PATH_MAX:
+            raise ConfigError(
+                f"{address}: the socket's directory {path.parent} is too deep to bind in "
+                f"privately ({len(inner.encode())} > {_IPC_PATH_MAX} bytes of a path); use "
+                "a shorter directory, e.g. /run/user/UID"
+            )
+        sock.bind(f"ipc://{inner}")
+        os.chmod(inner, mode)
+        os.rename(inner, path)  # atomic: replaces a stale file of a previous run
+    except BaseException:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.unbind(f"ipc://{os.path.join(private, 's')}")
+        raise
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return path
 
 
 class _AuthorizedKeys:

@@ -184,7 +184,12 @@ class Subscriber:
         max_busy_s: float | None = None,
         server_key: str | None = None,
         client_secret_key: str | None = None,
+        context: zmq.Context | None = None,
     ) -> None:
+        """``context``: a ZeroMQ context to share (a ``FanIn``'s, whose subscribers then
+        cost no I/O threads of their own); without one, the subscriber has its own.
+        ``keepalive=False``: the caller sends the KEEPALIVEs (``keepalive_socket`` and
+        ``beat``), as a ``FanIn`` does for all its subscribers from one thread."""
         self.address = address
         # CURVE keys (checked now: ConfigError names a bad path), and handshake watching.
         self._auth = ClientAuth(address, server_key=server_key, client_secret_key=client_secret_key)
@@ -193,7 +198,8 @@ class Subscriber:
         self.max_busy_s = max_busy_s
         self.stats = SubscriberStats()
         self.welcome: dict[str, Any] | None = None
-        self._ctx = zmq.Context()
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
         self._ident = uuid.uuid4().bytes
         self._sock = self._make_socket(self._ident)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
@@ -326,7 +332,8 @@ class Subscriber:
             self._sock.send_multipart([BYE, pack_map({})], zmq.NOBLOCK)
         self._auth.close()
         self._sock.close(linger=100)
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
     def __enter__(self) -> Subscriber:
         return self
@@ -344,22 +351,33 @@ class Subscriber:
         sock.connect(self.address)
         return sock
 
-    def _keep_alive(self) -> None:
-        """Background thread: tell the publisher we live while the consumer is busy."""
+    def keepalive_socket(self) -> zmq.Socket:
+        """A socket of its own for KEEPALIVEs, to be used (``beat``) and closed by the one
+        thread that sends them (zmq sockets are not thread-safe)."""
         sock = self._make_socket(uuid.uuid4().bytes)
         sock.setsockopt(zmq.SNDHWM, 4)  # with no publisher, do not pile up stale ones
-        body = pack_map({"of": self._ident})
+        return sock
+
+    def beat(self, sock: zmq.Socket) -> None:
+        """Tell the publisher we live (on ``keepalive_socket``'s socket), unless the
+        consumer has been away longer than ``max_busy_s``."""
+        busy = time.monotonic() - self._last_recv_call
+        if self.max_busy_s is not None and busy > self.max_busy_s:
+            return  # a consumer stuck this long is let go
+        with contextlib.suppress(zmq.Again):
+            sock.send_multipart([KEEPALIVE, pack_map({"of": self._ident})], zmq.NOBLOCK)
+
+    def _keep_alive(self) -> None:
+        """Background thread: tell the publisher we live while the consumer is busy."""
+        sock = self.keepalive_socket()
         try:
-            while not self._stop.wait(self._beat_s()):
-                busy = time.monotonic() - self._last_recv_call
-                if self.max_busy_s is not None and busy > self.max_busy_s:
-                    continue  # a consumer stuck this long is let go
-                with contextlib.suppress(zmq.Again):
-                    sock.send_multipart([KEEPALIVE, body], zmq.NOBLOCK)
+            while not self._stop.wait(self.beat_s()):
+                self.beat(sock)
         finally:
             sock.close(linger=0)
 
-    def _beat_s(self) -> float:
+    def beat_s(self) -> float:
+        """How often to send a KEEPALIVE: the publisher's heartbeat period."""
         welcome = self.welcome
         return float(welcome.get("heartbeat_s", 0.5)) if welcome else 0.5
 

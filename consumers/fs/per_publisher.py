@@ -75,9 +75,11 @@ class PerPublisherSink(Consumer):
         if sink is None:
             sink = self.sinks[src.address] = self._make(self.out / run_name(src.address))
             log.info("publisher %s: writing its run to %s", src.address, sink.out)
-        if self._run_of.get(src.address, "") != src.publisher_id:
+        welcome = self._welcomes.pop(str(src.publisher_id), None)  # as Source caps it
+        if welcome is not None or self._run_of.get(src.address, "") != src.publisher_id:
+            # A new run, or the same id welcomed again (the sink then checks its steps).
             self._run_of[src.address] = src.publisher_id
-            sink.on_welcome(self._welcomes.pop(str(src.publisher_id), {}))  # as Source caps it
+            sink.on_welcome(welcome or {})
         sink.on_batch(batch)
 
     def on_heartbeat(self, info: dict[str, Any], caught_up: bool) -> None:

@@ -14,6 +14,13 @@ counted in the manifest's counters as ``messages_rejected_FIELD``), and shard
 paths are built only from a plain hook and a layer >= 0 and resolved under the
 run (``layout.shard_dir``; rows refused there are counted as
 ``rows_refused_unsafe_path``). A refusal is logged once and the sink goes on.
+
+A publisher numbers its steps from 0 and sends them in order, so a step that goes
+back within a stream is another run's: a restarted publisher that kept (or forged) the
+``publisher_id`` of the stream being written. The sink never merges the two: it
+starts a new stream there (counted as ``streams_split``; ``replay`` keeps streams
+apart), once per WELCOME; steps that go back again before the next WELCOME are
+refused and counted (``rows_refused_step_order``).
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class FsSink(Consumer):
         self.out = self.writer.out
         self.counts = self.writer.counts
         self.rows_received = 0
+        self._stream_steps: dict[tuple[int, str], int] = {}  # latest step per tap
+        self._split_since_welcome = False
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -189,7 +198,31 @@ class FsSink(Consumer):
 
     # ------------------------------------------------------------------ events
     def on_welcome(self, info: dict[str, Any]) -> None:
+        before = self.writer.manifest.get("streams", []).copy()
         self.writer.set_stream(info)
+        if self.writer.manifest["streams"] != before:
+            self._stream_steps.clear()
+        self._split_since_welcome = False
+
+    def _in_order(self, layer: int, hook: str, step: int, rows: int) -> bool:
+        """Whether a batch continues its stream; a step that goes back starts a new one
+        (once per WELCOME) or is refused."""
+        key = (layer, hook)
+        last = self._stream_steps.get(key)
+        if last is not None and step < last:
+            if self._split_since_welcome:
+                self.counts["rows_refused_step_order"] += rows
+                return False
+            self.writer.split_stream()
+            self._stream_steps.clear()
+            self._split_since_welcome = True
+            log.warning(
+                "step %d of layer %d %s after step %d in the same stream: another run under "
+                "publisher id %s; written as a new stream (streams_split)",
+                step, layer, capped(hook), last, capped(self.writer.manifest["streams"][-1]),
+            )  # fmt: skip
+        self._stream_steps[key] = step
+        return True
 
     def on_batch(self, batch: Batch) -> None:
         h = batch.header
@@ -197,6 +230,8 @@ class FsSink(Consumer):
             return
         self.rows_received += h.rows.num_rows
         self.counts["rows_received"] += h.rows.num_rows
+        if not self._in_order(h.layer, h.hook, h.step, h.rows.num_rows):
+            return
         if not self.store_filter.wants(h.layer, h.hook):
             self.counts["rows_not_selected"] += h.rows.num_rows
             return

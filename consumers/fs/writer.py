@@ -223,12 +223,25 @@ class ShardWriter:
         pid = pid[:64] if isinstance(pid, str) else None
         streams = m.setdefault("streams", [])
         if not streams or streams[-1] != pid:
-            for key in list(self._open):
-                self._rotate(key)
-            self._commits.join()
-            streams.append(pid)
+            self._start_stream(pid)
         self._stream = len(streams) - 1
         self.write_manifest()  # the run directory shows the sink is subscribed
+
+    def split_stream(self) -> None:
+        """Start a new stream under the current publisher id: its steps went back, so
+        these rows are another run's (a restarted publisher that kept, or forged, the
+        id); merged, the two would be one stream to ``replay`` and ``verify``."""
+        streams = self.manifest.setdefault("streams", [])
+        self._start_stream(streams[-1] if streams else None)
+        self._stream = len(streams) - 1
+        self.counts["streams_split"] += 1
+        self.write_manifest()
+
+    def _start_stream(self, pid: str | None) -> None:
+        for key in list(self._open):
+            self._rotate(key)
+        self._commits.join()
+        self.manifest.setdefault("streams", []).append(pid)
 
     def _adopt_orphans(self) -> None:
         listed = {s["path"] for s in self.manifest["shards"]}

@@ -40,9 +40,10 @@ HIDDEN = 16
 ROWS = 4
 
 
-def good(step: int) -> tuple[dict, bytes]:
-    """A valid message of request ``g{step}``: its header map and its tensor bytes."""
-    ri = RowIndex([f"g{step}"], np.array([0, ROWS]), np.arange(ROWS), np.arange(ROWS) + 7)
+def good(step: int, rid: str | None = None) -> tuple[dict, bytes]:
+    """A valid message of request ``rid`` (``g{step}``): its header map and its tensor
+    bytes."""
+    ri = RowIndex([rid or f"g{step}"], np.array([0, ROWS]), np.arange(ROWS), np.arange(ROWS) + 7)
     h = Header(step, 0, "post_block", "float32", (ROWS, HIDDEN), "hostile", ri)
     return msgpack.unpackb(h.encode()), torch.full((ROWS, HIDDEN), float(step)).numpy().tobytes()
 
@@ -106,12 +107,14 @@ class HostilePublisher:
             if frames[1] == HELLO:
                 self.ident = frames[0]
 
-    def welcome(self, timeout: float) -> None:
+    def welcome(
+        self, timeout: float, publisher_id: str = "hostile", heartbeat_s: float = 5.0
+    ) -> None:
         self.hello(timeout)
         info = {
             "schema": SCHEMA_VERSION,
-            "publisher_id": "hostile",
-            "heartbeat_s": 5.0,
+            "publisher_id": publisher_id,
+            "heartbeat_s": heartbeat_s,
             "next_seq": 0,
             "model": "hostile",
             "hidden_size": HIDDEN,
@@ -251,3 +254,45 @@ def test_a_refusal_with_a_10_mb_reason_is_quoted_short(tmp_path):
     text = (tmp_path / "run.log").read_text(errors="replace")
     assert rc == 1 and "refused: go away xxx" in text, text[-2000:]
     assert len(text) < 20_000, len(text)
+
+
+@pytest.mark.timeout(180)
+def test_a_restarted_publisher_with_the_same_id_is_never_merged_into_the_stream(tmp_path):
+    """Issue 33, LOW: a publisher restarted under the ``publisher_id`` of the run being
+    written (forged, or kept) was merged into that run's stream, its steps from 0 among
+    the first run's, and ``verify()`` called it clean. Now its rows are a stream of
+    their own (``streams_split``), replayed apart; a step that goes back again before
+    another WELCOME is refused and counted."""
+    address, out = f"ipc://{tmp_path}/bus.sock", tmp_path / "run"
+    proc = start_sink(address, out, "--exit-on-end", "--shard-rows", "8")
+    first = HostilePublisher(address)
+    try:
+        first.welcome(60, publisher_id="run-a", heartbeat_s=0.1)
+        for step in range(10):
+            first.data(step, *good(step))
+        wait_for(lambda: (manifest(out) or {}).get("total_rows", 0) >= 8, 60, "a first shard")
+        first.close()  # killed: silent, no END
+        second = HostilePublisher(address)  # restarted, with the same id
+        try:
+            # The sink hears nothing for its silence limit (3 s), then says HELLO again.
+            second.welcome(60, publisher_id="run-a", heartbeat_s=0.1)
+            for seq, step in enumerate([0, 1, 2, 3, 4, 2]):  # the last goes back again
+                second.data(seq, *good(step, f"b{seq}"))
+            second.end()
+            wait_for(lambda: proc.poll() is not None, 90, "the sink to store and exit at END")
+        finally:
+            second.close()
+    finally:
+        rc = stop(proc)
+    text = (tmp_path / "run.log").read_text(errors="replace")
+    assert rc == 0, text[-3000:]
+    run = ActivationRun(out)
+    assert run.manifest["streams"] == ["run-a", "run-a"], run.manifest["streams"]
+    counters = run.manifest["counters"]
+    assert counters["streams_split"] == 1 and counters["rows_refused_step_order"] == ROWS
+    by_stream: dict[int, set[int]] = {}
+    for s in run.manifest["shards"]:
+        by_stream.setdefault(s["stream"], set()).update(range(s["steps"][0], s["steps"][1] + 1))
+    assert by_stream == {0: set(range(10)), 1: set(range(5))}, by_stream
+    assert run.verify() == []
+    assert "another run under publisher id 'run-a'" in text

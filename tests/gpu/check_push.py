@@ -133,7 +133,7 @@ def main() -> int:
     thread.join(timeout=30)
     after = llm.collective_rpc(compile_counts)
     with ControlClient(control, timeout_s=30) as c:
-        swaps = [s["swap_ms"] for s in c.status()["swaps"] if s["version"] in pushed]
+        swaps = [s["swap_ms"] for s in c.swaps() if s["version"] in pushed]
 
     torch.set_float32_matmul_precision("highest")
     problems = list(failures)

@@ -2,13 +2,18 @@
 
 python -m tests.trainer_synth ADDR MESSAGES [--rows R] [--requests Q] [--seed S]
     [--label-shift D] [--layers 0,3] [--nonfinite-every N] [--id-prefix P]
+    [--huge-every N] [--bad-labels-at S] [--wide-at S]
 
 Each message is one step of ``--requests`` fake requests of ``rows/requests`` rows:
 every row is a sum of ``ACTIVE`` of ``ATOMS`` unit atoms in ``D`` dims with weights in
 [0.5, 1.5], plus noise. Each request carries a tag ``label`` (0/1); with
 ``--label-shift D`` its rows are moved by ``(2*label - 1) * D`` along a planted unit
 direction, so the label is linear in the activations. With ``--nonfinite-every N``
-every N-th message has a NaN in its first row and an infinity in its second.
+every N-th message has a NaN in its first row and an infinity in its second. Hostile
+streams (issue 33): ``--huge-every N``: every N-th message (the first included) has two
+rows near +-3e38, finite in float32; ``--bad-labels-at S``: at step S three requests'
+labels are 1e308, 3.5e38 and "1e39" (finite in float64, not in float32); ``--wide-at S``:
+step S's rows are 8 wider than the rest.
 Prints "ready" once bound, publishes MESSAGES steps (waiting for the first
 subscriber), then closes (END).
 """
@@ -76,6 +81,9 @@ def main() -> None:
     p.add_argument("--wait-subscribers", type=int, default=1)
     p.add_argument("--nonfinite-every", type=int, default=0)
     p.add_argument("--id-prefix", default="", help="before each request id (fan-in tests)")
+    p.add_argument("--huge-every", type=int, default=0)
+    p.add_argument("--bad-labels-at", type=int, default=-1)
+    p.add_argument("--wide-at", type=int, default=-1)
     a = p.parse_args()
     atoms, direction = planted()
     g = torch.Generator().manual_seed(a.seed)
@@ -100,13 +108,20 @@ def main() -> None:
             x = x + shift[:, None] * direction
         if a.nonfinite_every and step % a.nonfinite_every == a.nonfinite_every - 1:
             x[0, 3], x[1, 0] = float("nan"), float("inf")
+        if a.huge_every and step % a.huge_every == 0:
+            x[0], x[1] = 3e38, -3.3e38
+        if step == a.wide_at:
+            x = torch.cat([x, torch.zeros(len(x), 8)], dim=1)
+        tags: list[dict] = [{"label": int(v)} for v in labels]
+        if step == a.bad_labels_at:
+            tags[0], tags[1], tags[2] = {"label": 1e308}, {"label": 3.5e38}, {"label": "1e39"}
         ids = [f"{a.id_prefix}s{step}-r{i}" for i in range(a.requests)]
         ri = RowIndex(
             ids,
             offsets,
             np.tile(np.arange(per, dtype=np.int64), a.requests),
             np.zeros(per * a.requests, dtype=np.int64),
-            tags=[{"label": int(v)} for v in labels],
+            tags=tags,
         )
         for layer in layers:
             hdr = Header(step, layer, "post_block", "float32", tuple(x.shape), "synthetic", ri)
