@@ -10,7 +10,11 @@ stays as its supervisor: Ctrl-C, SIGTERM and SIGHUP are passed on to it, once ea
 and when it has exited the subscribers are told the stream ended
 (``actbus.bus.farewell``). vLLM kills its engine processes at shutdown, so the
 capture worker's publisher cannot say so itself; without END, trainers and
-``--exit-on-end`` consumers would wait forever.
+``--exit-on-end`` consumers would wait forever. The server can exit before the
+engine process it killed has let go of the publisher's address: END waits until it
+has (``RELEASE_S`` at most), and a process of the server's still holding it then is
+killed (with the server gone, nothing else would stop it), so END comes whatever
+order vLLM's processes stop in. Its lifecycle is logged on stderr (actbus's lines only).
 
 Under data parallelism (``--data-parallel-size N``) each rank publishes on its address
 of the ``--publish`` template (``{dp_rank}``); ``data_parallel`` reads, with vLLM's own
@@ -22,6 +26,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -31,9 +37,11 @@ from actbus.bus.endpoints import connect_spec
 from actbus.config import REQUESTS, CaptureConfig
 from actbus.errors import ConfigError
 from actbus.flags import HelpFormatter
+from actbus.logcap import show_own_logs
 from actbus.streams import HOOKS
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+log = logging.getLogger("actbus.serve")
 
 
 def serve_command(argv: list[str]) -> list[str]:
@@ -142,17 +150,30 @@ def _own_group() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def supervise(cmd: list[str], cfg: CaptureConfig, ranks: list[int] | None = None) -> int:
+def supervise(
+    cmd: list[str],
+    cfg: CaptureConfig,
+    ranks: list[int] | None = None,
+    *,
+    release_s: float | None = None,
+) -> int:
     """Run the server ``cmd`` until it exits, passing signals on; then END to the
-    subscribers of its publishers (one per data-parallel rank in ``ranks``). The
-    server's exit status."""
-    from actbus.bus.farewell import announce_end_all
+    subscribers of its publishers (one per data-parallel rank in ``ranks``), once their
+    addresses are free (``release_s``: how long a dying engine may hold one, default
+    ``farewell.RELEASE_S``). The server's exit status."""
+    from actbus.bus.farewell import RELEASE_S, announce_end_all, wait_released
 
+    release_s = RELEASE_S if release_s is None else release_s
     child = subprocess.Popen(cmd, preexec_fn=_own_group)  # no threads yet: preexec_fn is safe
+    log.info("started vLLM's server (pid %d)", child.pid)
 
     def forward(signum: int, _frame: Any) -> None:
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
+        # In a signal handler: a line of its own, not through logging's locks.
+        with contextlib.suppress(OSError):
+            name = signal.Signals(signum).name
+            os.write(2, f"actbus serve: {name}: stopping the server\n".encode())
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
@@ -160,9 +181,13 @@ def supervise(cmd: list[str], cfg: CaptureConfig, ranks: list[int] | None = None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    ranks = ranks or [0]
+    addresses = [cfg.publish_address(r) for r in (ranks or [0])]
+    log.info("the server exited (%d); ending the stream at %s", rc, ", ".join(addresses))
+    if still := wait_released(addresses, release_s):
+        _kill_leftovers(child.pid, still, release_s)
     told = announce_end_all(
-        [cfg.publish_address(r) for r in ranks],
+        addresses,
+        release_s=release_s,
         reason="the server stopped",
         server_secret_key=cfg.server_secret_key,
         authorized_keys=cfg.authorized_keys,
@@ -170,11 +195,26 @@ def supervise(cmd: list[str], cfg: CaptureConfig, ranks: list[int] | None = None
     )
     print(
         f"\nactbus serve: the server exited ({rc}); told {told} subscriber(s) at "
-        f"{connect_spec(cfg.publish, ranks)} the stream ended",
+        f"{connect_spec(cfg.publish, ranks or [0])} the stream ended",
         file=sys.stderr,
         flush=True,
     )
     return rc if rc >= 0 else 128 - rc
+
+
+def _kill_leftovers(group: int, held: list[str], waited_s: float) -> None:
+    """The server exited, yet a process still holds its publisher's address: one of
+    the server's own (an engine that outlived it, in its process group), which nothing
+    would stop now. Killed, so the address is freed and END can be sent."""
+    log.warning(
+        "%s still held %.0fs after the server exited: killing what is left of its "
+        "processes (process group %d)",
+        ", ".join(held),
+        waited_s,
+        group,
+    )
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:
@@ -186,6 +226,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"actbus serve: {e}", file=sys.stderr)
         return 2
+    show_own_logs("%(asctime)s actbus serve: %(message)s")
     layers = "all layers" if cfg.all_layers else f"layers {list(cfg.layers)}"
     where = connect_spec(cfg.publish, ranks)
     engines = "the engine" if size == 1 else f"data-parallel ranks {ranks} of {size}"

@@ -26,6 +26,7 @@ from typing import Any
 
 from actbus.bus.options import SubscriberOptions
 from actbus.flags import HelpFormatter, add_fields, name_flag, sweeps, values
+from actbus.logcap import show_own_logs
 from trainers.config import DataConfig, ProbeConfig, SAEConfig
 
 log = logging.getLogger("actbus.trainers")
@@ -425,7 +426,7 @@ def _parse(
     bad value or an unreachable source ends the command with the parser's error, naming
     the flag."""
     opts = parser.parse_args(argv)
-    _show_own_logs()
+    show_own_logs()
     sub = SubscriberOptions.from_args(opts, parser)
     if (sub.connect is None) == (opts.run_dir is None):
         parser.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
@@ -466,19 +467,6 @@ def _probe_configs(
         labels_file=opts.labels_file,
     )
     return _models(ProbeConfig, opts, sub, d_in), data_cfg
-
-
-def _show_own_logs() -> None:
-    """actbus's own lines (waiting, warm-up, stop, what was saved) on stderr; only
-    actbus's: Lightning and W&B keep their own handlers."""
-    ours = logging.getLogger("actbus")
-    if ours.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
-    ours.propagate = False
 
 
 def _refused(e: BaseException) -> BaseException | None:
