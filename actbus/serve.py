@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -137,6 +138,32 @@ def capture_of(cmd: list[str]) -> CaptureConfig:
     return CaptureConfig.from_dict(raw)
 
 
+def _precheck(cmd: list[str], cfg: CaptureConfig) -> list[str]:
+    """What the model's config.json and the sources' files already refuse (ConfigError),
+    before vLLM starts; the warnings. The engine is told it was done
+    (``PRECHECKED_ENV``), so it does not warn again."""
+    from actbus.precheck import PRECHECKED_ENV, model_shape, precheck
+
+    model = cmd[cmd.index("--model") + 1]
+    shape = model_shape(model, _option_values(cmd, "--served-model-name"))
+    if shape is None:
+        return []
+    warnings = precheck(cfg, shape)
+    os.environ[PRECHECKED_ENV] = "1"  # the server's environment
+    return warnings
+
+
+def _option_values(argv: list[str], flag: str) -> list[str]:
+    """The values given after ``flag`` (``--flag a b`` or ``--flag=a``)."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        if a.startswith(flag + "="):
+            out.append(a.split("=", 1)[1])
+        elif a == flag:
+            out.extend(itertools.takewhile(lambda v: not v.startswith("-"), argv[i + 1 :]))
+    return out
+
+
 def _own_group() -> None:
     """In the child, before vLLM starts: a process group of its own (a terminal's
     Ctrl-C reaches only the supervisor, which passes it on once) and, on Linux, a
@@ -223,9 +250,12 @@ def main(argv: list[str]) -> int:
         cmd = serve_command(argv)
         cfg = capture_of(cmd)
         size, ranks = data_parallel(cmd)
+        warnings = _precheck(cmd, cfg)
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"actbus serve: {e}", file=sys.stderr)
         return 2
+    for w in warnings:
+        print(f"actbus serve: warning: {w}", file=sys.stderr)
     show_own_logs("%(asctime)s actbus serve: %(message)s")
     layers = "all layers" if cfg.all_layers else f"layers {list(cfg.layers)}"
     where = connect_spec(cfg.publish, ranks)
