@@ -19,6 +19,8 @@ import reprlib
 import time
 from collections.abc import Callable
 
+OWN_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
 MAX_CHARS = 120
 """Characters of one quoted value, at most (plus a short note of what was cut)."""
 
@@ -84,3 +86,16 @@ class LogRate:
             self.held = 0
         logger.log(level, msg, *args)
         return True
+
+
+def show_own_logs(fmt: str = OWN_FORMAT) -> None:
+    """actbus's own INFO lines on stderr, and only actbus's (a command whose other
+    libraries keep their own handlers, or none); nothing if logging is set up already."""
+    ours = logging.getLogger("actbus")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(fmt))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False

@@ -10,7 +10,11 @@ stays as its supervisor: Ctrl-C, SIGTERM and SIGHUP are passed on to it, once ea
 and when it has exited the subscribers are told the stream ended
 (``actbus.bus.farewell``). vLLM kills its engine processes at shutdown, so the
 capture worker's publisher cannot say so itself; without END, trainers and
-``--exit-on-end`` consumers would wait forever.
+``--exit-on-end`` consumers would wait forever. The server can exit before the
+engine process it killed has let go of the publisher's address: END waits until it
+has (``RELEASE_S`` at most), and a process of the server's still holding it then is
+killed (with the server gone, nothing else would stop it), so END comes whatever
+order vLLM's processes stop in. Its lifecycle is logged on stderr (actbus's lines only).
 
 Under data parallelism (``--data-parallel-size N``) each rank publishes on its address
 of the ``--publish`` template (``{dp_rank}``); ``data_parallel`` reads, with vLLM's own
@@ -21,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -31,9 +38,11 @@ from actbus.bus.endpoints import connect_spec
 from actbus.config import REQUESTS, CaptureConfig
 from actbus.errors import ConfigError
 from actbus.flags import HelpFormatter
+from actbus.logcap import show_own_logs
 from actbus.streams import HOOKS
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+log = logging.getLogger("actbus.serve")
 
 
 def serve_command(argv: list[str]) -> list[str]:
@@ -129,6 +138,32 @@ def capture_of(cmd: list[str]) -> CaptureConfig:
     return CaptureConfig.from_dict(raw)
 
 
+def _precheck(cmd: list[str], cfg: CaptureConfig) -> list[str]:
+    """What the model's config.json and the sources' files already refuse (ConfigError),
+    before vLLM starts; the warnings. The engine is told it was done
+    (``PRECHECKED_ENV``), so it does not warn again."""
+    from actbus.precheck import PRECHECKED_ENV, model_shape, precheck
+
+    model = cmd[cmd.index("--model") + 1]
+    shape = model_shape(model, _option_values(cmd, "--served-model-name"))
+    if shape is None:
+        return []
+    warnings = precheck(cfg, shape)
+    os.environ[PRECHECKED_ENV] = "1"  # the server's environment
+    return warnings
+
+
+def _option_values(argv: list[str], flag: str) -> list[str]:
+    """The values given after ``flag`` (``--flag a b`` or ``--flag=a``)."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        if a.startswith(flag + "="):
+            out.append(a.split("=", 1)[1])
+        elif a == flag:
+            out.extend(itertools.takewhile(lambda v: not v.startswith("-"), argv[i + 1 :]))
+    return out
+
+
 def _own_group() -> None:
     """In the child, before vLLM starts: a process group of its own (a terminal's
     Ctrl-C reaches only the supervisor, which passes it on once) and, on Linux, a
@@ -142,17 +177,30 @@ def _own_group() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def supervise(cmd: list[str], cfg: CaptureConfig, ranks: list[int] | None = None) -> int:
+def supervise(
+    cmd: list[str],
+    cfg: CaptureConfig,
+    ranks: list[int] | None = None,
+    *,
+    release_s: float | None = None,
+) -> int:
     """Run the server ``cmd`` until it exits, passing signals on; then END to the
-    subscribers of its publishers (one per data-parallel rank in ``ranks``). The
-    server's exit status."""
-    from actbus.bus.farewell import announce_end_all
+    subscribers of its publishers (one per data-parallel rank in ``ranks``), once their
+    addresses are free (``release_s``: how long a dying engine may hold one, default
+    ``farewell.RELEASE_S``). The server's exit status."""
+    from actbus.bus.farewell import RELEASE_S, announce_end_all, wait_released
 
+    release_s = RELEASE_S if release_s is None else release_s
     child = subprocess.Popen(cmd, preexec_fn=_own_group)  # no threads yet: preexec_fn is safe
+    log.info("started vLLM's server (pid %d)", child.pid)
 
     def forward(signum: int, _frame: Any) -> None:
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
+        # In a signal handler: a line of its own, not through logging's locks.
+        with contextlib.suppress(OSError):
+            name = signal.Signals(signum).name
+            os.write(2, f"actbus serve: {name}: stopping the server\n".encode())
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
@@ -160,9 +208,13 @@ def supervise(cmd: list[str], cfg: CaptureConfig, ranks: list[int] | None = None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    ranks = ranks or [0]
+    addresses = [cfg.publish_address(r) for r in (ranks or [0])]
+    log.info("the server exited (%d); ending the stream at %s", rc, ", ".join(addresses))
+    if still := wait_released(addresses, release_s):
+        _kill_leftovers(child.pid, still, release_s)
     told = announce_end_all(
-        [cfg.publish_address(r) for r in ranks],
+        addresses,
+        release_s=release_s,
         reason="the server stopped",
         server_secret_key=cfg.server_secret_key,
         authorized_keys=cfg.authorized_keys,
@@ -170,11 +222,26 @@ def supervise(cmd: list[str], cfg: CaptureConfig, ranks: list[int] | None = None
     )
     print(
         f"\nactbus serve: the server exited ({rc}); told {told} subscriber(s) at "
-        f"{connect_spec(cfg.publish, ranks)} the stream ended",
+        f"{connect_spec(cfg.publish, ranks or [0])} the stream ended",
         file=sys.stderr,
         flush=True,
     )
     return rc if rc >= 0 else 128 - rc
+
+
+def _kill_leftovers(group: int, held: list[str], waited_s: float) -> None:
+    """The server exited, yet a process still holds its publisher's address: one of
+    the server's own (an engine that outlived it, in its process group), which nothing
+    would stop now. Killed, so the address is freed and END can be sent."""
+    log.warning(
+        "%s still held %.0fs after the server exited: killing what is left of its "
+        "processes (process group %d)",
+        ", ".join(held),
+        waited_s,
+        group,
+    )
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:
@@ -183,9 +250,13 @@ def main(argv: list[str]) -> int:
         cmd = serve_command(argv)
         cfg = capture_of(cmd)
         size, ranks = data_parallel(cmd)
+        warnings = _precheck(cmd, cfg)
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"actbus serve: {e}", file=sys.stderr)
         return 2
+    for w in warnings:
+        print(f"actbus serve: warning: {w}", file=sys.stderr)
+    show_own_logs("%(asctime)s actbus serve: %(message)s")
     layers = "all layers" if cfg.all_layers else f"layers {list(cfg.layers)}"
     where = connect_spec(cfg.publish, ranks)
     engines = "the engine" if size == 1 else f"data-parallel ranks {ranks} of {size}"

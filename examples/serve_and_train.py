@@ -3,6 +3,7 @@
     python examples/serve_and_train.py                      # the tiny Llama, on CPU
     python examples/serve_and_train.py --gpu --model PATH --layers 8,16
     python examples/serve_and_train.py --connect ADDR --url http://HOST:PORT  # a running server
+    ... --connect ADDR --url URL --until-end   # you stop that server; its END ends the journey
 
 1. `actbus serve` starts vLLM's OpenAI server with capture on two layers;
 2. `actbus run sae` (last layer) and `actbus run probe` (first layer, on the request tag
@@ -11,7 +12,8 @@
 3. tagged requests go to the server over HTTP, as any client would send them;
 4. the dashboard's snapshot is saved; Ctrl-C (SIGINT) stops the server, `actbus serve`
    sends END, and the trainers train on what they hold, save their checkpoints and exit
-   (against a running server, the trainers get the Ctrl-C instead);
+   (against a running server, the trainers get the Ctrl-C instead, or, with
+   --until-end, the journey waits for you to stop the server);
 5. it prints what was made: checkpoints, the probe's metrics, the W&B runs.
 
 Everything lands under --out (default out/journey-serve).
@@ -38,12 +40,20 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per request")
     p.add_argument("--connect", default=None, help="a running server's bus address")
     p.add_argument("--url", default=None, help="a running server's URL (with --connect)")
+    p.add_argument(
+        "--until-end",
+        action="store_true",
+        help="with --connect: wait for the running server to be stopped (its END), instead "
+        "of stopping the trainers",
+    )
     p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     p.add_argument("--dashboard-port", type=int, default=0, help="default: a free one")
     common.add_model_args(p)
     args = p.parse_args()
     if (args.connect is None) != (args.url is None):
         p.error("--connect and --url go together (a running server)")
+    if args.until_end and args.connect is None:
+        p.error("--until-end is for a running server (--connect, --url)")
     model = common.model_of(args)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)  # a journey starts clean
@@ -102,13 +112,16 @@ def main() -> int:
     time.sleep(3.0)  # a refresh or two after the last step
     snapshot = common.get_json(f"{board_url}/api/snapshot")
     (out / "dashboard.json").write_text(json.dumps(snapshot))
-    if server is not None:  # the stream ends for every subscriber: END
+    ends = server is not None or args.until_end  # the stream ends for every subscriber: END
+    if server is not None:
         server_rc = common.finish(server, 120, signal.SIGINT)
-        trainer_rcs = [common.finish(t, 300) for t in (sae, probe)]
-    else:  # a server that goes on: the trainers are the ones stopped
+    else:
         server_rc = 0
-        trainer_rcs = [common.finish(t, 300, signal.SIGINT) for t in (sae, probe)]
-    wandb_rc = common.finish(wandb, 120, signal.SIGINT if server is None else None)
+        if args.until_end:
+            print("      waiting for the server to stop (Ctrl-C in its terminal)", flush=True)
+    # A server that goes on: the trainers are the ones stopped.
+    trainer_rcs = [common.finish(t, 300, None if ends else signal.SIGINT) for t in (sae, probe)]
+    wandb_rc = common.finish(wandb, 120, None if ends else signal.SIGINT)
     common.finish(board, 30, signal.SIGINT)
 
     common.step(5, 5, f"what was made, under {out}")
@@ -122,6 +135,11 @@ def main() -> int:
         s = json.loads(summary.read_text())
         saved = sorted(str(d) for d in (out / f"{name}s").glob("*/") if d.name != "wandb")
         print(f"      {name}: {s['steps']} steps on {int(s['data'].get('rows_in', 0))} tokens")
+        if s.get("dropped"):  # drop_oldest: generation never waited for training
+            print(
+                f"        the publisher dropped {s['dropped']} of {s['routed']} messages for it "
+                f"(--policy {s['policy']}; --policy block trains on all, generation waits)"
+            )
         for d in saved:
             print(f"        saved {d}")
         shown = {k.split("/", 1)[1]: round(v, 3) for k, v in s["metrics"].items()}

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "actbus.capture": 4,
     "actbus.capture.": 4,
     "actbus.tiny_models": 4,
+    "actbus.precheck": 4,  # read by actbus serve, and by the engine (foreign_sources)
     "actbus.consumer": 5,
     "actbus.plugin": 6,
     "actbus.serve": 6,

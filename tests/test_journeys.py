@@ -5,18 +5,20 @@ right shapes, the closed loop's scores against HF transformers.
 
 Two engines in all: one ``actbus serve`` that journeys 1 (serve and train) and 2 (store
 and replay) and the closed loop drive as a running server (``--connect/--url``), and
-journey 3's own offline ``LLM``. Ctrl-C of a server the script started itself is tested in
-``tests/capture/test_server.py``.
+journey 3's own offline ``LLM``. Journey 1 runs last of the three and ends with Ctrl-C of
+that server (``--until-end``): its trainers save on the END ``actbus serve`` sends.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -86,7 +88,7 @@ def server(tiny_models, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "the server was not up within 600 s"
             time.sleep(1)
-        yield address, url, control
+        yield address, url, control, proc, tmp / "server.log"
     finally:
         proc.terminate()
         try:
@@ -115,7 +117,7 @@ def test_store_train_from_disk_and_replay(server, tmp_path):
     from consumers.fs import ActivationRun
     from trainers.checkpoint import load_sae
 
-    address, url, _ = server
+    address, url, *_ = server
     out = tmp_path / "store"
     r = _script("store_and_replay.py", "--connect", address, "--url", url, "--out", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -133,35 +135,6 @@ def test_store_train_from_disk_and_replay(server, tmp_path):
     assert "the same rows" in r.stdout
 
 
-def test_serve_and_train_live(server, tmp_path):
-    """Journey 1 against the server: an SAE and a probe trained on the live stream and
-    saved, both W&B runs (trainers' and the bus's) logged offline, the web dashboard saw
-    the traffic."""
-    from consumers.wandb_offline import history
-    from trainers.checkpoint import load_sae
-
-    address, url, _ = server
-    out = tmp_path / "serve"
-    r = _script("serve_and_train.py", "--connect", address, "--url", url, "--out", str(out))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    sae = json.loads((out / "sae.json").read_text())
-    assert sae["steps"] >= 1 and sae["data"]["rows_in"] > 4000
-    (ckpt,) = [d for d in (out / "saes").iterdir() if (d / "cfg.json").exists()]
-    assert load_sae(ckpt).cfg.layer == 3
-    probe = json.loads((out / "probe.json").read_text())
-    assert probe["steps"] >= 1
-    (weights,) = (out / "probes").glob("*/probe.safetensors")
-    assert weights.stat().st_size > 0
-    runs = sorted(out.rglob("*run-*/run-*.wandb"))
-    assert len(runs) == 3, runs  # sae, probe, bus
-    # W&B's service process may still be writing a run's file as its client exits.
-    wait_for(lambda: all(history(run) for run in runs), 60, "every W&B run's history on disk", 0.5)
-    board = json.loads((out / "dashboard.json").read_text())
-    assert board["bus"]["tokens"] > 0 and {"L1.post_block", "L3.post_block"} <= {
-        f"L{t['layer']}.{t['hook']}" for t in board["acts"]["taps"].values()
-    }
-
-
 def test_closed_loop(server, tiny_models, tmp_path):
     """The closed loop against the server: a probe trains live from tagged requests and
     pushes into the monitor (later requests scored by newer versions); on held-out
@@ -174,7 +147,7 @@ def test_closed_loop(server, tiny_models, tmp_path):
     from tests.support.oracle import hf_activations
     from trainers.checkpoint import load_probe
 
-    address, url, control = server
+    address, url, control, *_ = server
     out = tmp_path / "loop"
     r = _script(
         "closed_loop.py", "--connect", address, "--url", url, "--control", control,
@@ -236,6 +209,71 @@ def test_closed_loop(server, tiny_models, tmp_path):
         assert m["plain"]["logprobs"] != m["steered"]["logprobs"], m
     assert any(m["plain"]["text"] != m["steered"]["text"] for m in flagged)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_serve_and_train_live_until_the_server_stops(server, tmp_path):
+    """Journey 1 against the server, stopped as a user stops it (Ctrl-C of ``actbus
+    serve``) once the requests are in: an SAE and a probe trained on the live stream
+    get END and save, both W&B runs (trainers' and the bus's) logged offline, the web
+    dashboard saw the traffic. Runs after the other journeys: it stops the module's
+    server. (Standalone, the script saved no checkpoint when END did not come: 14 min,
+    exit 1.)"""
+    from consumers.wandb_offline import history
+    from trainers.checkpoint import load_sae
+
+    address, url, _, proc, server_log = server
+    out = tmp_path / "serve"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    script = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "serve_and_train.py"), "--connect", address,
+         "--url", url, "--until-end", "--out", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(script.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for(
+            lambda: (
+                any("waiting for the server to stop" in x for x in lines)
+                or script.poll() is not None
+            ),
+            600,
+            "the script's requests",
+            0.5,
+        )
+        proc.send_signal(signal.SIGINT)  # Ctrl-C of actbus serve
+        assert proc.wait(timeout=120) == 0
+        rc = script.wait(timeout=600)
+    finally:
+        if script.poll() is None:
+            script.kill()
+        reader.join(timeout=10)
+    stdout = "".join(lines)
+    print(stdout[-3000:])
+    assert rc == 0, stdout[-4000:]
+    # END reached them (from the server's front end or from actbus serve after it), and
+    # not a Ctrl-C of their own: they were sent none.
+    assert "actbus serve: the server exited (0); told " in server_log.read_text()
+    for name in ("sae", "probe"):
+        assert "the publisher ended the stream" in (out / f"{name}.log").read_text(), name
+    sae = json.loads((out / "sae.json").read_text())
+    assert sae["steps"] >= 1 and sae["data"]["rows_in"] > 4000
+    assert sae["policy"] == "drop_oldest" and sae["dropped"] <= sae["routed"]
+    (ckpt,) = [d for d in (out / "saes").iterdir() if (d / "cfg.json").exists()]
+    assert load_sae(ckpt).cfg.layer == 3
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["steps"] >= 1
+    (weights,) = (out / "probes").glob("*/probe.safetensors")
+    assert weights.stat().st_size > 0
+    runs = sorted(out.rglob("*run-*/run-*.wandb"))
+    assert len(runs) == 3, runs  # sae, probe, bus
+    # W&B's service process may still be writing a run's file as its client exits.
+    wait_for(lambda: all(history(run) for run in runs), 60, "every W&B run's history on disk", 0.5)
+    board = json.loads((out / "dashboard.json").read_text())
+    assert board["bus"]["tokens"] > 0 and {"L1.post_block", "L3.post_block"} <= {
+        f"L{t['layer']}.{t['hook']}" for t in board["acts"]["taps"].values()
+    }
 
 
 def test_return_activations_in_process(tmp_path):

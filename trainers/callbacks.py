@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
 
 from trainers.checkpoint import save_probe, save_sae
+from trainers.data import bus_drops
 
 
 class DutyCycle(pl.Callback):
@@ -62,10 +63,20 @@ def _sync(module: pl.LightningModule) -> None:
 
 class MetricsProgressBar(RichProgressBar):
     """Rich's bar, plus the module's ``pbar_metrics``: plain floats the module refreshes
-    when it chooses, so showing them never waits for the device."""
+    when it chooses, so showing them never waits for the device; and, on a live stream
+    (``policy`` given), what the publisher dropped for this trainer so far under it."""
+
+    def __init__(self, datamodule=None, policy: str | None = None) -> None:
+        super().__init__()
+        self.dm = datamodule
+        self.policy = policy
 
     def get_metrics(self, trainer, pl_module) -> dict:
-        return {**super().get_metrics(trainer, pl_module), **getattr(pl_module, "pbar_metrics", {})}
+        out = {**super().get_metrics(trainer, pl_module), **getattr(pl_module, "pbar_metrics", {})}
+        if self.dm is not None and self.policy is not None:
+            dropped, routed = bus_drops(self.dm.stats())
+            out["dropped"] = f"{dropped:,}/{routed:,} ({self.policy})"
+        return out
 
 
 class SaveSAEs(pl.Callback):

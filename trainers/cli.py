@@ -26,6 +26,7 @@ from typing import Any
 
 from actbus.bus.options import SubscriberOptions
 from actbus.flags import HelpFormatter, add_fields, name_flag, sweeps, values
+from actbus.logcap import show_own_logs
 from trainers.config import DataConfig, ProbeConfig, SAEConfig
 
 log = logging.getLogger("actbus.trainers")
@@ -259,7 +260,12 @@ def _d_in(opts: argparse.Namespace, sub: SubscriberOptions) -> int:
     from actbus.bus import Subscription, SubscriptionRejected
     from actbus.bus.subscriber import check_taps
 
-    with sub.subscribe(Subscription(layers=(), name="trainer-probe-width")) as s:
+    asked = (
+        f"{'all layers' if sub.layers is None else f'layers {list(sub.layers)}'}, "
+        f"{'all hooks' if sub.hooks is None else f'hooks {list(sub.hooks)}'} "
+        f"(policy {sub.policy}; first the publisher's width)"
+    )
+    with sub.subscribe(Subscription(layers=(), name="trainer-probe-width"), waiting_for=asked) as s:
         info = s.wait_welcome(timeout=60)
     try:
         check_taps(sub.connect or "", info, sub.layers, sub.hooks)
@@ -357,7 +363,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
     if push is not None:
         callbacks.append(push)
     if not opts.no_progress:
-        callbacks.append(MetricsProgressBar())
+        callbacks.append(MetricsProgressBar(dm, data_cfg.policy if data_cfg.address else None))
     devices: Any = int(opts.devices) if str(opts.devices).isdigit() else opts.devices
     trainer = pl.Trainer(
         max_epochs=1,
@@ -382,6 +388,7 @@ def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) 
         "steps": trainer.global_step,
         **module.fit_summary(),
         "duty": round(duty.duty, 4),
+        **(_bus_summary(dm.stats(), data_cfg.policy) if data_cfg.address else {}),
         "cpu_threads": _torch_threads(),
         **({"push": vars(push.stats)} if push is not None else {}),
         "data": dm.stats(),
@@ -406,16 +413,48 @@ def _report(steps: int, dm: Any, data_cfg: DataConfig, out: Path, configs: list)
     tokens = int(stats.get("rows_in", 0))
     if steps == 0:
         log.warning(
-            "no training step was made: %s tokens arrived (the first step waits for %s per "
+            "no training step was made: %s tokens arrived%s (the first step waits for %s per "
             "stream, --warmup-tokens, or for the stream's end); nothing was saved",
             f"{tokens:,}",
+            drops_text(stats, data_cfg.policy) if data_cfg.address else "",
             f"{data_cfg.warmup_tokens:,}",
         )
         return
     saved = [str(out / c.name) for c in configs if (out / c.name).is_dir()]
     log.info(
-        "%d steps on %s tokens; saved: %s", steps, f"{tokens:,}", ", ".join(saved) or "nothing"
+        "%d steps on %s tokens%s; saved: %s",
+        steps,
+        f"{tokens:,}",
+        drops_text(stats, data_cfg.policy) if data_cfg.address else "",
+        ", ".join(saved) or "nothing",
     )
+
+
+def _bus_summary(stats: dict[str, float], policy: str) -> dict[str, Any]:
+    """A live trainer's summary: its policy, and what the publisher dropped for it of
+    what it had for it."""
+    from trainers.data import bus_drops
+
+    dropped, routed = bus_drops(stats)
+    return {"policy": policy, "dropped": dropped, "routed": routed}
+
+
+def drops_text(stats: dict[str, float], policy: str) -> str:
+    """What the publisher dropped for this trainer and why, for its last line: "" when
+    nothing was."""
+    from trainers.data import bus_drops
+
+    dropped, routed = bus_drops(stats)
+    if not dropped:
+        return ""
+    of = f" of {routed:,}" if routed >= dropped else ""
+    why = (
+        " (the oldest waiting steps go when training falls behind, so generation never "
+        "waits; --policy block trains on every step and makes generation wait)"
+        if policy == "drop_oldest"
+        else ""
+    )
+    return f"; the publisher dropped {dropped:,}{of} messages for it under --policy {policy}{why}"
 
 
 def _parse(
@@ -425,7 +464,7 @@ def _parse(
     bad value or an unreachable source ends the command with the parser's error, naming
     the flag."""
     opts = parser.parse_args(argv)
-    _show_own_logs()
+    show_own_logs()
     sub = SubscriberOptions.from_args(opts, parser)
     if (sub.connect is None) == (opts.run_dir is None):
         parser.error("give exactly one source: --connect ADDR (live) or --from DIR (a stored run)")
@@ -466,19 +505,6 @@ def _probe_configs(
         labels_file=opts.labels_file,
     )
     return _models(ProbeConfig, opts, sub, d_in), data_cfg
-
-
-def _show_own_logs() -> None:
-    """actbus's own lines (waiting, warm-up, stop, what was saved) on stderr; only
-    actbus's: Lightning and W&B keep their own handlers."""
-    ours = logging.getLogger("actbus")
-    if ours.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
-    ours.propagate = False
 
 
 def _refused(e: BaseException) -> BaseException | None:

@@ -249,6 +249,16 @@ class TokenHub:
             return out
 
 
+def bus_drops(stats: dict[str, float]) -> tuple[int, int]:
+    """(messages the publisher dropped for this trainer, messages it had for it in all)
+    from a source's ``stats``: the publisher's counts, or what was seen here (received,
+    and the gaps between) if more: its counts come with heartbeats, and can lag one."""
+    missed = stats.get("bus/missed", 0)
+    dropped = max(stats.get("bus/publisher_dropped", 0), missed)
+    routed = max(stats.get("bus/routed", 0), stats.get("bus/received", 0) + missed)
+    return int(dropped), int(routed)
+
+
 def finite_rows(x: torch.Tensor) -> torch.Tensor | None:
     """None when every row of ``x`` is finite and within +-``ROW_LIMIT``, else which
     rows are (a bool mask).
@@ -396,6 +406,8 @@ class BusSource(threading.Thread):
                 else dropped,
             }
         )
+        if isinstance(view.get("routed"), int):  # what the publisher had for us, in all
+            self.stats["bus/routed"] = view["routed"]
 
 
 class RunSource(threading.Thread):

@@ -197,12 +197,15 @@ class SubscriberOptions:
             raise ConfigError("--connect: required; give the publisher's address")
         return Endpoints.parse(self.connect)
 
-    def subscribe(self, subscription: Subscription) -> Subscriber | FanIn:
+    def subscribe(
+        self, subscription: Subscription, *, waiting_for: str | None = None
+    ) -> Subscriber | FanIn:
         """The stream of ``subscription`` from ``connect``'s publishers, with these keys:
-        a ``Subscriber``, or a ``FanIn`` for several (``actbus.bus.fanin.subscribe``)."""
+        a ``Subscriber``, or a ``FanIn`` for several (``actbus.bus.fanin.subscribe``);
+        ``waiting_for``: what its log lines say it is for (``Subscriber``)."""
         from actbus.bus.fanin import subscribe
 
-        return subscribe(self.endpoints, subscription, **self.keys)
+        return subscribe(self.endpoints, subscription, waiting_for=waiting_for, **self.keys)
 
 
 def _match(pairs: list[tuple[str, Any]] | None, tags_json: str | None) -> dict[str, Any] | None:

@@ -358,6 +358,10 @@ class ClientAuth:
         self._sock: zmq.Socket | None = None
         self._no_detail = 0
         self._next_check = 0.0
+        self.connected = False
+        """Whether the watched socket's connection is up (a handshake succeeded and it
+        has not closed since), as of the last ``failure`` call: a publisher that is
+        silent but connected is alive and busy, not gone."""
 
     @property
     def curve(self) -> bool:
@@ -380,6 +384,7 @@ class ClientAuth:
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_DISCONNECTED
         )
 
     def failure(self) -> str | None:
@@ -399,8 +404,12 @@ class ClientAuth:
 
     def _explain(self, event: int, value: int) -> str | None:
         where = f"publisher at {self.address}"
+        if event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            return None
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._no_detail = 0
+            self.connected = True
             return None
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             public = self._client[0].decode() if self._client else "(none)"

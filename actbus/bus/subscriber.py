@@ -14,12 +14,16 @@ that never comes back to ``recv`` is covered.
 If the publisher goes quiet (restart, kill, not started yet) for ``silence_s``,
 HELLO is sent again, so a subscriber started before the publisher, or surviving a
 publisher restart, needs no help from its user; while no publisher answers, it logs
-every ``WAITING_LOG_S`` what it waits for. HELLOs queued while no publisher was there
-are all answered at once: only the first WELCOME of a publisher is an event. A WELCOME
-that says the publisher taps none of some layer or hook asked for ends the subscription
-(``SubscriptionRejected``): what was asked for would never come. Every message the publisher
-dropped for us shows up in ``stats.missed``; every message that breaks the schema
-is dropped and counted in ``stats.rejected``.
+every ``WAITING_LOG_S`` what it waits for. A publisher that is quiet while its
+connection stays up is alive and busy (an engine warming up starves its publisher's
+thread): one INFO line says so, and the subscription stands. Each publisher's first
+WELCOME is logged once: who answered, and what this subscription takes from it.
+HELLOs queued while no publisher was there are all answered at once: only the first
+WELCOME of a publisher is an event. A WELCOME that says the publisher taps none of some
+layer or hook asked for ends the subscription (``SubscriptionRejected``): what was asked
+for would never come. Every message the publisher dropped for us shows up in
+``stats.missed``; every message that breaks the schema is dropped and counted in
+``stats.rejected``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import zmq
 
 from actbus.bus.protocol import Subscription
 from actbus.bus.security import ClientAuth
-from actbus.logcap import capped_text
+from actbus.logcap import capped, capped_text
 from actbus.wire import (
     BYE,
     CREDIT,
@@ -185,12 +189,16 @@ class Subscriber:
         server_key: str | None = None,
         client_secret_key: str | None = None,
         context: zmq.Context | None = None,
+        waiting_for: str | None = None,
     ) -> None:
         """``context``: a ZeroMQ context to share (a ``FanIn``'s, whose subscribers then
         cost no I/O threads of their own); without one, the subscriber has its own.
         ``keepalive=False``: the caller sends the KEEPALIVEs (``keepalive_socket`` and
-        ``beat``), as a ``FanIn`` does for all its subscribers from one thread."""
+        ``beat``), as a ``FanIn`` does for all its subscribers from one thread.
+        ``waiting_for``: what the waiting and connected lines say this subscriber is
+        for (default: what ``subscription`` asks)."""
         self.address = address
+        self._waiting_for = waiting_for
         # CURVE keys (checked now: ConfigError names a bad path), and handshake watching.
         self._auth = ClientAuth(address, server_key=server_key, client_secret_key=client_secret_key)
         self.subscription = subscription or Subscription()
@@ -214,6 +222,7 @@ class Subscriber:
         self._last_credit = time.monotonic()
         self._last_recv_call = time.monotonic()
         self._waiting_since = self._waiting_logged = time.monotonic()
+        self._busy_logged = False  # the "silent but connected" line, once per quiet spell
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         if keepalive:
@@ -399,7 +408,19 @@ class Subscriber:
 
     def _check_publisher(self) -> None:
         now = time.monotonic()
-        if self._silent(now) and now - self._last_hello > 1.0:
+        silent = self._silent(now)
+        if silent and self.welcome is not None and self._auth.connected:
+            # Alive (the connection stands) but busy: no new subscription is needed.
+            if not self._busy_logged:
+                self._busy_logged = True
+                log.info(
+                    "publisher at %s has sent nothing for %.0fs but is still connected "
+                    "(busy: warming up?); waiting",
+                    self.address,
+                    now - self._last_heard,
+                )
+            silent = False
+        if silent and now - self._last_hello > 1.0:
             if self.welcome is not None:
                 log.warning("publisher at %s went quiet; subscribing again", self.address)
                 self.stats.lost += 1
@@ -419,6 +440,8 @@ class Subscriber:
 
     def _wanted(self) -> str:
         """What this subscription asks for, in a few words (the waiting log)."""
+        if self._waiting_for is not None:
+            return self._waiting_for
         sub = self.subscription
         if sub.layers == ():
             return "the publisher's counters (no layers)"
@@ -437,6 +460,7 @@ class Subscriber:
 
     def _handle(self, frames: list[zmq.Frame]) -> Batch | Event | None:
         self._last_heard = time.monotonic()
+        self._busy_logged = False
         tag = frames[0].bytes if frames else b""
         if tag == DATA:
             self._owed += 1
@@ -513,6 +537,14 @@ class Subscriber:
             if repeat:
                 return None
             self.stats.welcomes += 1
+            if new_stream:
+                log.info(
+                    "subscribed to the publisher at %s (model %s, run %s): %s",
+                    self.address,
+                    capped(body.get("model")),
+                    capped(pid),
+                    self._wanted(),
+                )
             return Event("welcome", body, self.source)
         if tag == STATS:
             return Event("stats", body, self.source)

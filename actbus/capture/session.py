@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ from actbus.monitor.config import MonitorConfig
 from actbus.monitor.graph import install_monitors
 from actbus.monitor.weights import MonitorWeights, load_weights
 from actbus.monitor.worker import MonitorHarvest, Published
+from actbus.precheck import PRECHECKED_ENV, foreign_sources
 from actbus.steer.frontend import SteerFrontend
 from actbus.steer.graph import install_gates, install_steering
 from actbus.steer.live import LiveVectors
@@ -125,6 +127,11 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
         LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
         monitor_weights(cfg.monitor, _num_layers(mc), mc.get_hidden_size())
+    if not os.environ.get(PRECHECKED_ENV):  # actbus serve warned already
+        served = mc.served_model_name
+        names = [str(mc.model), *([served] if isinstance(served, str) else served or [])]
+        for warning in foreign_sources(cfg, names):
+            log.warning("actbus: %s", warning)
     raw = vllm_config.additional_config["actbus"]
     raw["_graph_version"] = GRAPH_VERSION
     # A dense model's engine cores are each made to look like DP=1: the workers learn

@@ -134,3 +134,31 @@ def _batches(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Batch]:
             got.append(out)
         assert not (isinstance(out, Event) and out.kind == "end")
     return got
+
+
+def test_a_frozen_publisher_still_connected_is_waited_for_not_lost(address, caplog):
+    """A publisher that says nothing while its connection stands is alive and busy (an
+    engine warming up starves its thread): one INFO line, no "went quiet; subscribing
+    again" warnings (the sink logged three during warm-up), not counted lost, and its
+    stream goes on where it was. SIGSTOP freezes a real publisher process."""
+    pub = Proc("publisher", address, "20")
+    try:
+        pub.ready(1)
+        with Subscriber(address, Subscription(name="s"), silence_s=1.0) as sub:
+            sub.wait_welcome(30)
+            wait_for(lambda: isinstance(sub.recv(timeout=0.2), Batch), 10, "data")
+            pub.popen.send_signal(signal.SIGSTOP)
+            with caplog.at_level("INFO", logger="actbus.subscriber"):
+                quiet_until = time.monotonic() + 6.0  # past its 4 s of silence
+                while time.monotonic() < quiet_until:
+                    sub.recv(timeout=0.2)
+                pub.popen.send_signal(signal.SIGCONT)
+                wait_for(lambda: isinstance(sub.recv(timeout=0.2), Batch), 10, "data again")
+            assert sub.stats.lost == 0 and sub.stats.welcomes == 1
+            said = [r.getMessage() for r in caplog.records if r.name == "actbus.subscriber"]
+            assert not [m for m in said if "went quiet" in m], said
+            busy = [m for m in said if "has sent nothing" in m]
+            assert len(busy) == 1 and "but is still connected" in busy[0], said
+    finally:
+        pub.popen.send_signal(signal.SIGCONT)
+        pub.kill()

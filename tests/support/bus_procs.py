@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
 class Proc:
     """A test process whose stdout lines are read in the background, with deadlines."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, module: str = "tests.support.bus_procs") -> None:
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.bus_procs", *args],
+            [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,

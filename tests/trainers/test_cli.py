@@ -418,3 +418,58 @@ def test_a_trainer_stopped_during_warm_up_trains_on_what_it_has_and_saves(tmp_pa
     assert json.loads((tmp_path / "s.json").read_text())["steps"] == 5
     (ckpt,) = [p for p in (tmp_path / "sae").iterdir() if (p / "cfg.json").exists()]
     assert load_sae(ckpt).cfg.layer == 0 and "5 steps on 1,280 tokens; saved: " in out
+
+
+def test_a_trainer_says_whom_it_waits_for_whom_it_joined_and_what_it_missed(tmp_path):
+    """Before the publisher is up, the trainer's waiting line names the layer asked for
+    (it said "the publisher's counters (no layers)"); once it subscribes, one line names
+    the publisher, layers and policy; at the end, its last line and summary say what
+    the publisher dropped for it under ``drop_oldest`` (those drops showed only in W&B)."""
+    address = f"ipc://{tmp_path}/bus.sock"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actbus.cli", "run", "sae", "--connect", address, "--layer", "0",
+         "--window", "2", "--warmup-tokens", "1024", "--buffer-tokens", "1024",
+         "--batch-tokens", "256", "--k", "4",
+         "--expansion", "2", "--no-progress", "--out", str(tmp_path / "sae"),
+         "--summary", str(tmp_path / "s.json")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    pub = None
+    try:
+        waiting = "still waiting, to subscribe to layers [0], hooks ['post_block'] (policy "
+        wait_for(lambda: any(waiting in x for x in lines), 120, "the waiting line")
+        info = {"model": "synthetic", "hidden_size": 64, "layers": [0], "hooks": ["post_block"]}
+        pub = Publisher(address, info=info, heartbeat_s=0.2)
+        wait_for(lambda: "sae" in pub.stats()["subscribers"], 60, "the trainer to subscribe")
+        proc.send_signal(signal.SIGSTOP)  # a trainer that falls behind, for certain
+        g = torch.Generator().manual_seed(0)
+        for step in range(200):  # its window, 2, and 8 waiting are kept: 190 evicted
+            ri = RowIndex([f"r{step}"], np.array([0, 64]), np.arange(64), np.zeros(64))
+            h = Header(step, 0, "post_block", "float32", (64, 64), "synthetic", ri)
+            pub.publish(h, torch.randn(64, 64, generator=g))
+        wait_for(lambda: pub.stats()["queued"] == 0, 30, "routing")
+        dropped = pub.stats()["subscribers"]["sae"]["dropped"]
+        proc.send_signal(signal.SIGCONT)
+        pub.close(timeout=10)  # END: the trainer trains on what it holds and saves
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pub is not None:
+            pub.close(timeout=1)
+        reader.join(timeout=10)
+    out = "".join(lines)
+    assert rc == 0, out[-4000:]
+    n = sum(dropped.values())
+    assert n == 190, dropped
+    assert f"subscribed to the publisher at {address} (model 'synthetic', run " in out
+    assert "layers [0], hooks ['post_block'] (policy drop_oldest, as sae)" in out, out[-3000:]
+    assert f"; the publisher dropped {n:,} of 200 messages for it under --policy drop_oldest (" in (
+        out
+    ), out[-3000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert (summary["policy"], summary["dropped"], summary["routed"]) == ("drop_oldest", n, 200)
