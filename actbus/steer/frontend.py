@@ -133,7 +133,12 @@ class SteerFrontend:
 
     def parse(self, raw: Any, where: str) -> tuple[SteerSpec, ...]:
         return parse_steer(
-            raw, where, num_layers=self.num_layers, layers=self.layers, hooks=self.hooks
+            raw,
+            where,
+            num_layers=self.num_layers,
+            layers=self.layers,
+            hooks=self.hooks,
+            width=self.registry.width,
         )
 
     def resolve(self, specs: tuple[SteerSpec, ...], where: str) -> tuple[Resolved, ...]:

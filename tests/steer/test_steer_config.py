@@ -62,6 +62,27 @@ def test_entries_expand_per_layer_and_hook():
         parse_steer([{"vector": "v", "layers": 1, "norm_match": 1}], "s")
 
 
+def test_entries_are_counted_before_they_are_read_or_expanded():
+    """A list that expands past 64 (layer, hook) entries is refused before any entry is
+    read (a later entry's own fault is not even looked at), as are over-long lists and
+    inline vectors wider than the model, before they are converted."""
+    hooks = ["pre_attn", "post_block"]
+    wide = [{"vector": "v", "layers": list(range(40)), "hooks": hooks}, {"vector": "v", "x": 1}]
+    with pytest.raises(ConfigError, match=r"^s: more than 64 .* \(entry 0 reaches 80\)"):
+        parse_steer(wide, "s")
+    with pytest.raises(ConfigError, match=r"^s: 100000 entries; at most 64"):
+        parse_steer([{"vector": [0.5] * H, "layers": 1}] * 100_000, "s")
+    with pytest.raises(ConfigError, match=r"^s\[0\].layers: 100000 items; at most 4096"):
+        parse_steer([{"vector": "v", "layers": list(range(100_000))}], "s")
+    with pytest.raises(ConfigError, match=r"^s\[1\].vector: has 9 values; this model's .* has 8"):
+        parse_steer(
+            [{"vector": "v", "layers": 1}, {"vector": [1.0] * 9, "layers": 1}], "s", width=H
+        )
+    with pytest.raises(ConfigError, match=r"^s\[0\].vector: has 1000000 values; at most"):
+        parse_steer([{"vector": [1.0] * 1_000_000, "layers": 1}], "s")
+    assert len(parse_steer([{"vector": "v", "layers": list(range(32)), "hooks": hooks}], "s")) == 64
+
+
 def test_vectors_from_files_and_checkpoints(tmp_path):
     reg = VectorRegistry(H)
     save_file({"v": torch.arange(H, dtype=torch.float32)}, str(tmp_path / "one.safetensors"))
