@@ -33,7 +33,6 @@ from that steering.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import sys
@@ -43,10 +42,12 @@ from typing import Any
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
 from actbus.errors import ConfigError
+from actbus.jsontext import parse_json_text
 from actbus.monitor.frontend import take_monitors
 from actbus.steer.frontend import RequestSteer, SteerFrontend
 
 KEY = "actbus"
+XARGS_HINT = "; over HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
 ENGINE_ID_ROOM = 32
 """Characters vLLM's own id of a request adds to its caller's (``-`` and 8 hex digits,
 ``{index}_`` for a sample of ``n > 1``): a returned request's id keeps this room."""
@@ -186,13 +187,7 @@ class _Frontend:
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
         if over_http:  # over HTTP: vllm_xargs={"actbus": "<json>"}
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"extra_args.actbus: not valid JSON ({e.msg} at column {e.colno}); over "
-                    "HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
-                ) from None
+            raw = parse_json_text(raw, "extra_args.actbus", hint=XARGS_HINT)
         raw, monitors, scores_back = take_monitors(raw, self.cfg.monitor)
         steer_raw, use_global = None, True
         if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
