@@ -17,6 +17,7 @@ the vector is multiplied, per token, by a gate read off a monitor's score (``Gat
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,8 @@ def monitor_runs_before(monitor: tuple[int, str], steer: tuple[int, str]) -> boo
 
 
 SOURCE_KINDS = ("file", "sae", "probe")
+ADMIN_KEY_ENV = "ACTBUS_ADMIN_KEY"
+"""The server's environment variable holding the key the steering endpoints ask for."""
 # (tier, positions) pairs that select no token at all.
 _EMPTY = (("prefill", "generated"), ("decode", "prompt"), ("decode", "last_prompt"))
 MAX_ENTRIES = 64
@@ -201,12 +204,27 @@ class SteerConfig:
     global_steer: tuple[dict[str, Any], ...] = ()
     """Entries as written (checked for form; layers and names are checked against the
     model when the engine starts)."""
+    vector_dirs: tuple[str, ...] = ()
+    """Directories whose files HTTP callers may register vectors from (``{"file": ...}``,
+    ``{"sae": ...}``, ``{"probe": ...}``); none: HTTP callers register values only."""
+    max_named: int = 4096
+    """Named vectors the engine holds at most."""
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "actbus.steer") -> SteerConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: expected a mapping such as {{'layers': [3]}}")
-        known = ("layers", "hooks", "per_token", "max_vectors", "vectors", "live", "global")
+        known = (
+            "layers",
+            "hooks",
+            "per_token",
+            "max_vectors",
+            "vectors",
+            "live",
+            "global",
+            "vector_dirs",
+            "max_named",
+        )
         for k in raw:
             if k not in known:
                 raise ConfigError(f"{where}.{k}: unknown key; valid keys are {', '.join(known)}")
@@ -217,7 +235,11 @@ class SteerConfig:
             kw["all_layers"] = False
         if "hooks" in raw:
             kw["hooks"] = check_hooks(raw["hooks"], f"{where}.hooks", STEER_HOOKS)
-        for name, lo, hi in (("per_token", 1, 64), ("max_vectors", 0, 1 << 20)):
+        for name, lo, hi in (
+            ("per_token", 1, 64),
+            ("max_vectors", 0, 1 << 20),
+            ("max_named", 1, 1 << 16),
+        ):
             if name in raw:
                 v = raw[name]
                 if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -239,6 +261,17 @@ class SteerConfig:
                     f"{where}.live.{n}: also a named vector ({where}.vectors); a name is either "
                     "registered (fixed values) or live (pushed values), not both"
                 )
+        dirs = raw.get("vector_dirs", [])
+        if isinstance(dirs, str):
+            dirs = [dirs]
+        if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
+            raise ConfigError(
+                f"{where}.vector_dirs: expected a list of directories, e.g. ['/srv/vectors']"
+            )
+        for i, d in enumerate(dirs):
+            if not os.path.isabs(os.path.expanduser(d)):
+                raise ConfigError(f"{where}.vector_dirs[{i}]: {d!r:.200} is not an absolute path")
+        kw["vector_dirs"] = tuple(os.path.expanduser(d) for d in dirs)
         glob = raw.get("global", [])
         parse_steer(glob, f"{where}.global")  # the form; the model is checked later
         kw["global_steer"] = tuple(glob)

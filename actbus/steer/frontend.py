@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from actbus.errors import ConfigError
 from actbus.steer.config import SteerConfig, SteerSpec, monitor_runs_before, parse_steer
 from actbus.steer.live import LIVE_PREFIX
-from actbus.steer.vectors import Vector, VectorRegistry
+from actbus.steer.vectors import Confine, Vector, VectorRegistry
 
 if TYPE_CHECKING:
     from actbus.monitor.config import MonitorConfig
@@ -124,7 +124,11 @@ class SteerFrontend:
         self.num_layers = num_layers
         self.layers = cfg.resolve_layers(num_layers)
         self.hooks = cfg.hooks
-        self.registry = VectorRegistry(hidden_size, live=frozenset(cfg.live))
+        self.registry = VectorRegistry(
+            hidden_size, live=frozenset(cfg.live), max_named=cfg.max_named
+        )
+        self.confine = Confine(cfg.vector_dirs)
+        """Where HTTP callers' path sources may be read from."""
         for name, src in cfg.vectors.items():
             self.registry.register(name, src, "actbus.steer.vectors")
         self._lock = threading.Lock()

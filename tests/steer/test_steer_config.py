@@ -33,6 +33,9 @@ def test_engine_config():
         ({"vectors": {"a": {"sae": "d"}}}, "actbus.steer.vectors.a.feature"),
         ({"vectors": {"a": {"file": "f", "sae": "d"}}}, "actbus.steer.vectors.a: give exactly one"),
         ({"global": [{"vector": "a"}]}, "actbus.steer.global[0].layers: required"),
+        ({"vector_dirs": ["rel/dir"]}, "actbus.steer.vector_dirs[0]: 'rel/dir' is not an absol"),
+        ({"vector_dirs": [3]}, "actbus.steer.vector_dirs: expected a list of directories"),
+        ({"max_named": 0}, "actbus.steer.max_named: expected an integer in 1..65536"),
     ]:
         with pytest.raises(ConfigError) as e:
             SteerConfig.from_dict(raw)
@@ -81,6 +84,64 @@ def test_entries_are_counted_before_they_are_read_or_expanded():
     with pytest.raises(ConfigError, match=r"^s\[0\].vector: has 1000000 values; at most"):
         parse_steer([{"vector": [1.0] * 1_000_000, "layers": 1}], "s")
     assert len(parse_steer([{"vector": "v", "layers": list(range(32)), "hooks": hooks}], "s")) == 64
+
+
+def test_http_sources_stay_in_the_vector_dirs_and_registrations_are_capped(tmp_path):
+    """An HTTP caller's path source (``confine``) is read only inside the listed
+    directories, links followed; outside, the refusal is the same whether the file
+    exists or not, and names no tensor. A tensor too big is refused from its header;
+    a registry holds at most ``max_named`` names (replacing one is always allowed)."""
+    from actbus.steer import vectors as vec_mod
+    from actbus.steer.vectors import Confine
+
+    inside, outside = tmp_path / "vectors", tmp_path / "private"
+    inside.mkdir(), outside.mkdir()
+    save_file({"secret_name": torch.ones(H)}, str(outside / "weights.safetensors"))
+    save_file({"v": torch.ones(H), "w": torch.ones(H)}, str(inside / "ok.safetensors"))
+    (inside / "link.safetensors").symlink_to(outside / "weights.safetensors")
+    (inside / "up").symlink_to(outside)
+    reg = VectorRegistry(H, max_named=2)
+    confine = Confine((str(inside),))
+    refusals = set()
+    for path in (
+        outside / "weights.safetensors",  # exists, outside
+        outside / "missing.safetensors",  # does not exist
+        inside / "link.safetensors",  # a link out
+        inside / "up" / "weights.safetensors",  # a directory link out
+        inside / ".." / "private" / "weights.safetensors",
+        "~/weights.safetensors",  # not expanded: relative to the server's directory
+    ):
+        with pytest.raises(ConfigError) as e:
+            reg.register("a", VectorSource("file", str(path)), "body", confine=confine)
+        refusals.add(str(e.value))
+    assert refusals == {
+        "body.a: not under the server's vector directories; paths must lie in one of "
+        "actbus.steer.vector_dirs (links followed)"
+    }
+    with pytest.raises(ConfigError, match="no vector files for HTTP callers"):
+        reg.register("a", VectorSource("sae", str(inside), feature=0), confine=Confine(()))
+    with pytest.raises(ConfigError) as e:
+        reg.register("a", VectorSource("file", str(inside / "ok.safetensors")), confine=confine)
+    assert "holds 2 tensors" in str(e.value) and "'v'" not in str(e.value)
+    src = VectorSource("file", str(inside / "ok.safetensors"), key="v")
+    assert reg.register("a", src, confine=confine).values.tolist() == [1.0] * H
+    # The operator's own sources (config, Python) are not confined.
+    assert reg.register("b", VectorSource("file", str(outside / "weights.safetensors"))).norm > 0
+    with pytest.raises(ConfigError, match=r"vectors.c: 2 named vectors, the most .*max_named"):
+        reg.register("c", [1.0] * H)
+    reg.register("b", [2.0] * H)  # replacing is allowed at the cap
+    with pytest.raises(ConfigError, match=r"vectors.c: has 100000 values; this model's"):
+        VectorRegistry(H).register("c", [1.0] * 100_000)
+    save_file({"big": torch.zeros(1024, 1024)}, str(inside / "big.safetensors"))
+    old = vec_mod.MAX_TENSOR_BYTES
+    vec_mod.MAX_TENSOR_BYTES = 1 << 20
+    try:
+        with pytest.raises(ConfigError, match=r"key: tensor 'big' is 4194304 bytes as float32"):
+            reg.register(
+                "b", VectorSource("file", str(inside / "big.safetensors")), confine=confine
+            )
+    finally:
+        vec_mod.MAX_TENSOR_BYTES = old
 
 
 def test_vectors_from_files_and_checkpoints(tmp_path):
