@@ -94,6 +94,17 @@ NEEDS_NUMBERS_FIX = [
 ]  # fmt: skip
 
 
+OUTSIDE = (
+    "/etc/passwd",
+    "a missing file outside",
+    "the model's weights by a link",
+    "out by a directory link",
+    "out by ..",
+    "home",
+)
+"""The steering cases of files outside the vector directory: one refusal for all."""
+
+
 def corpus(model: str, hidden: int, vectors: Path, admin: str) -> list[Case]:
     """Every hostile call, in order."""
     out = []
