@@ -112,7 +112,7 @@ def corpus(model: str, hidden: int, vectors: Path, admin: str) -> list[Case]:
         out.append(
             Case(f"completion: {name}", "POST", "/v1/completions", _completion(model, actbus))
         )
-    for name, actbus in xargs_corpus(hidden)[::4]:
+    for name, actbus in xargs_corpus(hidden)[::2]:
         out.append(
             Case(f"chat: {name}", "POST", "/v1/chat/completions", _completion(model, actbus, True))
         )
