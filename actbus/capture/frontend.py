@@ -36,6 +36,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -226,11 +227,18 @@ class _Frontend:
         return sel, steer, monitors, scores_back
 
 
+_MAKING = threading.Lock()
+
+
 def frontend_for(input_processor: Any) -> _Frontend:
-    """The capture front end of one ``InputProcessor`` (made on first use)."""
+    """The capture front end of one ``InputProcessor`` (made on first use, once: the
+    steering endpoints' calls run on worker threads, beside the requests' own)."""
     fe = getattr(input_processor, "_actbus_frontend", None)
     if fe is None:
-        fe = input_processor._actbus_frontend = _Frontend(input_processor.vllm_config)
+        with _MAKING:
+            fe = getattr(input_processor, "_actbus_frontend", None)
+            if fe is None:
+                fe = input_processor._actbus_frontend = _Frontend(input_processor.vllm_config)
     return fe
 
 
