@@ -241,11 +241,12 @@ def check_request_tags(raw: Any, where: str) -> dict[str, Any]:
     return dict(raw)
 
 
-def check_request_id(request_id: str, where: str = "request_id") -> str:
-    """A request id that fits the wire's bound (subscribers refuse longer ones)."""
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
+def check_request_id(request_id: str, where: str = "request_id", room: int = 0) -> str:
+    """A request id that fits the wire's bound (subscribers refuse longer ones), with
+    ``room`` characters to spare (vLLM's own id of a returned request adds its suffix)."""
+    if len(request_id) + room > MAX_REQUEST_ID_CHARS:
         raise ConfigError(
-            f"{where}: {len(request_id)} characters, more than the {MAX_REQUEST_ID_CHARS} "
-            "actbus carries; use a shorter request id"
+            f"{where}: {len(request_id)} characters, more than the "
+            f"{MAX_REQUEST_ID_CHARS - room} actbus carries; use a shorter request id"
         )
     return request_id

@@ -39,14 +39,17 @@ from actbus.config import REQUESTS, CaptureConfig
 from actbus.errors import ConfigError
 from actbus.flags import HelpFormatter
 from actbus.logcap import show_own_logs
+from actbus.steer.config import ADMIN_KEY_ENV
 from actbus.streams import HOOKS
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 log = logging.getLogger("actbus.serve")
 
 
-def serve_command(argv: list[str]) -> list[str]:
-    """The vLLM server argv for ``actbus serve`` arguments (raises ConfigError)."""
+def serve_command(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """The vLLM server argv for ``actbus serve`` arguments (raises ConfigError). An admin
+    key goes into ``env``, the server's environment, not its argv (which every local
+    user can read)."""
     p = argparse.ArgumentParser(
         prog="actbus serve",
         description="Start vLLM's OpenAI-compatible server with actbus capture. "
@@ -68,6 +71,12 @@ def serve_command(argv: list[str]) -> list[str]:
     )
     p.add_argument("--positions", default=None, help="default positions, e.g. last_prompt")
     p.add_argument("--actbus-config", default=None, help="extra actbus config as JSON")
+    p.add_argument(
+        "--actbus-admin-key",
+        default=None,
+        help="the key the steering endpoints (/v1/actbus/...) ask for, instead of --api-key: "
+        f"completion callers cannot change global steering or vectors (also ${ADMIN_KEY_ENV})",
+    )
     args, vllm_args = p.parse_known_args(argv)
     cfg: dict = json.loads(args.actbus_config) if args.actbus_config else {}
     layers = args.layers.strip()
@@ -85,6 +94,16 @@ def serve_command(argv: list[str]) -> list[str]:
     # With steering on: the endpoints for named vectors and global steering
     # (actbus.steer.http), through vLLM's own --middleware flag.
     steer = ["--middleware", "actbus.steer.http.middleware"] if "steer" in cfg else []
+    if args.actbus_admin_key is not None:
+        if not steer:
+            raise ConfigError(
+                "--actbus-admin-key: this server has no steering endpoints; add a 'steer' "
+                "entry to --actbus-config"
+            )
+        if not args.actbus_admin_key:
+            raise ConfigError("--actbus-admin-key: an empty key")
+        if env is not None:
+            env[ADMIN_KEY_ENV] = args.actbus_admin_key
     return [
         sys.executable,
         "-m",
@@ -168,8 +187,6 @@ def _own_group() -> None:
     """In the child, before vLLM starts: a process group of its own (a terminal's
     Ctrl-C reaches only the supervisor, which passes it on once) and, on Linux, a
     SIGTERM if the supervisor dies (no server outlives it)."""
-    import os
-
     os.setpgrp()
     with contextlib.suppress(Exception):
         import ctypes
@@ -247,7 +264,7 @@ def _kill_leftovers(group: int, held: list[str], waited_s: float) -> None:
 def main(argv: list[str]) -> int:
     """start vLLM's OpenAI server with capture (see serve -h)"""
     try:
-        cmd = serve_command(argv)
+        cmd = serve_command(argv, os.environ)  # the server inherits the admin key
         cfg = capture_of(cmd)
         size, ranks = data_parallel(cmd)
         warnings = _precheck(cmd, cfg)

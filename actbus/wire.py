@@ -109,6 +109,12 @@ class RowIndex:
     """Per request: the live steering vectors it steers with, each at the version it
     keeps from admission to its end (empty: no request of the message steers with one;
     absent from older publishers' headers)."""
+    engine_ids: list[str] = field(default_factory=list)
+    """Per request whose caller gets its rows or scores back (``returned``): vLLM's own
+    id of that sample, unique where caller ids may repeat; ``""`` for the others. The
+    front end's collectors match rows by it, so two requests that share a caller id
+    never get each other's (empty: none returned; absent from older publishers'
+    headers, which older decoders ignore)."""
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     """``to_wire``'s result, kept: one step's messages share one index."""
     cuts: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -128,6 +134,13 @@ class RowIndex:
 
     def request_returned(self, i: int) -> bool:
         return bool(self.returned[i]) if self.returned else False
+
+    def keys(self) -> list[str]:
+        """Per request, the id the front end's collectors file its rows under: vLLM's
+        own id of a returned request, else (older publishers) the caller's."""
+        if not self.engine_ids:
+            return self.request_ids
+        return [e or r for e, r in zip(self.engine_ids, self.request_ids, strict=True)]
 
     def request_steer_versions(self, i: int) -> dict[str, int]:
         return self.steer_versions[i] if self.steer_versions else {}
@@ -151,6 +164,7 @@ class RowIndex:
             tags=[self.tags[i] for i in keep] if self.tags else [],
             returned=[self.returned[i] for i in keep] if self.returned else [],
             steer_versions=[self.steer_versions[i] for i in keep] if self.steer_versions else [],
+            engine_ids=[self.engine_ids[i] for i in keep] if self.engine_ids else [],
         )
         return sub, rows
 
@@ -199,6 +213,7 @@ class RowIndex:
                 "tags": self.tags,
                 "returned": self.returned,
                 **({"steer_versions": self.steer_versions} if self.steer_versions else {}),
+                **({"engine_ids": self.engine_ids} if self.engine_ids else {}),
                 "offsets": _pack_ints(self.offsets),
                 "positions": _pack_ints(self.positions),
                 "token_ids": _pack_ints(self.token_ids),
@@ -237,6 +252,9 @@ class RowIndex:
             steer_versions = _list(d.get("steer_versions") or [], "steer_versions", MAX_REQUESTS)
             for sv in steer_versions:
                 _steer_versions(sv)
+            engine_ids = _list(d.get("engine_ids") or [], "engine_ids", MAX_REQUESTS)
+            for e in engine_ids:
+                _str(e, "engine_ids", MAX_REQUEST_ID_CHARS)
             rows = cls(
                 request_ids=ids,
                 offsets=_unpack_ints(d["offsets"]),
@@ -246,6 +264,7 @@ class RowIndex:
                 tags=tags,
                 returned=returned,
                 steer_versions=steer_versions,
+                engine_ids=engine_ids,
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, WireError):
@@ -256,7 +275,7 @@ class RowIndex:
             raise WireError(
                 "row index: offsets must have one more entry than request_ids", "offsets"
             )
-        for name in ("sample_index", "tags", "returned", "steer_versions"):
+        for name in ("sample_index", "tags", "returned", "steer_versions", "engine_ids"):
             if getattr(rows, name) and len(getattr(rows, name)) != len(rows.request_ids):
                 raise WireError(f"row index: {name} must have one entry per request", name)
         if len(rows.positions) != n or len(rows.token_ids) != n:
@@ -307,6 +326,14 @@ class RequestEnd:
     request_id: str
     sample_index: int
     reason: str  # "stop" | "length" | "abort" | "error" | "unknown"
+    engine_id: str = ""
+    """vLLM's own id of a request whose caller gets its rows or scores back (as in
+    ``RowIndex.engine_ids``); ``""`` for the others."""
+
+    @property
+    def key(self) -> str:
+        """The id the front end's collectors file this request under."""
+        return self.engine_id or self.request_id
 
     @property
     def complete(self) -> bool:
@@ -389,6 +416,7 @@ class Header:
                 "model": self.model,
                 "tags": self.tags,
                 "ended": [[e.request_id, e.sample_index, e.reason] for e in self.ended],
+                **_ended_engine_ids(self.ended),
                 "rows": self.rows.to_wire(),
             },
             use_bin_type=True,
@@ -437,7 +465,7 @@ class Header:
                 ),
                 model=_str(d["model"], "model", MAX_MODEL_CHARS),
                 tags=_tags(d.get("tags") or {}, "tags"),
-                ended=_ends(d.get("ended") or []),
+                ended=_ends(d.get("ended") or [], d.get("ended_engine_ids")),
                 rows=_rows_from_wire(d["rows"]),
             )
         except KeyError as e:
@@ -605,9 +633,25 @@ def _tag_value(v: Any, field: str, depth: int, budget: list[int]) -> None:
             _tag_value(x, field, depth + 1, budget)
 
 
-def _ends(v: Any) -> list[RequestEnd]:
+def _ended_engine_ids(ended: list[RequestEnd]) -> dict[str, list[str]]:
+    """``ended_engine_ids``, beside ``ended`` (whose entries older decoders read as
+    three items): present only when some ended request's caller gets data back."""
+    ids = [e.engine_id for e in ended]
+    return {"ended_engine_ids": ids} if any(ids) else {}
+
+
+def _ends(v: Any, engine_ids: Any = None) -> list[RequestEnd]:
+    ids = _list(engine_ids or [], "ended_engine_ids", MAX_REQUESTS)
+    for e in ids:
+        _str(e, "ended_engine_ids", MAX_REQUEST_ID_CHARS)
+    entries = _list(v, "ended", MAX_REQUESTS)
+    if ids and len(ids) != len(entries):
+        raise WireError(
+            "header field 'ended_engine_ids': must have one entry per 'ended' entry",
+            "ended_engine_ids",
+        )
     out = []
-    for e in _list(v, "ended", MAX_REQUESTS):
+    for i, e in enumerate(entries):
         if type(e) is not list or len(e) != 3:
             raise WireError(
                 f"header field 'ended': {capped(e)} is not [request_id, sample_index, reason]",
@@ -618,6 +662,7 @@ def _ends(v: Any) -> list[RequestEnd]:
                 _str(e[0], "ended", MAX_REQUEST_ID_CHARS, "request id"),
                 _int(e[1], "ended", 0, MAX_INT32, "sample index"),
                 _str(e[2], "ended", MAX_REASON_CHARS, "reason"),
+                ids[i] if ids else "",
             )
         )
     return out

@@ -18,7 +18,8 @@ monitor as it trains, scores every token of later requests, and gates steering.
    flags them.
 
 What it saw lands in --out (default out/closed-loop): `closed_loop.json`, the probe's
-checkpoint under `probes/`, the logs.
+checkpoint under `probes/`, the logs. A running server (--connect) must list a
+directory holding --out in its `steer.vector_dirs`, to take the probe's path.
 """
 
 from __future__ import annotations
@@ -106,10 +107,11 @@ def main() -> int:
         address, control = f"ipc://{run}/bus.sock", f"ipc://{run}/control.sock"
         url = f"http://127.0.0.1:{args.port or common.free_port()}"
         common.step(1, 4, f"actbus serve {model.path}: monitor 'probe' at layer {layer}")
+        config = engine_config(model.path, layer, steer_layer, control, out / "probes")
         server = common.actbus(
             "serve", model.path, "--layers", str(layer), "--publish", address,
             "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], *model.serve_flags(),
-            "--actbus-config", json.dumps(engine_config(model.path, layer, steer_layer, control)),
+            "--actbus-config", json.dumps(config),
             log=out / "server.log",
         )  # fmt: skip
         common.wait_http(f"{url}/health", 900, server)  # about a minute on CPU
@@ -127,9 +129,12 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def engine_config(model_path: str, layer: int, steer_layer: int, control: str) -> dict:
+def engine_config(
+    model_path: str, layer: int, steer_layer: int, control: str, probes: Path
+) -> dict:
     """The server's actbus entry: the monitor the probe is pushed into, the control
-    endpoint pushes arrive at, and the points steering may use."""
+    endpoint pushes arrive at, the points steering may use, and the directory the
+    probe's checkpoint may be registered from over HTTP (``vector_dirs``)."""
     hidden = json.loads((Path(model_path) / "config.json").read_text())["hidden_size"]
     return {
         "monitor": {
@@ -138,7 +143,11 @@ def engine_config(model_path: str, layer: int, steer_layer: int, control: str) -
             }
         },
         "control": control,
-        "steer": {"layers": [steer_layer], "hooks": ["post_block"]},
+        "steer": {
+            "layers": [steer_layer],
+            "hooks": ["post_block"],
+            "vector_dirs": [str(probes.resolve())],
+        },
     }
 
 

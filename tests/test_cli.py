@@ -139,3 +139,24 @@ def test_consumers_idle_openmp_workers_sleep():
     assert int(_openmp_spin("run", "null", "--help", OMP_WAIT_POLICY="ACTIVE")) > 300_000
     # vLLM's own processes are left as they were.
     assert _openmp_spin("serve", "--help") == "300000"
+
+
+def test_serve_puts_the_admin_key_in_the_environment_not_the_argv():
+    """``--actbus-admin-key`` reaches the server through its environment (argv is
+    readable by every local user), and only where there are steering endpoints."""
+    import json
+
+    import pytest
+
+    from actbus.errors import ConfigError
+    from actbus.serve import serve_command
+
+    steer = ["--actbus-config", json.dumps({"steer": {}})]
+    env: dict[str, str] = {}
+    cmd = serve_command(["m", *steer, "--actbus-admin-key", "s3cret"], env)
+    assert env == {"ACTBUS_ADMIN_KEY": "s3cret"} and "s3cret" not in " ".join(cmd)
+    assert "actbus.steer.http.middleware" in cmd
+    with pytest.raises(ConfigError, match="--actbus-admin-key: this server has no steering"):
+        serve_command(["m", "--actbus-admin-key", "k"], {})
+    with pytest.raises(ConfigError, match="--actbus-admin-key: an empty key"):
+        serve_command(["m", *steer, "--actbus-admin-key", ""], {})

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "actbus.streams": 0,
     "actbus.logcap": 0,
     "actbus.flags": 0,
+    "actbus.jsontext": 0,
     "actbus.wire": 1,
     "actbus.bus": 2,
     "actbus.bus.": 2,

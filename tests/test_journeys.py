@@ -72,7 +72,9 @@ def server(tiny_models, tmp_path_factory):
          # The journeys' logic is under test, not the compiled graph (the session engines
          # capture, steer and score with torch.compile on): eager starts in half the time.
          "--enforce-eager",
-         "--actbus-config", json.dumps(_loop_config(tiny_models["llama"], control))],
+         "--actbus-config", json.dumps(
+             _loop_config(tiny_models["llama"], control, tmp_path_factory.getbasetemp())
+         )],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -98,16 +100,17 @@ def server(tiny_models, tmp_path_factory):
         log.close()
 
 
-def _loop_config(model_path: Path, control: str) -> dict:
+def _loop_config(model_path: Path, control: str, vectors: Path) -> dict:
     """What the closed loop needs of the server (``examples/closed_loop.py`` starts its
     own with the same): a sigmoid monitor at layer 1 to push the probe into, the
-    control endpoint, steering at layer 2."""
+    control endpoint, steering at layer 2, and the tests' directory (where the loop's
+    --out is) to register the probe's checkpoint from over HTTP."""
     hidden = json.loads((model_path / "config.json").read_text())["hidden_size"]
     probe = {"weight": [0.0] * hidden, "sigmoid": True, "layers": [1]}
     return {
         "monitor": {"monitors": {"probe": probe}},
         "control": control,
-        "steer": {"layers": [2], "hooks": ["post_block"]},
+        "steer": {"layers": [2], "hooks": ["post_block"], "vector_dirs": [str(vectors)]},
     }
 
 

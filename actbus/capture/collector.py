@@ -5,7 +5,8 @@ of the data-parallel ranks it serves), read by a thread that files what arrives 
 request; vLLM's output processing takes it per output. This module holds their common
 life: subscribing and waiting for the publishers' welcome, the receiving thread,
 forgetting requests nobody collects, the bounded wait of a final output, closing, and
-the registries (collector per set of publishers, collector per caller id).
+the registries (collector per set of publishers, collector per request id: vLLM's own,
+unique where callers' ids repeat).
 
 The final output's wait runs inside vLLM's output processing, which every other
 request's outputs wait on, so it is kept short: it happens only when a request's last
@@ -45,7 +46,7 @@ FORGET_UNENDED_S = 24 * 3600.0
 
 class Registry:
     """The collectors of one kind in this process: one per set of publishers, and the
-    one holding each caller id's data (for the output processor's wrapper)."""
+    one holding each request id's data (for the output processor's wrapper)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -59,8 +60,8 @@ class Registry:
                 self.collectors[key] = make(addresses)
             return self.collectors[key]
 
-    def collector_for(self, caller_id: str) -> Any:
-        return self.owner.get(caller_id)
+    def collector_for(self, request_id: str) -> Any:
+        return self.owner.get(request_id)
 
     def close(self, addresses: list[str]) -> int:
         """Close the collectors that read any of these publishers, whose engine stopped:
@@ -82,7 +83,7 @@ class Collector:
 
     Subclasses say what they subscribe to (``subscription``), file a message
     (``_add``, under ``_cond``), and which of their pending requests nobody will
-    collect (``_stale``, ``_drop``). ``_pending`` maps (caller id, sample) to a
+    collect (``_stale``, ``_drop``). ``_pending`` maps (request id, sample) to a
     subclass's per-request record, which has ``created`` and ``ended_at`` (None or 0.0
     until the request's end came)."""
 
@@ -144,14 +145,14 @@ class Collector:
         with self._cond:
             return len(self._pending)
 
-    def _own(self, caller_id: str) -> None:
-        self.registry.owner[caller_id] = self
+    def _own(self, request_id: str) -> None:
+        self.registry.owner[request_id] = self
 
-    def _disown_if_done(self, caller_id: str) -> None:
-        """Under ``_cond``: a caller id none of whose samples is pending is let go."""
+    def _disown_if_done(self, request_id: str) -> None:
+        """Under ``_cond``: a request id none of whose samples is pending is let go."""
         owner = self.registry.owner
-        if owner.get(caller_id) is self and not any(k[0] == caller_id for k in self._pending):
-            owner.pop(caller_id, None)
+        if owner.get(request_id) is self and not any(k[0] == request_id for k in self._pending):
+            owner.pop(request_id, None)
 
     def _wait_final(self, arrived: Callable[[], bool], bound: float) -> bool:
         """Under ``_cond``: wait (at most ``bound`` s, and while data keeps arriving)
@@ -235,8 +236,8 @@ class Collector:
             ]
             for key in stale:
                 self._drop(key)
-            for caller_id in {k[0] for k in stale}:
-                self._disown_if_done(caller_id)
+            for request_id in {k[0] for k in stale}:
+                self._disown_if_done(request_id)
             self._housekeep(bool(stale))
 
     def _drop(self, key: tuple[str, int]) -> None:

@@ -33,19 +33,25 @@ from that steering.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
 from actbus.errors import ConfigError
+from actbus.jsontext import parse_json_text
 from actbus.monitor.frontend import take_monitors
 from actbus.steer.frontend import RequestSteer, SteerFrontend
 
 KEY = "actbus"
+XARGS_HINT = "; over HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
+ENGINE_ID_ROOM = 32
+"""Characters vLLM's own id of a request adds to its caller's (``-`` and 8 hex digits,
+``{index}_`` for a sample of ``n > 1``): a returned request's id keeps this room."""
 log = logging.getLogger("actbus")
 
 
@@ -81,6 +87,7 @@ def patch() -> bool:
         pass
     else:
         OutputProcessor.abort_requests = _wrap_abort(OutputProcessor.abort_requests)
+        OutputProcessor.add_request = _wrap_add_request(OutputProcessor.add_request)
     from actbus.monitor import http
 
     http.patch()
@@ -182,13 +189,7 @@ class _Frontend:
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
         if over_http:  # over HTTP: vllm_xargs={"actbus": "<json>"}
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"extra_args.actbus: not valid JSON ({e.msg} at column {e.colno}); over "
-                    "HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
-                ) from None
+            raw = parse_json_text(raw, "extra_args.actbus", hint=XARGS_HINT)
         raw, monitors, scores_back = take_monitors(raw, self.cfg.monitor)
         steer_raw, use_global = None, True
         if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
@@ -227,11 +228,18 @@ class _Frontend:
         return sel, steer, monitors, scores_back
 
 
+_MAKING = threading.Lock()
+
+
 def frontend_for(input_processor: Any) -> _Frontend:
-    """The capture front end of one ``InputProcessor`` (made on first use)."""
+    """The capture front end of one ``InputProcessor`` (made on first use, once: the
+    steering endpoints' calls run on worker threads, beside the requests' own)."""
     fe = getattr(input_processor, "_actbus_frontend", None)
     if fe is None:
-        fe = input_processor._actbus_frontend = _Frontend(input_processor.vllm_config)
+        with _MAKING:
+            fe = getattr(input_processor, "_actbus_frontend", None)
+            if fe is None:
+                fe = input_processor._actbus_frontend = _Frontend(input_processor.vllm_config)
     return fe
 
 
@@ -258,14 +266,17 @@ def _wrap_process_inputs(orig):
             if salt is not None:  # steered prompt tokens: their KV is this steering's own
                 old = getattr(request, "cache_salt", None)
                 request.cache_salt = f"{old}|{salt}" if old else salt
+        returning = scores_back or (sel is not None and sel.returns)
         if monitors or sel is not None:  # rows and scores name the caller's request
             try:
                 wire["caller_id"] = check_request_id(
-                    str(getattr(request, "external_req_id", None) or request_id)
+                    str(getattr(request, "external_req_id", None) or request_id),
+                    room=ENGINE_ID_ROOM if returning else 0,
                 )
             except ConfigError as e:
                 raise _client_error(e) from None
             wire["n"] = int(getattr(sp, "n", 1) or 1)
+        expects: list[Callable[[str, int], None]] = []
         if monitors:
             wire["monitor"] = list(monitors)
             # Every prompt token is scored, so its stream must be computed, not read
@@ -274,29 +285,29 @@ def _wrap_process_inputs(orig):
         if scores_back:
             wire["monitor_return"] = True
             try:
-                _score_returns(fe).expect(
-                    wire["caller_id"],
-                    wire["n"],
-                    _streams(fe, monitors),
-                    _prompt_len(request),
-                    sp.max_tokens,
-                    _widths(fe, monitors),
-                )
+                scores = _score_returns(fe)
             except ConfigError as e:
                 raise _client_error(e) from None
-        if sel is None:
-            sp.extra_args = {**(sp.extra_args or {}), KEY: wire}
-            return request
-        wire.update(sel.to_wire())
-        if sel.returns:
+            streams, widths = _streams(fe, monitors), _widths(fe, monitors)
+            plen, budget = _prompt_len(request), sp.max_tokens
+            expects.append(
+                lambda rid, i: scores.expect(rid, 1, streams, plen, budget, widths, index=i)
+            )
+        if sel is not None:
+            wire.update(sel.to_wire())
+        if sel is not None and sel.returns:
             try:
-                _returns(fe).expect(
-                    wire["caller_id"], wire["n"], sel, _prompt_len(request), sp.max_tokens
-                )
+                rows = _returns(fe)
             except ConfigError as e:
                 raise _client_error(e) from None
+            plen, budget = _prompt_len(request), sp.max_tokens
+            expects.append(lambda rid, i: rows.expect(rid, 1, sel, plen, budget, index=i))
+        if expects:  # registered per sample under vLLM's own id, once it has one
+            sp._actbus_expect = tuple(expects)
         # The engine owns this copy; the caller's params are never mutated.
         sp.extra_args = {**(sp.extra_args or {}), KEY: wire}
+        if sel is None:
+            return request
         if sel.bypasses_prefix_cache(_prompt_len(request)):
             sp.skip_reading_prefix_cache = True
         return request
@@ -344,18 +355,37 @@ def _widths(fe: _Frontend, monitors: tuple[str, ...]) -> dict[str, int]:
     return {n: len(defs[n].features) if defs[n].kind == "sae" else 1 for n in monitors}
 
 
+def _wrap_add_request(orig):
+    """Each sample of a request whose rows or scores come back is registered with its
+    collectors here, where vLLM makes its ``RequestState``: under vLLM's own id of the
+    sample (unique, where callers' ids may repeat: ``X-Request-Id``), which the worker
+    publishes in ``RowIndex.engine_ids`` and the output wrapper looks up. vLLM adds
+    the request to its engine only after this, so no row comes first."""
+
+    @functools.wraps(orig)
+    def add_request(self, request, prompt, parent_req=None, request_index=0, *a, **kw):
+        new = request.request_id not in getattr(self, "request_states", {})
+        out = orig(self, request, prompt, parent_req, request_index, *a, **kw)
+        if new:
+            # A child's params are a copy without our attribute; its parent's carry it.
+            sp = parent_req.sampling_params if parent_req is not None else request.params
+            for expect in getattr(sp, "_actbus_expect", ()):
+                expect(request.request_id, request_index)
+        return out
+
+    return add_request
+
+
 def _wrap_abort(orig):
     """A request aborted in the front end (a client gone) leaves no scores behind."""
 
     @functools.wraps(orig)
     def abort_requests(self, request_ids, *args: Any, **kwargs: Any):
         ids = list(request_ids)
-        states = getattr(self, "request_states", {})
-        external = [getattr(states.get(r), "external_req_id", r) for r in ids]
         out = orig(self, ids, *args, **kwargs)
         scores = sys.modules.get("actbus.monitor.returns")
-        if scores is not None:
-            scores.forget(list(dict.fromkeys([*ids, *external])))
+        if scores is not None:  # vLLM's own ids of the samples it aborted
+            scores.forget(list(out) if out else ids)
         return out
 
     return abort_requests
@@ -367,12 +397,12 @@ def _wrap_completion_output(orig):
         out = orig(self, token_ids, finish_reason, stop_reason, *a, **kw)
         from actbus.capture.returns import collector_for
 
-        collector = collector_for(self.external_req_id)
+        collector = collector_for(self.request_id)  # vLLM's own id of this sample
         if collector is not None:
             from vllm.sampling_params import RequestOutputKind
 
             out.activations = collector.take(
-                self.external_req_id,
+                self.request_id,
                 self.request_index,
                 self.detokenizer.num_output_tokens(),
                 final=finish_reason is not None,
@@ -381,12 +411,12 @@ def _wrap_completion_output(orig):
                 ends_follow=str(finish_reason) != "abort" and not isinstance(stop_reason, str),
             )
         scores = sys.modules.get("actbus.monitor.returns")
-        col = scores.collector_for(self.external_req_id) if scores is not None else None
+        col = scores.collector_for(self.request_id) if scores is not None else None
         if col is not None:
             from vllm.sampling_params import RequestOutputKind
 
             out.monitor_scores = col.take(
-                self.external_req_id,
+                self.request_id,
                 self.request_index,
                 self.detokenizer.num_output_tokens(),
                 final=finish_reason is not None,

@@ -152,25 +152,30 @@ class ReturnCollector(Collector):
     # ------------------------------------------------------------- front end side
     def expect(
         self,
-        caller_id: str,
+        request_id: str,
         n: int,
         sel: Selection,
         prompt_len: int,
         max_tokens: int | None = None,
+        *,
+        index: int = 0,
     ) -> None:
-        """Register a request's ``n`` samples before it is queued; ``max_tokens`` (its
-        token budget) sizes their buffers, so most never grow."""
+        """Register samples ``index .. index + n - 1`` of a request before it is queued;
+        ``max_tokens`` (its token budget) sizes their buffers, so most never grow. The
+        front end registers each sample under vLLM's own id of it (unique where caller
+        ids repeat), which the worker publishes in ``RowIndex.engine_ids``."""
         budget = prompt_len + (max_tokens if max_tokens else CAPACITY_GUESS) - 1
         rows = _expected_rows(sel, prompt_len, min(budget, prompt_len + CAPACITY_CAP))
         capacity = 1 if rows is None else rows
         with self._cond:
-            for i in range(n):
-                self._pending[(caller_id, i)] = _Pending(sel, prompt_len, capacity)
-            self._own(caller_id)
+            for i in range(index, index + n):
+                self._drop((request_id, i))  # an id used again: the old one is gone
+                self._pending[(request_id, i)] = _Pending(sel, prompt_len, capacity)
+            self._own(request_id)
 
     def take(
         self,
-        caller_id: str,
+        request_id: str,
         index: int,
         num_generated: int,
         *,
@@ -186,7 +191,7 @@ class ReturnCollector(Collector):
         abort, a stop string): the engine learns of it only after this output is
         made, so the request's end cannot come first and is not waited for.
         """
-        key = (caller_id, index)
+        key = (request_id, index)
         with self._cond:
             p = self._pending.get(key)
             if p is None:
@@ -198,7 +203,7 @@ class ReturnCollector(Collector):
                 wait = RETURN_TIMEOUT_S if (want is not None or ends_follow) else 0.0
                 self._wait_final(lambda: self._arrived(p, limit, want), wait)
                 self._drop(key)
-                self._disown_if_done(caller_id)
+                self._disown_if_done(request_id)
                 if not self._pending:  # idle: keep no slab alive for requests to come
                     self._slabs.release()
             acts = self._hand_out(p, limit, delta)
@@ -207,7 +212,7 @@ class ReturnCollector(Collector):
         if final and not acts.complete and wait:
             log.warning(
                 "actbus: request %s sample %d: %d of %s rows arrived before its final output",
-                caller_id, index, len(acts.positions), want,
+                request_id, index, len(acts.positions), want,
             )  # fmt: skip
         return acts
 
@@ -256,7 +261,7 @@ class ReturnCollector(Collector):
         if rows is not self._plan_of:  # the taps of one step share one row index
             self._plan_of = rows
             offsets = rows.offsets.tolist()
-            ids = rows.request_ids
+            ids = rows.keys()  # vLLM's own ids: caller ids may repeat
             keys = zip(ids, rows.sample_index or [0] * len(ids), strict=True)
             self._plan = (
                 list(zip(keys, offsets, offsets[1:], strict=False)),  # offsets: one more
@@ -306,7 +311,7 @@ class ReturnCollector(Collector):
                 slab.tok[d] = rows.token_ids[s]
             now = time.monotonic()
             for end in b.header.ended:
-                p = pending.get((end.request_id, end.sample_index))
+                p = pending.get((end.key, end.sample_index))
                 if p is not None:
                     p.ended_taps.add(tap)
                     if p.ended is None:
@@ -353,11 +358,11 @@ _NO_IDS = torch.zeros(0, dtype=torch.int64)
 _REGISTRY = ReturnCollector.registry = Registry()
 _COLLECTORS = _REGISTRY.collectors
 _OWNER = _REGISTRY.owner
-"""Caller id -> the collector holding its rows, for the output processor's wrapper."""
+"""Request id (vLLM's own) -> the collector holding its rows, for the output processor's wrapper."""
 
 
-def collector_for(caller_id: str) -> ReturnCollector | None:
-    return _OWNER.get(caller_id)  # type: ignore[return-value]
+def collector_for(request_id: str) -> ReturnCollector | None:
+    return _OWNER.get(request_id)  # type: ignore[return-value]
 
 
 def close_collectors(addresses: list[str]) -> int:

@@ -80,6 +80,7 @@ class _Request:
     next_pos: int = 0
     last: dict | None = None  # positions="last": the newest row, held until the end
     live: dict[str, int] = field(default_factory=dict)  # live steering vector -> version
+    engine_id: str = ""  # vLLM's own id, for a request whose caller gets its rows back
 
 
 @dataclass
@@ -240,6 +241,7 @@ class CaptureWorker:
                 sel=sel,
                 sig=(sel.layers, sel.hooks, sel.positions),
                 live=self.steering.live_versions(rid) if self.steering is not None else {},
+                engine_id=rid if sel.returns else "",
             )
 
     def _retire(self, sr: StepRequests) -> tuple[list[RequestEnd], list[_Request]]:
@@ -248,7 +250,11 @@ class CaptureWorker:
             st = self._reqs.pop(rid, None)
             if st is None:
                 continue
-            ended.append(RequestEnd(st.caller_id, st.sample_index, sr.reasons.get(rid, "unknown")))
+            ended.append(
+                RequestEnd(
+                    st.caller_id, st.sample_index, sr.reasons.get(rid, "unknown"), st.engine_id
+                )
+            )
             if st.last is not None:
                 lasts.append(st)
         return ended, lasts
@@ -525,6 +531,7 @@ def _index(
     of itself, in one place for the fast path and the gathered one."""
     returned = [st.sel.returns for st in states]
     live = [st.live for st in states]
+    engine_ids = [st.engine_id for st in states] if any(returned) else []
     return RowIndex(
         request_ids=[st.caller_id for st in states],
         offsets=offsets,
@@ -534,4 +541,5 @@ def _index(
         tags=[st.sel.tags for st in states],
         returned=returned if any(returned) else [],
         steer_versions=live if any(live) else [],
+        engine_ids=engine_ids,
     )

@@ -404,20 +404,24 @@ class ScoreCollector(Collector):
     # ------------------------------------------------------------- front end side
     def expect(
         self,
-        caller_id: str,
+        request_id: str,
         n: int,
         streams: tuple[Stream, ...],
         prompt_len: int,
         max_tokens: int | None = None,
         widths: dict[str, int] | None = None,
+        *,
+        index: int = 0,
     ) -> None:
-        """Register a request's ``n`` samples before it is queued; ``widths``: each
-        monitor's scores per row, as configured (for outputs made before any came)."""
+        """Register samples ``index .. index + n - 1`` of a request before it is queued
+        (the front end: each under vLLM's own id of it, as ``ReturnCollector.expect``);
+        ``widths``: each monitor's scores per row, as configured (for outputs made
+        before any came)."""
         capacity = prompt_len + min(max_tokens or 256, 4096)
         with self._cond:
-            for i in range(n):
-                key = (caller_id, i)
-                if key in self._pending:  # a caller id used again: the old one is gone
+            for i in range(index, index + n):
+                key = (request_id, i)
+                if key in self._pending:  # an id used again: the old one is gone
                     self._drop(key)
                 slot = self._new_slot()
                 self._pending[key] = _Pending(prompt_len, slot, streams)
@@ -431,7 +435,7 @@ class ScoreCollector(Collector):
                         t.expected_width = widths.get(s[0], 0)
                     t.wants[slot] = True
             self._generation += 1
-            self._own(caller_id)
+            self._own(request_id)
 
     def _new_slot(self) -> int:
         if self._free:
@@ -446,9 +450,9 @@ class ScoreCollector(Collector):
         self._slots += 1
         return self._slots - 1
 
-    def forget(self, caller_ids: list[str]) -> None:
+    def forget(self, request_ids: list[str]) -> None:
         """Drop these requests' scores: their caller went away."""
-        ids = set(caller_ids)
+        ids = set(request_ids)
         with self._cond:
             for key in [k for k in self._pending if k[0] in ids]:
                 self._drop(key)
@@ -457,7 +461,7 @@ class ScoreCollector(Collector):
 
     def take(
         self,
-        caller_id: str,
+        request_id: str,
         index: int,
         num_generated: int,
         *,
@@ -468,7 +472,7 @@ class ScoreCollector(Collector):
         """The scores for an output with ``num_generated`` tokens so far; a final one
         waits for the missing ones (bounded, see ``actbus.capture.collector``) unless
         ``wait`` is false (an abort)."""
-        key = (caller_id, index)
+        key = (request_id, index)
         with self._cond:
             p = self._pending.get(key)
             if p is None:
@@ -485,11 +489,11 @@ class ScoreCollector(Collector):
             if final:
                 out.complete = self._arrived(p, limit)
                 self._drop(key)
-                self._disown_if_done(caller_id)
+                self._disown_if_done(request_id)
         if final and wait and not out.complete:
             log.warning(
                 "actbus: request %s sample %d: %d of %d positions' scores arrived",
-                caller_id, index, len(out.positions), limit,
+                request_id, index, len(out.positions), limit,
             )  # fmt: skip
         return out
 
@@ -559,7 +563,7 @@ class ScoreCollector(Collector):
         if plan is not None and plan[0] is rows and plan[1] == self._generation:
             return plan[2]
         get = self._slot.get
-        ids, si = rows.request_ids, rows.sample_index
+        ids, si = rows.keys(), rows.sample_index  # vLLM's own ids: caller ids may repeat
         keys = zip(ids, si, strict=True) if si else ((r, 0) for r in ids)
         slots = np.fromiter((get(k, -1) for k in keys), np.int64, len(ids))
         off = rows.offsets
@@ -579,7 +583,7 @@ class ScoreCollector(Collector):
                 self._write(t, h.rows, b.tensor.numpy(), mon)
             now = time.monotonic()
             for end in h.ended:
-                key = (end.request_id, end.sample_index)
+                key = (end.key, end.sample_index)
                 p = self._pending.get(key)
                 if p is not None:
                     if t is not None:
@@ -613,17 +617,17 @@ class ScoreCollector(Collector):
 _REGISTRY = ScoreCollector.registry = Registry()
 _COLLECTORS = _REGISTRY.collectors
 _OWNER = _REGISTRY.owner
-"""Caller id -> the collector holding its scores, for the output processor's wrapper."""
+"""Request id (vLLM's own) -> the collector holding its scores, for the output wrapper."""
 
 
-def collector_for(caller_id: str) -> ScoreCollector | None:
-    return _OWNER.get(caller_id)  # type: ignore[return-value]
+def collector_for(request_id: str) -> ScoreCollector | None:
+    return _OWNER.get(request_id)  # type: ignore[return-value]
 
 
-def forget(caller_ids: list[str]) -> None:
+def forget(request_ids: list[str]) -> None:
     """Drop the scores of requests whose caller went away (an abort)."""
-    for col in {id(c): c for c in (_OWNER.get(r) for r in caller_ids) if c}.values():
-        col.forget(caller_ids)  # type: ignore[attr-defined]
+    for col in {id(c): c for c in (_OWNER.get(r) for r in request_ids) if c}.values():
+        col.forget(request_ids)  # type: ignore[attr-defined]
 
 
 def close_collectors(addresses: list[str]) -> int:

@@ -42,6 +42,8 @@ class _Request:
     returns: bool = False
     """The caller asked for its scores back (the front end's subscriber gets them)."""
     next_pos: int = 0
+    engine_id: str = ""
+    """vLLM's own id, for a request whose scores go back (the collector's key)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class MonitorHarvest:
                 names=tuple(wire["monitor"]),
                 tags=dict(wire.get("tags") or {}),
                 returns=bool(wire.get("monitor_return", False)),
+                engine_id=rid if wire.get("monitor_return") else "",
             )
 
     def _retire(self, sr: StepRequests) -> list[RequestEnd]:
@@ -90,7 +93,9 @@ class MonitorHarvest:
             st = self._reqs.pop(rid, None)
             if st is not None:
                 ended.append(
-                    RequestEnd(st.caller_id, st.sample_index, sr.reasons.get(rid, "unknown"))
+                    RequestEnd(
+                        st.caller_id, st.sample_index, sr.reasons.get(rid, "unknown"), st.engine_id
+                    )
                 )
         return ended
 
@@ -278,4 +283,5 @@ class _Rows:
             sample_index=[st.sample_index for st in self.requests],
             tags=tags if any(tags) else [],
             returned=returned if any(returned) else [],
+            engine_ids=[st.engine_id for st in self.requests] if any(returned) else [],
         )

@@ -17,6 +17,7 @@ the vector is multiplied, per token, by a gate read off a monitor's score (``Gat
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +47,19 @@ def monitor_runs_before(monitor: tuple[int, str], steer: tuple[int, str]) -> boo
 
 
 SOURCE_KINDS = ("file", "sae", "probe")
+ADMIN_KEY_ENV = "ACTBUS_ADMIN_KEY"
+"""The server's environment variable holding the key the steering endpoints ask for."""
 # (tier, positions) pairs that select no token at all.
 _EMPTY = (("prefill", "generated"), ("decode", "prompt"), ("decode", "last_prompt"))
 MAX_ENTRIES = 64
-"""Entries one request may carry (after layers and hooks are expanded)."""
+"""Entries one request may carry (after layers and hooks are expanded); counted before
+anything is expanded or converted, so a hostile list costs no more than this."""
+MAX_LIST = 4096
+"""Items of an entry's ``layers``, ``hooks`` or ``positions`` list, checked before they
+are read (a model has fewer layers; positions beyond: steer by tier)."""
+MAX_VECTOR_WIDTH = 1 << 17
+"""Components of an inline vector, checked before it is converted (no residual stream
+is wider; the model's own width is checked where it is known)."""
 
 
 @dataclass(frozen=True)
@@ -194,12 +204,27 @@ class SteerConfig:
     global_steer: tuple[dict[str, Any], ...] = ()
     """Entries as written (checked for form; layers and names are checked against the
     model when the engine starts)."""
+    vector_dirs: tuple[str, ...] = ()
+    """Directories whose files HTTP callers may register vectors from (``{"file": ...}``,
+    ``{"sae": ...}``, ``{"probe": ...}``); none: HTTP callers register values only."""
+    max_named: int = 4096
+    """Named vectors the engine holds at most."""
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "actbus.steer") -> SteerConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: expected a mapping such as {{'layers': [3]}}")
-        known = ("layers", "hooks", "per_token", "max_vectors", "vectors", "live", "global")
+        known = (
+            "layers",
+            "hooks",
+            "per_token",
+            "max_vectors",
+            "vectors",
+            "live",
+            "global",
+            "vector_dirs",
+            "max_named",
+        )
         for k in raw:
             if k not in known:
                 raise ConfigError(f"{where}.{k}: unknown key; valid keys are {', '.join(known)}")
@@ -210,7 +235,11 @@ class SteerConfig:
             kw["all_layers"] = False
         if "hooks" in raw:
             kw["hooks"] = check_hooks(raw["hooks"], f"{where}.hooks", STEER_HOOKS)
-        for name, lo, hi in (("per_token", 1, 64), ("max_vectors", 0, 1 << 20)):
+        for name, lo, hi in (
+            ("per_token", 1, 64),
+            ("max_vectors", 0, 1 << 20),
+            ("max_named", 1, 1 << 16),
+        ):
             if name in raw:
                 v = raw[name]
                 if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -232,6 +261,17 @@ class SteerConfig:
                     f"{where}.live.{n}: also a named vector ({where}.vectors); a name is either "
                     "registered (fixed values) or live (pushed values), not both"
                 )
+        dirs = raw.get("vector_dirs", [])
+        if isinstance(dirs, str):
+            dirs = [dirs]
+        if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
+            raise ConfigError(
+                f"{where}.vector_dirs: expected a list of directories, e.g. ['/srv/vectors']"
+            )
+        for i, d in enumerate(dirs):
+            if not os.path.isabs(os.path.expanduser(d)):
+                raise ConfigError(f"{where}.vector_dirs[{i}]: {d!r:.200} is not an absolute path")
+        kw["vector_dirs"] = tuple(os.path.expanduser(d) for d in dirs)
         glob = raw.get("global", [])
         parse_steer(glob, f"{where}.global")  # the form; the model is checked later
         kw["global_steer"] = tuple(glob)
@@ -343,17 +383,21 @@ def parse_steer(
     num_layers: int | None = None,
     layers: tuple[int, ...] | None = None,
     hooks: tuple[str, ...] = STEER_HOOKS,
+    width: int | None = None,
 ) -> tuple[SteerSpec, ...]:
     """A list of steering entries, expanded to one ``SteerSpec`` per (layer, hook).
 
     With ``num_layers`` and ``layers``, each layer must exist and be steerable.
-    Inline vectors are checked for finite values here and for width by the caller."""
+    Inline vectors are checked for finite values here and for width (``width``, the
+    model's, when given) before they are converted. The (layer, hook) pairs the list
+    expands to are counted first (``MAX_ENTRIES``), from the lists' lengths alone."""
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(
             f"{where}: expected a list of entries such as "
             "[{'vector': 'happy', 'layers': [3], 'scale': 4.0}], "
             f"got {type(raw).__name__}"
         )
+    _check_count(raw, where, width)
     out: list[SteerSpec] = []
     for i, e in enumerate(raw):
         w = f"{where}[{i}]"
@@ -400,8 +444,54 @@ def parse_steer(
             for layer in ls
             for hook in hs
         )
-    if len(out) > MAX_ENTRIES:
-        raise ConfigError(
-            f"{where}: {len(out)} (layer, hook) entries; at most {MAX_ENTRIES} per request"
-        )
     return tuple(out)
+
+
+def _length(v: Any) -> int:
+    """Items a ``layers``/``hooks`` value names (one for a scalar)."""
+    return len(v) if isinstance(v, (list, tuple)) else 1
+
+
+def _check_count(raw: list | tuple, where: str, width: int | None) -> None:
+    """Refuse, before any entry is read or expanded, a list that expands past
+    ``MAX_ENTRIES`` (layers x hooks per entry, at most), lists longer than
+    ``MAX_LIST`` and inline vectors wider than the model: a hostile request costs a few
+    length checks per entry."""
+    if len(raw) > MAX_ENTRIES:
+        raise ConfigError(
+            f"{where}: {len(raw)} entries; at most {MAX_ENTRIES} (layer, hook) entries per request"
+        )
+    total = 0
+    for i, e in enumerate(raw):
+        if not isinstance(e, dict):
+            continue  # named below
+        for k in ("layers", "hooks", "positions"):
+            if _length(e.get(k)) > MAX_LIST:
+                raise ConfigError(f"{where}[{i}].{k}: {_length(e[k])} items; at most {MAX_LIST}")
+        vec = e.get("vector")
+        limit = width if width is not None else MAX_VECTOR_WIDTH
+        if isinstance(vec, (list, tuple)) and len(vec) > limit:
+            raise ConfigError(
+                f"{where}[{i}].vector: has {len(vec)} values; "
+                + (
+                    f"this model's residual stream has {width}"
+                    if width is not None
+                    else f"at most {MAX_VECTOR_WIDTH}"
+                )
+            )
+        layers = e.get("layers")
+        n_layers = (
+            len(set(layers)) if isinstance(layers, (list, tuple)) and _hashable(layers) else 1
+        )
+        hooks = e.get("hooks", "post_block")
+        n_hooks = len(set(hooks)) if isinstance(hooks, (list, tuple)) and _hashable(hooks) else 1
+        total += n_layers * n_hooks
+        if total > MAX_ENTRIES:
+            raise ConfigError(
+                f"{where}: more than {MAX_ENTRIES} (layer, hook) entries once layers and hooks "
+                f"are expanded (entry {i} reaches {total}); at most {MAX_ENTRIES} per request"
+            )
+
+
+def _hashable(items: list | tuple) -> bool:
+    return all(isinstance(x, (int, str)) for x in items)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from actbus.errors import ConfigError
 from actbus.steer.config import SteerConfig, SteerSpec, monitor_runs_before, parse_steer
 from actbus.steer.live import LIVE_PREFIX
-from actbus.steer.vectors import Vector, VectorRegistry
+from actbus.steer.vectors import Confine, Vector, VectorRegistry
 
 if TYPE_CHECKING:
     from actbus.monitor.config import MonitorConfig
@@ -127,7 +127,11 @@ class SteerFrontend:
         self.num_layers = num_layers
         self.layers = cfg.resolve_layers(num_layers)
         self.hooks = cfg.hooks
-        self.registry = VectorRegistry(hidden_size, live=frozenset(cfg.live))
+        self.registry = VectorRegistry(
+            hidden_size, live=frozenset(cfg.live), max_named=cfg.max_named
+        )
+        self.confine = Confine(cfg.vector_dirs)
+        """Where HTTP callers' path sources may be read from."""
         for name, src in cfg.vectors.items():
             self.registry.register(name, src, "actbus.steer.vectors")
         self._lock = threading.Lock()
@@ -136,7 +140,12 @@ class SteerFrontend:
 
     def parse(self, raw: Any, where: str) -> tuple[SteerSpec, ...]:
         return parse_steer(
-            raw, where, num_layers=self.num_layers, layers=self.layers, hooks=self.hooks
+            raw,
+            where,
+            num_layers=self.num_layers,
+            layers=self.layers,
+            hooks=self.hooks,
+            width=self.registry.width,
         )
 
     def resolve(self, specs: tuple[SteerSpec, ...], where: str) -> tuple[Resolved, ...]:

@@ -10,46 +10,82 @@ answers ``/v1/actbus/...`` itself and passes every other request on:
 - ``DELETE /v1/actbus/vectors/NAME``;
 - ``GET`` / ``PUT /v1/actbus/steer/global``: body ``{"entries": [...]}``.
 
-Middleware added this way runs before vLLM's API-key check, so it checks for itself:
-with an API key (``--api-key`` or ``VLLM_API_KEY``) every call must carry it as a
-bearer token; without one, only loopback clients are served.
+Middleware added this way runs before vLLM's API-key check, so it checks for itself.
+With an admin key (``actbus serve --actbus-admin-key``, or ``ACTBUS_ADMIN_KEY`` in the
+server's environment) every call must carry that key as a bearer token, and the
+completion key (``--api-key``) is not enough: a client that may generate cannot change
+what every request is steered with. Without one, the API key (``--api-key`` or
+``VLLM_API_KEY``) is asked for; without either, only loopback clients are served.
+
+A body is at most ``MAX_BODY_BYTES``, refused from its ``Content-Length`` or as it
+arrives, and parsed within bounds (``actbus.jsontext``); the work of a call (loading a
+file, resolving entries) runs on a worker thread, not on the event loop every other
+request waits on. Path sources are read only inside ``actbus.steer.vector_dirs``
+(``actbus.steer.vectors.Confine``).
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import os
 from typing import Any
 
 from actbus.errors import ConfigError
+from actbus.jsontext import parse_json_text
 from actbus.steer.api import steering
-from actbus.steer.config import VectorSource
+from actbus.steer.config import ADMIN_KEY_ENV, VectorSource
 
 PREFIX = "/v1/actbus/"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+MAX_BODY_BYTES = 8 << 20
+"""A call's body: global entries with inline vectors of a wide model fit."""
 
 
-def _tokens(request: Any) -> list[str]:
+def _tokens(request: Any) -> tuple[list[str], str]:
+    """The keys that open the endpoints, and what they are called in a refusal."""
+    admin = os.environ.get(ADMIN_KEY_ENV)
+    if admin:
+        return [admin], "the server's admin key (--actbus-admin-key)"
     args = getattr(request.app.state, "args", None)
     keys = getattr(args, "api_key", None)
     if isinstance(keys, str):
         keys = [keys]
-    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
+    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k], "the server's API key"
 
 
 def _denied(request: Any) -> tuple[int, str] | None:
-    tokens = _tokens(request)
+    tokens, what = _tokens(request)
     if tokens:
         given = request.headers.get("authorization", "")
         ok = given.startswith("Bearer ") and any(
             hmac.compare_digest(given[7:].encode(), t.encode()) for t in tokens
         )
-        return None if ok else (401, "actbus: steering endpoints need the server's API key")
+        return None if ok else (401, f"actbus: steering endpoints need {what}")
     host = request.client.host if request.client else ""
     if host in LOOPBACK:
         return None
     return (403, "actbus: without --api-key, steering endpoints serve loopback clients only")
+
+
+class BodyTooLarge(ConfigError):
+    """HTTP 413."""
+
+
+async def _body(request: Any) -> bytes:
+    """The body, read only up to ``MAX_BODY_BYTES`` (``BodyTooLarge`` beyond)."""
+    too_big = BodyTooLarge(
+        f"body: more than {MAX_BODY_BYTES} bytes; register large vectors one by one"
+    )
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def middleware(request: Any, call_next: Any) -> Any:
@@ -58,20 +94,20 @@ async def middleware(request: Any, call_next: Any) -> Any:
     if not path.startswith(PREFIX):
         return await call_next(request)
     from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
 
     denied = _denied(request)
     if denied is not None:
         return JSONResponse({"error": denied[1]}, status_code=denied[0])
-    body: Any = None
-    if request.method == "PUT":
-        try:
-            body = json.loads(await request.body() or b"null")
-        except json.JSONDecodeError as e:
-            return JSONResponse({"error": f"body: not valid JSON ({e.msg})"}, status_code=400)
     try:
-        status, out = _handle(request.app.state.engine_client, request.method, path, body)
+        body: Any = None
+        if request.method == "PUT":
+            raw = await _body(request)
+            body = parse_json_text(raw, "body", MAX_BODY_BYTES) if raw else None
+        engine = request.app.state.engine_client
+        status, out = await run_in_threadpool(_handle, engine, request.method, path, body)
     except ConfigError as e:
-        status, out = 400, {"error": str(e)}
+        status, out = (413 if isinstance(e, BodyTooLarge) else 400), {"error": str(e)}
     except KeyError as e:
         status, out = 404, {"error": str(e.args[0])}
     return JSONResponse(out, status_code=status)
@@ -100,7 +136,7 @@ def _handle(engine: Any, method: str, path: str, body: Any) -> tuple[int, dict[s
                 raise ConfigError("body.values: expected a list of floats")
             vec = reg.register(name, values)
         else:
-            vec = reg.register(name, VectorSource.from_dict(body, "body"))
+            vec = reg.register(name, VectorSource.from_dict(body, "body"), confine=steer.confine)
         return 200, _describe(name, vec)
     if parts == ["steer", "global"] and method == "GET":
         return 200, {"entries": [r.key() for r in steer.global_entries]}

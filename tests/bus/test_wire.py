@@ -104,6 +104,17 @@ def test_request_tags_ends_and_selection_round_trip():
     assert h3.rows.steer_versions == ri.steer_versions
     sub, _ = h3.rows.select([2])
     assert sub.request_steer_versions(0) == {"dir": 4, "tone": 2}
+    # vLLM's own ids of returned requests, and of their ends: absent when none is
+    # returned (older decoders read the header alike), kept through a filter's cut.
+    assert "engine_ids" not in msgpack.unpackb(h.encode())["rows"]
+    assert "ended_engine_ids" not in msgpack.unpackb(h.encode())
+    ri.engine_ids, ri._wire = ["a-0badcafe", "", "c-12345678"], None
+    h.ended = [RequestEnd("z", 0, "abort"), RequestEnd("a", 0, "stop", "a-0badcafe")]
+    h4 = Header.decode(h.encode())
+    assert h4.rows.engine_ids == ri.engine_ids and h4.ended == h.ended
+    assert h4.rows.keys() == ["a-0badcafe", "b", "c-12345678"]
+    assert [e.key for e in h4.ended] == ["z", "a-0badcafe"]
+    assert h4.rows.select([2])[0].engine_ids == ["c-12345678"]
     bad = msgpack.unpackb(h.encode())
     bad["rows"]["tags"] = [{}]
     with pytest.raises(WireError, match="tags must have one entry per request"):
@@ -207,6 +218,10 @@ BIG = "x" * 10_000_000  # a 10 MB field: refused, and never quoted whole
         (_set(["ended"], [["z", 0, "r" * 100]]), "ended", "reason: 100 characters"),
         (_set(["ended"], [["z", -2, "stop"]]), "ended", "sample index: -2"),
         (_set(["ended"], [["z"]]), "ended", "is not \\[request_id, sample_index, reason\\]"),
+        (_set(["rows", "engine_ids"], ["a-1", 5]), "engine_ids", "5 is not a string"),
+        (_set(["rows", "engine_ids"], ["a"]), "engine_ids", "one entry per request"),
+        (_set(["rows", "engine_ids"], ["e" * 4097, ""]), "engine_ids", "more than the 4096"),
+        (_set(["ended_engine_ids"], ["x", "y"]), "ended_engine_ids", "one entry per 'ended'"),
     ],
 )
 def test_every_header_field_is_checked_against_its_bound(mutate, field, needle):

@@ -159,3 +159,32 @@ def test_a_final_output_waits_only_while_its_scores_come(tmp_path, monkeypatch):
     finally:
         col.close()
         pub.close()
+
+
+def test_requests_that_share_a_caller_id_get_their_own_scores(tmp_path):
+    """Two requests with one caller id (a repeated ``X-Request-Id``) are told apart by
+    vLLM's own ids (``engine_ids``), rows and ends alike; the caller id stays on the wire."""
+    address = f"ipc://{tmp_path}/bus.sock"
+    pub = Publisher(address, info={"model": "m", "hidden_size": 4, "dtype": "float32"})
+    col = ScoreCollector([address])
+    try:
+        for key in ("same-0badcafe", "same-12345678"):
+            col.expect(key, 1, STREAMS[:1], 3, max_tokens=2)
+        ri = RowIndex(
+            ["same", "same"], np.array([0, 3, 6]), np.array([0, 1, 2] * 2), np.arange(6),
+            returned=[True, True], engine_ids=["same-12345678", "same-0badcafe"],
+        )  # fmt: skip
+        ends = [RequestEnd("same", 0, "stop", "same-0badcafe")]
+        x = torch.arange(6, dtype=torch.float32).reshape(6, 1)
+        info = MonitorInfo("p", 1, "post_block")
+        hdr = Header(0, 0, MONITOR_HOOK, "float32", (6, 1), "m", ri, ended=ends, monitor=info)
+        pub.publish(hdr, x)
+        first = col.take("same-0badcafe", 0, 1, final=True, delta=False)
+        assert first.complete and first.values[("p", 0)].flatten().tolist() == [3.0, 4.0, 5.0]
+        second = _outputs(col, ("same-12345678", 0), 1, delta=False, want=3)[-1]
+        assert second.values[("p", 0)].flatten().tolist() == [0.0, 1.0, 2.0]
+        col.forget(["same-12345678"])
+        assert col.pending() == 0
+    finally:
+        col.close()
+        pub.close()

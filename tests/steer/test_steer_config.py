@@ -33,6 +33,9 @@ def test_engine_config():
         ({"vectors": {"a": {"sae": "d"}}}, "actbus.steer.vectors.a.feature"),
         ({"vectors": {"a": {"file": "f", "sae": "d"}}}, "actbus.steer.vectors.a: give exactly one"),
         ({"global": [{"vector": "a"}]}, "actbus.steer.global[0].layers: required"),
+        ({"vector_dirs": ["rel/dir"]}, "actbus.steer.vector_dirs[0]: 'rel/dir' is not an absol"),
+        ({"vector_dirs": [3]}, "actbus.steer.vector_dirs: expected a list of directories"),
+        ({"max_named": 0}, "actbus.steer.max_named: expected an integer in 1..65536"),
     ]:
         with pytest.raises(ConfigError) as e:
             SteerConfig.from_dict(raw)
@@ -60,6 +63,85 @@ def test_entries_expand_per_layer_and_hook():
         parse_steer([{"vector": "v", "layers": 1, "positions": "last"}], "s")
     with pytest.raises(ConfigError, match=r"s\[0\].norm_match"):
         parse_steer([{"vector": "v", "layers": 1, "norm_match": 1}], "s")
+
+
+def test_entries_are_counted_before_they_are_read_or_expanded():
+    """A list that expands past 64 (layer, hook) entries is refused before any entry is
+    read (a later entry's own fault is not even looked at), as are over-long lists and
+    inline vectors wider than the model, before they are converted."""
+    hooks = ["pre_attn", "post_block"]
+    wide = [{"vector": "v", "layers": list(range(40)), "hooks": hooks}, {"vector": "v", "x": 1}]
+    with pytest.raises(ConfigError, match=r"^s: more than 64 .* \(entry 0 reaches 80\)"):
+        parse_steer(wide, "s")
+    with pytest.raises(ConfigError, match=r"^s: 100000 entries; at most 64"):
+        parse_steer([{"vector": [0.5] * H, "layers": 1}] * 100_000, "s")
+    with pytest.raises(ConfigError, match=r"^s\[0\].layers: 100000 items; at most 4096"):
+        parse_steer([{"vector": "v", "layers": list(range(100_000))}], "s")
+    with pytest.raises(ConfigError, match=r"^s\[1\].vector: has 9 values; this model's .* has 8"):
+        parse_steer(
+            [{"vector": "v", "layers": 1}, {"vector": [1.0] * 9, "layers": 1}], "s", width=H
+        )
+    with pytest.raises(ConfigError, match=r"^s\[0\].vector: has 1000000 values; at most"):
+        parse_steer([{"vector": [1.0] * 1_000_000, "layers": 1}], "s")
+    assert len(parse_steer([{"vector": "v", "layers": list(range(32)), "hooks": hooks}], "s")) == 64
+
+
+def test_http_sources_stay_in_the_vector_dirs_and_registrations_are_capped(tmp_path):
+    """An HTTP caller's path source (``confine``) is read only inside the listed
+    directories, links followed; outside, the refusal is the same whether the file
+    exists or not, and names no tensor. A tensor too big is refused from its header;
+    a registry holds at most ``max_named`` names (replacing one is always allowed)."""
+    from actbus.steer import vectors as vec_mod
+    from actbus.steer.vectors import Confine
+
+    inside, outside = tmp_path / "vectors", tmp_path / "private"
+    inside.mkdir(), outside.mkdir()
+    save_file({"secret_name": torch.ones(H)}, str(outside / "weights.safetensors"))
+    save_file({"v": torch.ones(H), "w": torch.ones(H)}, str(inside / "ok.safetensors"))
+    (inside / "link.safetensors").symlink_to(outside / "weights.safetensors")
+    (inside / "up").symlink_to(outside)
+    reg = VectorRegistry(H, max_named=2)
+    confine = Confine((str(inside),))
+    refusals = set()
+    for path in (
+        outside / "weights.safetensors",  # exists, outside
+        outside / "missing.safetensors",  # does not exist
+        inside / "link.safetensors",  # a link out
+        inside / "up" / "weights.safetensors",  # a directory link out
+        inside / ".." / "private" / "weights.safetensors",
+        "~/weights.safetensors",  # not expanded: relative to the server's directory
+    ):
+        with pytest.raises(ConfigError) as e:
+            reg.register("a", VectorSource("file", str(path)), "body", confine=confine)
+        refusals.add(str(e.value))
+    assert refusals == {
+        "body.a: not under the server's vector directories; paths must lie in one of "
+        "actbus.steer.vector_dirs (links followed)"
+    }
+    with pytest.raises(ConfigError, match="no vector files for HTTP callers"):
+        reg.register("a", VectorSource("sae", str(inside), feature=0), confine=Confine(()))
+    with pytest.raises(ConfigError) as e:
+        reg.register("a", VectorSource("file", str(inside / "ok.safetensors")), confine=confine)
+    assert "holds 2 tensors" in str(e.value) and "'v'" not in str(e.value)
+    src = VectorSource("file", str(inside / "ok.safetensors"), key="v")
+    assert reg.register("a", src, confine=confine).values.tolist() == [1.0] * H
+    # The operator's own sources (config, Python) are not confined.
+    assert reg.register("b", VectorSource("file", str(outside / "weights.safetensors"))).norm > 0
+    with pytest.raises(ConfigError, match=r"vectors.c: 2 named vectors, the most .*max_named"):
+        reg.register("c", [1.0] * H)
+    reg.register("b", [2.0] * H)  # replacing is allowed at the cap
+    with pytest.raises(ConfigError, match=r"vectors.c: has 100000 values; this model's"):
+        VectorRegistry(H).register("c", [1.0] * 100_000)
+    save_file({"big": torch.zeros(1024, 1024)}, str(inside / "big.safetensors"))
+    old = vec_mod.MAX_TENSOR_BYTES
+    vec_mod.MAX_TENSOR_BYTES = 1 << 20
+    try:
+        with pytest.raises(ConfigError, match=r"key: tensor 'big' is 4194304 bytes as float32"):
+            reg.register(
+                "b", VectorSource("file", str(inside / "big.safetensors")), confine=confine
+            )
+    finally:
+        vec_mod.MAX_TENSOR_BYTES = old
 
 
 def test_vectors_from_files_and_checkpoints(tmp_path):
