@@ -9,7 +9,8 @@ of vectors, and per index two coefficients ``(a, b)``. The point adds
 to the residual stream (``a = scale`` for a plain vector, ``b = scale / ||v||`` for
 a norm-matched one). Row 0 of the table is zeros and unused slots have zero
 coefficients, so a token nobody steers gets exactly ``+ 0``: its stream is bitwise
-what it would be without steering. The buffers are module buffers at fixed
+what it would be without steering. A steered token's result is clamped to
+``stream_bound`` and kept finite (``bounded_add``). The buffers are module buffers at fixed
 addresses: the compiled graph reads them as inputs and a CUDA graph replays the
 reads, so new vectors and new coefficients never recompile or recapture anything.
 

@@ -161,3 +161,22 @@ def test_extreme_coefficients_in_the_compiled_graph_stay_finite():
     assert torch.equal(extreme[rest], plain[rest])
     assert not torch.equal(extreme[2], plain[2]) and not torch.equal(extreme[4], plain[4])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_live_norm_matched_coefficient_stays_within_float32():
+    """A live vector's norm is known only in the worker: a norm-matched scale divided
+    by a tiny norm is held at float32's largest, not inf."""
+    from actbus.steer.graph import SteerTables
+    from actbus.steer.live import LiveVectors
+
+    tables = SteerTables(
+        torch.zeros(3, 4), {(1, "post_block"): torch.zeros(8, 1, dtype=torch.int64)},
+        {(1, "post_block"): torch.zeros(8, 1, 2)}, per_token=1, max_rows=8,
+    )  # fmt: skip
+    tiny = np.array([1e-30, 0, 0, 0], np.float32)
+    st = Steerer(tables, live=LiveVectors({"dir": tiny}, 4))
+    entry = [1, "post_block", "live:dir", 0.0, -FLOAT32_MAX, "base", "all"]
+    st.admit(
+        StepRequests([("r", 4, {"steer": {"vectors": {}, "entries": [entry]}})], {}, set(), {})
+    )
+    assert st._reqs["r"].b[0] == np.float32(-FLOAT32_MAX)
