@@ -374,7 +374,7 @@ def check_finite(x: Any, where: str, what: str) -> float:
     return float(x)
 
 
-def _floats(raw: list | tuple, where: str) -> np.ndarray:
+def check_floats(raw: list | tuple, where: str) -> np.ndarray:
     """A flat list of numbers finite as float32, as float32 (checked in one pass; the
     slow loop only runs to name the first bad component)."""
     try:
@@ -430,7 +430,7 @@ def parse_steer(
         if isinstance(vec, str):
             check_name(vec, f"{w}.vector")
         elif isinstance(vec, (list, tuple)) and vec:
-            vec = _floats(vec, f"{w}.vector")
+            vec = check_floats(vec, f"{w}.vector")
         else:
             raise ConfigError(
                 f"{w}.vector: expected a registered vector's name or a list of floats, "

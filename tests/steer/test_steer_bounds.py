@@ -5,6 +5,8 @@ finite and bounded whatever finite float32 coefficients it is given. No engine."
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -180,3 +182,15 @@ def test_live_norm_matched_coefficient_stays_within_float32():
         StepRequests([("r", 4, {"steer": {"vectors": {}, "entries": [entry]}})], {}, set(), {})
     )
     assert st._reqs["r"].b[0] == np.float32(-FLOAT32_MAX)
+
+
+def test_registered_values_are_checked_per_component():
+    """``PUT /v1/actbus/vectors/NAME`` and ``vectors(llm).register`` with a list: a value
+    past float32 (or past float64: an OverflowError, HTTP 500, before) is named."""
+    from actbus.steer.vectors import VectorRegistry
+
+    reg = VectorRegistry(3)
+    for bad, shown in ((1e39, "1e+39"), (10**400, "an integer of 1329 bits")):
+        with pytest.raises(ConfigError, match=rf"vectors.v\[1\]: .*got {re.escape(shown)}"):
+            reg.register("v", [0.0, bad, 1.0])
+    assert reg.register("v", [0.0, FLOAT32_MAX, 1.0]).values[1] == np.float32(FLOAT32_MAX)
