@@ -29,7 +29,7 @@ import torch
 from actbus.bus import Event, Subscriber, Subscription
 from actbus.bus.statsview import request as stats_of
 from actbus.cli import consumer_command
-from tests.capture.hostile_http import OUTSIDE, Case, corpus, needs_numbers_fix
+from tests.capture.hostile_http import OUTSIDE, Case, corpus, number_cases
 from tests.support.collector import Collector
 from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
@@ -436,36 +436,6 @@ def test_monitor_scores_come_back_in_http_responses(server):
     assert all(len(p) > 2 for _, p, _ in got["stream"][1]) and len(got["chat_stream"][1][0][1]) > 2
 
 
-def test_positions_past_int32_are_400s_and_the_server_serves(server):
-    """Issue 33: position 2**63 in a selection (a 500 that killed the engine) or in the
-    global steering PUT (a 200 that made every later request crash it) is a 400 naming
-    the field; /health still answers and a neighbouring request is unchanged."""
-    import openai
-
-    huge = 2**63
-    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", timeout=120, max_retries=0)
-
-    def tokens(**extra) -> list[int]:
-        r = c.completions.create(
-            model=str(server.model), prompt=[5, 6, 7, 8], max_tokens=4, temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True, **extra},
-        )  # fmt: skip
-        return list(r.choices[0].token_ids)
-
-    before = tokens()
-    with pytest.raises(openai.BadRequestError) as e:
-        tokens(**_selection(positions=[huge]))
-    assert "extra_args.actbus.positions[0]: position 9223372036854775808" in str(e.value)
-    hidden = json.loads((server.model / "config.json").read_text())["hidden_size"]
-    entry = {"vector": [1.0] * hidden, "layers": 1, "positions": [huge]}
-    status, err = _call(server.base, "PUT", "steer/global", {"entries": [entry]})
-    assert status == 400 and "actbus.steer.global[0].positions[0]" in err["error"], err
-    assert _call(server.base, "GET", "steer/global") == (200, {"entries": []})
-    with urllib.request.urlopen(f"{server.base}/health", timeout=30) as r:
-        assert r.status == 200
-    assert tokens() == before
-
-
 def test_a_client_gone_mid_stream_leaves_the_server_serving(server):
     """A streaming client that hangs up after the first chunk: the server goes on, and
     the next request's scores come back whole."""
@@ -635,20 +605,26 @@ def test_hostile_http_calls_are_refused_and_leave_the_server_serving(server):
     assert _call(server.base, "DELETE", "vectors/good")[0] == 200
 
 
-@pytest.mark.skip(reason="needs h33-numbers (int32 positions, float32 scales); enable on merge")
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(5))
 def test_hostile_numbers_are_refused(server, case):
-    """Numbers past the type they become, over HTTP: a 4xx naming the field, and the
-    server serves on with its neighbour unchanged."""
+    """Numbers past the type they become, over HTTP (issue 33): a 400 naming the field,
+    and the server serves on with its neighbour unchanged. The first case also goes to
+    ``PUT /v1/actbus/steer/global``, which took position 2**63 with a 200 (every later
+    request would have crashed the engine)."""
     hidden = json.loads((server.model / "config.json").read_text())["hidden_size"]
-    name, actbus = needs_numbers_fix(hidden)[case]
+    name, actbus, field = number_cases(hidden)[case]
     before = _neighbour(server)
     body = json.dumps({
         "model": str(server.model), "prompt": [5, 6, 7], "max_tokens": 2,
         "vllm_xargs": {"actbus": json.dumps(actbus)},
     }).encode()  # fmt: skip
     status, text = _send(server, Case(name, "POST", "/v1/completions", body))
-    assert 400 <= status < 500, (name, status, text[:300])
+    assert status == 400 and field in text, (name, status, text[:300])
+    if case == 0:
+        entry = {"vector": [1.0] * hidden, "layers": 1, "positions": [1 << 63]}
+        status, err = _call(server.base, "PUT", "steer/global", {"entries": [entry]})
+        assert status == 400 and "actbus.steer.global[0].positions[0]" in err["error"], err
+        assert _call(server.base, "GET", "steer/global") == (200, {"entries": []})
     _healthy(server)
     assert _neighbour(server) == before
 
