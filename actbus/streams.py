@@ -15,6 +15,8 @@ POSITION_MODES = ("all", "prompt", "generated", "last_prompt", "last")
 HOOKS = ("pre_attn", "post_attn", "mlp_out", "post_block")
 """Per decoder layer: the residual stream entering it, after attention is added,
 what the MLP block adds, and the stream leaving it (``post_attn + mlp_out``)."""
+MAX_INT32 = (1 << 31) - 1
+"""The wire's integers (positions, token ids, row offsets) are int32 (``actbus.wire``)."""
 
 
 def parse_layers(
@@ -72,10 +74,14 @@ def parse_hooks(raw: Any, where: str, *, tapped: tuple[str, ...] | None = None) 
     return tuple(dict.fromkeys(raw))
 
 
-def parse_positions(raw: Any, where: str) -> str | tuple[int, ...]:
+def parse_positions(raw: Any, where: str, *, max_len: int | None = None) -> str | tuple[int, ...]:
     """Token positions: a mode of ``POSITION_MODES`` or a non-empty list of 0-based
     positions (sorted, without repeats). Shared by the engine's config, a request's own
-    selection (``actbus.capture.selection``) and steering entries (``actbus.steer``)."""
+    selection (``actbus.capture.selection``) and steering entries (``actbus.steer``).
+
+    A position must fit the wire's int32 (the worker does int64 arithmetic on them: a
+    larger one would raise there and kill the engine), and with ``max_len`` (the
+    model's ``max_model_len``, where the caller knows it) be one a request can have."""
     if isinstance(raw, str):
         if raw not in POSITION_MODES:
             raise ConfigError(
@@ -88,9 +94,25 @@ def parse_positions(raw: Any, where: str) -> str | tuple[int, ...]:
     if not isinstance(raw, (list, tuple)) or not raw:
         raise ConfigError(
             f"{where}: expected one of {', '.join(POSITION_MODES)} or a non-empty list of "
-            f"token positions, got {raw!r}"
+            f"token positions, got {raw!r:.80}"
         )
+    top = MAX_INT32 if max_len is None else min(MAX_INT32, max_len - 1)
     for i, p in enumerate(raw):
         if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-            raise ConfigError(f"{where}[{i}]: expected a 0-based token position, got {p!r}")
+            raise ConfigError(f"{where}[{i}]: expected a 0-based token position, got {show_int(p)}")
+        if p > top:
+            bound = (
+                f"the wire's int32 (at most {MAX_INT32})"
+                if top == MAX_INT32
+                else f"this engine's max_model_len {max_len}: a request's positions are 0..{top}"
+            )
+            raise ConfigError(f"{where}[{i}]: position {show_int(p)} is past {bound}")
     return tuple(sorted(set(raw)))
+
+
+def show_int(v: Any) -> str:
+    """A client's value for an error message, short (an int of thousands of digits
+    cannot even be turned into text)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    return f"{v!r:.40}"

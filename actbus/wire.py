@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from actbus.logcap import capped
-from actbus.streams import HOOKS
+from actbus.streams import HOOKS, MAX_INT32
 
 SCHEMA_VERSION = 1
 
@@ -61,7 +61,6 @@ class WireError(ValueError):
 # with the field named, before any consumer sees it. One message serves every
 # request of a step, so the bounds are loose enough for anything capture accepts
 # (tags of at most 4096 bytes encoded fit every tag bound).
-MAX_INT32 = (1 << 31) - 1
 MAX_INT64 = (1 << 63) - 1
 MAX_MODEL_CHARS = 4096
 MAX_REQUEST_ID_CHARS = 4096

@@ -167,6 +167,7 @@ class _Frontend:
         self.dp = of_config(vllm_config)
         self.requests = cfg.requests
         self.num_layers = _num_layers(vllm_config.model_config)
+        self.max_len = int(vllm_config.model_config.max_model_len)
         self.base = Selection(layers, cfg.hooks, cfg.positions, cfg.tags)
         self.steer = (
             SteerFrontend(
@@ -175,6 +176,7 @@ class _Frontend:
                 hidden_size=vllm_config.model_config.get_hidden_size(),
                 monitors=cfg.monitor,
                 stages=pipeline_stages(vllm_config),
+                max_len=self.max_len,
             )
             if cfg.steer is not None
             else None
@@ -218,6 +220,7 @@ class _Frontend:
             engine_hooks=self.base.hooks,
             num_layers=self.num_layers,
             base=self.base,
+            max_len=self.max_len,
         )
         if sel.returns and over_http:
             raise ConfigError(

@@ -96,8 +96,10 @@ def parse_selection(
     num_layers: int,
     base: Selection | None = None,
     where: str = "extra_args.actbus",
+    max_len: int | None = None,
 ) -> Selection:
-    """Check a user's selection against what the engine taps.
+    """Check a user's selection against what the engine taps (and its positions
+    against the model's ``max_len``, when given).
 
     Missing fields default to the engine's (``base``): ``{"tags": {...}}`` alone
     captures what the engine captures, with labels. ``True`` means the defaults.
@@ -128,7 +130,7 @@ def parse_selection(
         hooks = parse_hooks(raw["hooks"], f"{where}.hooks", tapped=engine_hooks)
     positions = base.positions
     if "positions" in raw:
-        positions = parse_positions(raw["positions"], f"{where}.positions")
+        positions = parse_positions(raw["positions"], f"{where}.positions", max_len=max_len)
     tags = dict(base.tags)
     if "tags" in raw:
         tags.update(check_request_tags(raw["tags"], f"{where}.tags"))

@@ -47,6 +47,7 @@ from actbus.steer.frontend import SteerFrontend
 from actbus.steer.graph import install_gates, install_steering
 from actbus.steer.live import LiveVectors
 from actbus.steer.worker import Steerer
+from actbus.streams import parse_positions
 
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's
@@ -89,6 +90,8 @@ def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
             "with the default multiprocessing backend (docs/deployment.md)"
         )
     cfg.check_data_parallel(dataparallel.front_size(vllm_config))
+    if isinstance(cfg.positions, tuple):  # listed positions a request can have
+        parse_positions(list(cfg.positions), "actbus.positions", max_len=int(mc.max_model_len))
     return cfg, cfg.resolve_layers(_num_layers(mc), mc.model)
 
 
@@ -123,6 +126,7 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
             hidden_size=mc.get_hidden_size(),
             monitors=cfg.monitor,
             stages=pipeline_stages(vllm_config),
+            max_len=int(mc.max_model_len),
         )
         LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from actbus.errors import ConfigError
-from actbus.streams import parse_positions
+from actbus.streams import parse_positions, show_int
 
 STEER_HOOKS = ("pre_attn", "post_attn", "post_block")
 """Where a vector can be added: the stream entering a layer, after attention is added,
@@ -353,19 +353,34 @@ def check_hooks(raw: Any, where: str, steerable: tuple[str, ...]) -> tuple[str, 
     return tuple(dict.fromkeys(raw))
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""Scales, thresholds, sharpness, weights and vector components become float32 on the
+device: a float64 number past this (1e39, 1e300) would be inf there."""
+
+
 def check_finite(x: Any, where: str, what: str) -> float:
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
-        raise ConfigError(f"{where}: expected {what} (a finite number), got {x!r:.40}")
+    """A number that is finite as float32, the type it becomes (an int too large for a
+    float, or a float past ``FLOAT32_MAX``, is refused like NaN and Inf)."""
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool)
+    try:
+        ok = ok and math.isfinite(x) and abs(float(x)) <= FLOAT32_MAX
+    except OverflowError:  # an int past float64
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"{where}: expected {what} (a number finite as float32: |x| <= {FLOAT32_MAX:.7g}), "
+            f"got {show_int(x)}"
+        )
     return float(x)
 
 
-def _floats(raw: list | tuple, where: str) -> np.ndarray:
-    """A flat list of finite numbers as float32 (checked in one pass; the slow loop only
-    runs to name the first bad component)."""
+def check_floats(raw: list | tuple, where: str) -> np.ndarray:
+    """A flat list of numbers finite as float32, as float32 (checked in one pass; the
+    slow loop only runs to name the first bad component)."""
     try:
         arr = np.asarray(raw, dtype=np.float64)
-        ok = arr.ndim == 1 and bool(np.isfinite(arr).all())
-    except (TypeError, ValueError):
+        ok = arr.ndim == 1 and bool((np.abs(arr) <= FLOAT32_MAX).all())  # NaN: False
+    except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
         for j, x in enumerate(raw):
@@ -384,10 +399,12 @@ def parse_steer(
     layers: tuple[int, ...] | None = None,
     hooks: tuple[str, ...] = STEER_HOOKS,
     width: int | None = None,
+    max_len: int | None = None,
 ) -> tuple[SteerSpec, ...]:
     """A list of steering entries, expanded to one ``SteerSpec`` per (layer, hook).
 
-    With ``num_layers`` and ``layers``, each layer must exist and be steerable.
+    With ``num_layers`` and ``layers``, each layer must exist and be steerable; with
+    ``max_len`` (the model's ``max_model_len``), each listed position must be below it.
     Inline vectors are checked for finite values here and for width (``width``, the
     model's, when given) before they are converted. The (layer, hook) pairs the list
     expands to are counted first (``MAX_ENTRIES``), from the lists' lengths alone."""
@@ -413,7 +430,7 @@ def parse_steer(
         if isinstance(vec, str):
             check_name(vec, f"{w}.vector")
         elif isinstance(vec, (list, tuple)) and vec:
-            vec = _floats(vec, f"{w}.vector")
+            vec = check_floats(vec, f"{w}.vector")
         else:
             raise ConfigError(
                 f"{w}.vector: expected a registered vector's name or a list of floats, "
@@ -428,7 +445,7 @@ def parse_steer(
         tier = e.get("tier", "base")
         if tier not in TIERS:
             raise ConfigError(f"{w}.tier: expected one of {', '.join(TIERS)}, got {tier!r:.40}")
-        positions = parse_positions(e.get("positions", "all"), f"{w}.positions")
+        positions = parse_positions(e.get("positions", "all"), f"{w}.positions", max_len=max_len)
         if positions == "last":
             raise ConfigError(
                 f"{w}.positions: 'last' is not known until a request ends; use 'generated', "

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from actbus.errors import ConfigError
-from actbus.steer.config import SteerConfig, SteerSpec, monitor_runs_before, parse_steer
+from actbus.steer.config import (
+    FLOAT32_MAX,
+    SteerConfig,
+    SteerSpec,
+    monitor_runs_before,
+    parse_steer,
+)
 from actbus.steer.live import LIVE_PREFIX
 from actbus.steer.vectors import Confine, Vector, VectorRegistry
 
@@ -119,8 +125,11 @@ class SteerFrontend:
         hidden_size: int,
         monitors: MonitorConfig | None = None,
         stages: tuple[int, ...] | None = None,
+        max_len: int | None = None,
     ) -> None:
+        """``max_len``: the model's ``max_model_len``, which listed positions must be below."""
         self.cfg = cfg
+        self.max_len = max_len
         self.monitors = monitors
         self.stages = stages
         """Per layer, the pipeline stage that computes it (None: one stage)."""
@@ -146,6 +155,7 @@ class SteerFrontend:
             layers=self.layers,
             hooks=self.hooks,
             width=self.registry.width,
+            max_len=self.max_len,
         )
 
     def resolve(self, specs: tuple[SteerSpec, ...], where: str) -> tuple[Resolved, ...]:
@@ -161,6 +171,11 @@ class SteerFrontend:
                 vec = Vector.of(s.vector, f"{where}[{i}].vector", self.registry.width)
             if s.norm_match and vec.norm == 0.0:
                 raise ConfigError(f"{where}[{i}].norm_match: the vector is zero; nothing to match")
+            if s.norm_match and abs(s.scale / vec.norm) > FLOAT32_MAX:
+                raise ConfigError(
+                    f"{where}[{i}].scale: {s.scale:.4g} / the vector's norm {vec.norm:.4g} "
+                    "is past float32's range; use a smaller scale or a larger vector"
+                )
             out.append(Resolved(s, vec, gate))
         return tuple(out)
 

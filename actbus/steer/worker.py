@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from actbus.capture.scheduler import StepRequests
-from actbus.steer.config import monitor_runs_before
+from actbus.steer.config import FLOAT32_MAX, monitor_runs_before
 from actbus.steer.graph import GateTables, SteerTables
 from actbus.steer.live import LIVE_PREFIX, LiveVectors
 
@@ -221,8 +221,9 @@ class Steerer:
             versions[name] = lv.version
             vectors[lv.key] = lv.vector.values.tobytes()
             b = float(e[4])
-            if b:
+            if b:  # within float32 (a tiny norm can push it past; the graph bounds the rest)
                 b = b / lv.vector.norm if lv.vector.norm > 0.0 else 0.0
+                b = min(max(b, -FLOAT32_MAX), FLOAT32_MAX)
             out.append([e[0], e[1], lv.key, e[3], b, *e[5:]])
         return {"vectors": vectors, "entries": out}, versions
 

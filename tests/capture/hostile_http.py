@@ -83,17 +83,25 @@ def xargs_corpus(hidden: int) -> list[tuple[str, object]]:
     ]
 
 
-def needs_numbers_fix(hidden: int) -> list[tuple[str, object]]:
+def number_cases(hidden: int) -> list[tuple[str, object, str]]:
     """Numbers that fit Python but not the type they become (int32 positions, float32
-    scales and thresholds), in entries otherwise valid: the h33-numbers branch refuses
-    them at the boundary; enable their test after it merges."""
+    scales and thresholds), in entries otherwise valid, with the field the refusal
+    names: (name, the request's actbus, field). Before the boundary checked them, a
+    position past int64 killed the engine (HTTP 500) and the rest were accepted."""
     v = [0.25] * hidden
+    w = "extra_args.actbus"
     return [
-        ("capture position past int32", {"layers": [3], "positions": [1 << 40]}),
-        ("steer position past int32", _steer([{"vector": v, "layers": 1, "positions": [1 << 33]}])),
-        ("scale past float32", _steer([{"vector": v, "layers": 1, "scale": 1e39}])),
+        ("capture position past int32", {"layers": [3], "positions": [1 << 40]},
+         f"{w}.positions[0]"),
+        ("capture position past int64", {"layers": [3], "positions": [1 << 63]},
+         f"{w}.positions[0]"),
+        ("steer position past int32", _steer([{"vector": v, "layers": 1, "positions": [1 << 33]}]),
+         f"{w}.steer[0].positions[0]"),
+        ("scale past float32", _steer([{"vector": v, "layers": 1, "scale": 1e39}]),
+         f"{w}.steer[0].scale"),
         ("threshold past float32", _steer([{"vector": v, "layers": 2,
-                                            "gate": {"monitor": "gate", "threshold": 1e39}}])),
+                                            "gate": {"monitor": "gate", "threshold": 1e39}}]),
+         f"{w}.steer[0].gate.threshold"),
     ]  # fmt: skip
 
 

@@ -29,7 +29,7 @@ import torch
 from actbus.bus import Event, Subscriber, Subscription
 from actbus.bus.statsview import request as stats_of
 from actbus.cli import consumer_command
-from tests.capture.hostile_http import OUTSIDE, Case, corpus, needs_numbers_fix
+from tests.capture.hostile_http import OUTSIDE, Case, corpus, number_cases
 from tests.support.collector import Collector
 from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
@@ -605,20 +605,26 @@ def test_hostile_http_calls_are_refused_and_leave_the_server_serving(server):
     assert _call(server.base, "DELETE", "vectors/good")[0] == 200
 
 
-@pytest.mark.skip(reason="needs h33-numbers (int32 positions, float32 scales); enable on merge")
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(5))
 def test_hostile_numbers_are_refused(server, case):
-    """Numbers past the type they become, over HTTP: a 4xx naming the field, and the
-    server serves on with its neighbour unchanged."""
+    """Numbers past the type they become, over HTTP (issue 33): a 400 naming the field,
+    and the server serves on with its neighbour unchanged. The first case also goes to
+    ``PUT /v1/actbus/steer/global``, which took position 2**63 with a 200 (every later
+    request would have crashed the engine)."""
     hidden = json.loads((server.model / "config.json").read_text())["hidden_size"]
-    name, actbus = needs_numbers_fix(hidden)[case]
+    name, actbus, field = number_cases(hidden)[case]
     before = _neighbour(server)
     body = json.dumps({
         "model": str(server.model), "prompt": [5, 6, 7], "max_tokens": 2,
         "vllm_xargs": {"actbus": json.dumps(actbus)},
     }).encode()  # fmt: skip
     status, text = _send(server, Case(name, "POST", "/v1/completions", body))
-    assert 400 <= status < 500, (name, status, text[:300])
+    assert status == 400 and field in text, (name, status, text[:300])
+    if case == 0:
+        entry = {"vector": [1.0] * hidden, "layers": 1, "positions": [1 << 63]}
+        status, err = _call(server.base, "PUT", "steer/global", {"entries": [entry]})
+        assert status == 400 and "actbus.steer.global[0].positions[0]" in err["error"], err
+        assert _call(server.base, "GET", "steer/global") == (200, {"entries": []})
     _healthy(server)
     assert _neighbour(server) == before
 

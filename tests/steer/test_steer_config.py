@@ -156,8 +156,10 @@ def test_vectors_from_files_and_checkpoints(tmp_path):
         ConfigError, match=r"vectors\.b: has 3 values; this model's residual stream has 8"
     ):
         reg.register("b", VectorSource("file", str(tmp_path / "two.safetensors"), key="y"))
-    with pytest.raises(ConfigError, match="NaN or Inf"):
+    with pytest.raises(ConfigError, match=r"vectors\.b\[0\]: expected a vector component"):
         reg.register("b", [float("inf")] * H)
+    with pytest.raises(ConfigError, match="NaN or Inf"):
+        reg.register("b", np.full(H, np.inf, np.float32))
     # An SAE checkpoint: the unit decoder row; a probe: its unit direction on raw inputs.
     (tmp_path / "sae").mkdir()
     w_dec = torch.randn(16, H)
