@@ -139,3 +139,13 @@ def test_consumers_idle_openmp_workers_sleep():
     assert int(_openmp_spin("run", "null", "--help", OMP_WAIT_POLICY="ACTIVE")) > 300_000
     # vLLM's own processes are left as they were.
     assert _openmp_spin("serve", "--help") == "300000"
+
+
+def test_a_malformed_actbus_config_is_named_by_its_flag():
+    for raw, needle in (
+        ("{steer: 1}", "actbus serve: --actbus-config: not valid JSON (Expecting property name"),
+        ("[1, 3]", "actbus serve: --actbus-config: expected a JSON object, got list"),
+    ):
+        out = _actbus("serve", "some-model", "--actbus-config", raw)
+        assert out.returncode == 2 and needle in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
