@@ -87,6 +87,7 @@ class Selection:
             returns=bool(d.get("return", False)),
         )
 
+
 REQUEST_KEYS = (
     "layers, hooks, positions, tags, return (capture); steer, steer_global (steering); "
     "monitor, monitor_global, monitor_return (monitors)"
