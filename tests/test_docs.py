@@ -154,3 +154,15 @@ def test_the_block_checker_finds_unmarked_blocks(tmp_path: Path) -> None:
         ("python", None, "", "print(1)\n"),
         ("text", None, "", "out\n"),
     ]
+
+
+def test_the_readmes_output_directories_are_git_ignored() -> None:
+    """What the README's blocks write (out/, runs/, wandb/) never shows in git status."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("out/saes", "runs/today", "wandb/offline-run-1"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, timeout=30)
+        assert r.returncode == 0, f"{path} is not git-ignored (.gitignore)"

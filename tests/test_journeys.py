@@ -276,7 +276,7 @@ def test_return_activations_in_process(tmp_path):
 REQUESTS = 16  # the README sends 64; a few suffice to train something and store it
 
 
-def _bash(script: str, cwd: Path, name: str, timeout: float = 600) -> str:
+def _bash(script: str, cwd: Path, name: str, timeout: float = 300) -> str:
     """Run ``script`` in bash (``set -e``: a failing command fails the block); its
     output, which is also kept in ``cwd/name.log``."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
@@ -311,7 +311,8 @@ def _session(server, tiny_models) -> str:
     address, url, _ = server
     (send,) = re.findall(r"^send\(\) \{.*?^done; \}$", block("readme-serve").code, re.M | re.S)
     send = send.replace("localhost:8000", f"127.0.0.1:{url.rsplit(':', 1)[1]}")
-    return f"MODEL={tiny_models['llama']}\nBUS={address}\n{send}\n"
+    venv = Path(sys.executable).parent.parent
+    return f". {venv}/bin/activate\nMODEL={tiny_models['llama']}\nBUS={address}\n{send}\n"
 
 
 _STOP_JOBS = """
@@ -378,8 +379,9 @@ def test_readme_store_and_replay(server, tiny_models, readme_dir):
     reads back intact, an SAE trains from it, and the replayed copy holds the same rows."""
     from consumers.fs import ActivationRun
 
-    out = _bash(_readme_script("readme-store", server, prologue=_session(server, tiny_models))
-                + "wait\n", readme_dir, "store")  # fmt: skip
+    script = _readme_script("readme-store", server, prologue=_session(server, tiny_models))
+    script = script.replace("ipc:///tmp/replay.sock", f"ipc://{readme_dir}/replay.sock")
+    out = _bash(script + "wait\n", readme_dir, "store")
     run = ActivationRun(readme_dir / "runs" / "today")
     rows = run.manifest["rows"]
     assert set(rows) == {"1/post_block", "3/post_block"} and rows["1/post_block"] > 0, rows
