@@ -387,6 +387,10 @@ def test_readme_store_and_replay(server, tiny_models, readme_dir):
     assert set(rows) == {"1/post_block", "3/post_block"} and rows["1/post_block"] > 0, rows
     assert run.verify() == [] and f"{rows} []" in out  # what the block printed
     assert ActivationRun(readme_dir / "runs" / "copy").manifest["rows"] == rows
+    # A completion's rows carry the response id plus "-0", its prompt's index (as
+    # docs/selection.md says: what subscribers see of vLLM's ids).
+    ids = run.request_ids(3)
+    assert 0 < len(ids) <= REQUESTS and all(i.startswith("cmpl-") and i.endswith("-0") for i in ids)
     assert "steps on " in out and "saved: " in out  # the SAE from disk
 
 
