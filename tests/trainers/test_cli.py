@@ -429,20 +429,30 @@ def test_a_trainer_stopped_during_warm_up_trains_on_what_it_has_and_saves(tmp_pa
 
 
 def test_a_trainer_whose_every_push_failed_exits_non_zero(tmp_path):
-    """--push to an endpoint nobody serves: the fit ends and saves as always, but the
-    command says that no push reached the engine and exits 1 (it exited 0)."""
+    """--push to an engine's control endpoint that refuses every push (it has no monitor
+    of that name): the fit ends and saves as always, but the command says that no push
+    reached the engine and exits 1 (it exited 0)."""
+    from actbus.bus.control import ControlConfig, ControlServer
+    from actbus.bus.pushwire import Slot
+
     run_dir = tmp_path / "run"
     _stored_run(run_dir, steps=4)
-    control = f"ipc://{tmp_path}/nobody-control.sock"
-    r = _run(
-        "sae", "--from", str(run_dir), "--layer", "2", "--epochs", "1",
-        "--batch-tokens", "256", "--buffer-tokens", "1024", "--warmup-tokens", "256",
-        "--k", "4", "--expansion", "2", "--no-progress", "--out", str(tmp_path / "sae"),
-        "--push", control, "--push-monitor", "m", "--push-features", "0",
-        "--summary", str(tmp_path / "sae.json"),
-    )  # fmt: skip
+    control = f"ipc://{tmp_path}/control.sock"
+    endpoint = ControlServer(ControlConfig(control), {"p": Slot(1, 64, "sigmoid")}, {"p": 1})
+    try:
+        r = _run(
+            "sae", "--from", str(run_dir), "--layer", "2", "--epochs", "1",
+            "--batch-tokens", "256", "--buffer-tokens", "1024", "--warmup-tokens", "256",
+            "--k", "4", "--expansion", "2", "--no-progress", "--out", str(tmp_path / "sae"),
+            "--push", control, "--push-monitor", "m", "--push-features", "0",
+            "--summary", str(tmp_path / "sae.json"),
+        )  # fmt: skip
+    finally:
+        endpoint.close()
     assert r.returncode == 1, r.stderr[-4000:]
     push = json.loads((tmp_path / "sae.json").read_text())["push"]
     assert push["sent"] == 0 and len(push["errors"]) >= 1, push
+    assert endpoint.refused >= 1 and endpoint.accepted == 0
     assert f"actbus run sae: every push to {control} failed (" in r.stderr, r.stderr[-3000:]
+    assert "no monitor named 'm'" in r.stderr
     assert any(p.is_dir() for p in (tmp_path / "sae").iterdir())  # saved all the same
