@@ -376,8 +376,10 @@ def test_readme_steer_over_http(server, tiny_models, readme_dir):
 
 def test_readme_store_and_replay(server, tiny_models, readme_dir):
     """ "Store and replay": the sink stores the requests' rows at both layers, the run
-    reads back intact, an SAE trains from it, and the replayed copy holds the same rows."""
+    reads back intact, an SAE trains from it, and the replayed copy holds the same rows;
+    docs/datasets.md's example reads it."""
     from consumers.fs import ActivationRun
+    from tests.support.docs_blocks import block
 
     script = _readme_script("readme-store", server, prologue=_session(server, tiny_models))
     script = script.replace("ipc:///tmp/replay.sock", f"ipc://{readme_dir}/replay.sock")
@@ -392,6 +394,13 @@ def test_readme_store_and_replay(server, tiny_models, readme_dir):
     ids = run.request_ids(3)
     assert 0 < len(ids) <= REQUESTS and all(i.startswith("cmpl-") and i.endswith("-0") for i in ids)
     assert "steps on " in out and "saved: " in out  # the SAE from disk
+    # docs/datasets.md's example reads the same run, as pasted into a file.
+    (readme_dir / "read.py").write_text(block("datasets-read").code)
+    r = subprocess.run([sys.executable, "read.py"], cwd=readme_dir, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    verified, last = r.stdout.splitlines()[-2:]
+    assert verified == "[]" and last.startswith("torch.Size([") and '"label"' in last, r.stdout
 
 
 def test_readme_steer_in_python(tmp_path):

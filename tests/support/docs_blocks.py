@@ -29,6 +29,7 @@ RUN_BY = {
     "readme-steer-python": "tests/test_journeys.py::test_readme_steer_in_python",
     "readme-steer-http": "tests/test_journeys.py::test_readme_steer_over_http",
     "readme-store": "tests/test_journeys.py::test_readme_store_and_replay",
+    "datasets-read": "tests/test_journeys.py::test_readme_store_and_replay",  # its run
 }
 """Every ``runs:`` id, and the test that runs it."""
 
