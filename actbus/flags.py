@@ -23,6 +23,19 @@ from functools import cache
 from typing import Any
 
 FLAG = "actbus.flag"  # the metadata key flag() writes
+TYPED = "_typed_flags"  # the namespace attribute: {dest: the spelling the user typed}
+
+
+class _StoreTyped(argparse._StoreAction):
+    """``store``, and which of the flag's spellings was typed (``--layer`` or
+    ``--layers``), so an error names the flag as the user wrote it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        if option_string:
+            typed = dict(getattr(namespace, TYPED, None) or {})
+            typed[self.dest] = option_string
+            setattr(namespace, TYPED, typed)
 
 
 def int_list(text: str) -> list[int]:
@@ -180,6 +193,8 @@ def add_fields(
         elif hint in (int, float, str):
             kw["type"] = hint
         kw.update(spec["kw"])
+        if len(names) > 1 and "action" not in kw:
+            kw["action"] = _StoreTyped
         if f.name in required:
             kw["required"] = True
             kw.pop("default", None)
@@ -211,15 +226,26 @@ def values(
     return out
 
 
-_FIELD = re.compile(r"^(?:\w+\.)?(\w+)(\[\d+\])?:")
+_FIELD = re.compile(r"^(?:\w+\.)?(--[\w-]+|\w+)(\[\d+\])?:")
 
 
-def name_flag(parser: argparse.ArgumentParser, message: str) -> str:
-    """A config's error, with the field it starts with replaced by that field's flag:
-    ``"k: expected 1..d_sae"`` -> ``"--k: expected 1..d_sae"``."""
+def name_flag(
+    parser: argparse.ArgumentParser, message: str, ns: argparse.Namespace | None = None
+) -> str:
+    """A config's error, with the field (or flag) it starts with replaced by the flag as
+    the user typed it (``ns``: the parsed namespace; else the flag's first spelling):
+    ``"k: expected 1..d_sae"`` -> ``"--k: expected 1..d_sae"``; ``"--hooks[0]: unknown
+    hook"`` after ``--hook post_blok`` -> ``"--hook: unknown hook"`` (the index only
+    where several values were given)."""
     m = _FIELD.match(message)
-    if m:
-        for action in parser._actions:
-            if action.dest == m.group(1) and action.option_strings:
-                return action.option_strings[0] + (m.group(2) or "") + message[m.end() - 1 :]
+    if not m:
+        return message
+    name, index = m.group(1), m.group(2) or ""
+    for action in parser._actions:
+        if action.option_strings and (action.dest == name or name in action.option_strings):
+            typed = (getattr(ns, TYPED, None) or {}).get(action.dest) if ns else None
+            value = getattr(ns, action.dest, None) if ns else None
+            if isinstance(value, (list, tuple)) and len(value) == 1:
+                index = ""  # one value: its flag says which
+            return (typed or action.option_strings[0]) + index + message[m.end() - 1 :]
     return message

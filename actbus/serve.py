@@ -78,7 +78,7 @@ def serve_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
         f"completion callers cannot change global steering or vectors (also ${ADMIN_KEY_ENV})",
     )
     args, vllm_args = p.parse_known_args(argv)
-    cfg: dict = json.loads(args.actbus_config) if args.actbus_config else {}
+    cfg = _actbus_config(args.actbus_config) if args.actbus_config else {}
     layers = args.layers.strip()
     cfg["layers"] = "all" if layers == "all" else [_int(x, "--layers") for x in layers.split(",")]
     cfg["hooks"] = [h.strip() for h in args.hooks.split(",") if h.strip()]
@@ -142,6 +142,23 @@ def data_parallel(vllm_args: list[str]) -> tuple[int, list[int]]:
         return size, [int(a.data_parallel_rank)]
     start = int(a.data_parallel_start_rank or 0)
     return size, list(range(start, start + int(a.data_parallel_size_local or size - start)))
+
+
+def _actbus_config(text: str) -> dict[str, Any]:
+    """``--actbus-config``: a JSON object (the keys of ``actbus.config.CaptureConfig``)."""
+    example = """--actbus-config '{"steer": {"layers": [1, 3]}}'"""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"--actbus-config: not valid JSON ({e.msg} at column {e.colno}); give a JSON "
+            f"object in single quotes, e.g. {example}"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(
+            f"--actbus-config: expected a JSON object, got {type(cfg).__name__}; e.g. {example}"
+        )
+    return cfg
 
 
 def _int(text: str, flag: str) -> int:

@@ -160,3 +160,13 @@ def test_serve_puts_the_admin_key_in_the_environment_not_the_argv():
         serve_command(["m", "--actbus-admin-key", "k"], {})
     with pytest.raises(ConfigError, match="--actbus-admin-key: an empty key"):
         serve_command(["m", *steer, "--actbus-admin-key", ""], {})
+
+
+def test_a_malformed_actbus_config_is_named_by_its_flag():
+    for raw, needle in (
+        ("{steer: 1}", "actbus serve: --actbus-config: not valid JSON (Expecting property name"),
+        ("[1, 3]", "actbus serve: --actbus-config: expected a JSON object, got list"),
+    ):
+        out = _actbus("serve", "some-model", "--actbus-config", raw)
+        assert out.returncode == 2 and needle in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr

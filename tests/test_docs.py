@@ -109,3 +109,60 @@ def test_slugs_match_mkdocs() -> None:
     assert mkdocs_slug("W&B") == "wb"
     assert mkdocs_slug("`n > 1`") == "n-1"
     assert github_slug("Serve and train live") == "serve-and-train-live"
+
+
+# ------------------------------------------------------------------ code blocks
+def test_every_code_block_runs_or_is_marked_a_fragment() -> None:
+    """Each Python and shell block of the README and docs/ is run by a test as pasted
+    (``<!-- runs: ID -->``) or says why not (``<!-- fragment: REASON -->``)."""
+    from tests.support.docs_blocks import RUN_BY, RUN_LANGS, all_blocks
+
+    blocks = [b for b in all_blocks() if b.lang in RUN_LANGS]
+    assert len(blocks) > 40, "the block parser found too few blocks"
+    unmarked = [b.where for b in blocks if b.kind is None]
+    assert unmarked == [], (
+        "blocks neither run nor marked: add <!-- runs: ID --> (and a test) or "
+        "<!-- fragment: REASON --> on the line above each (docs/development.md)"
+    )
+    vague = [b.where for b in blocks if b.kind == "fragment" and len(b.arg.split()) < 3]
+    assert vague == [], "a fragment's reason says why it is not run, in a few words"
+    ids = [b.arg for b in blocks if b.kind == "runs"]
+    assert sorted(ids) == sorted(set(ids)), "a runs: id names one block"
+    assert set(ids) == set(RUN_BY), "every runs: id has its test in RUN_BY, and back"
+    readme = [b for b in blocks if b.path.name == "README.md"]
+    assert {b.arg for b in readme if b.kind == "runs"} >= {
+        "readme-serve",
+        "readme-steer-python",
+        "readme-steer-http",
+        "readme-store",
+    }
+
+
+def test_the_block_checker_finds_unmarked_blocks(tmp_path: Path) -> None:
+    from tests.support.docs_blocks import parse
+
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "# T\n\n<!-- runs: x -->\n```bash\necho 1\n```\n\n"
+        "<!-- fragment: needs a GPU -->\n```python\nimport torch\n```\n\n"
+        "```python\nprint(1)\n```\n\n```text\nout\n```\n"
+    )
+    found = [(b.lang, b.kind, b.arg, b.code) for b in parse(doc)]
+    assert found == [
+        ("bash", "runs", "x", "echo 1\n"),
+        ("python", "fragment", "needs a GPU", "import torch\n"),
+        ("python", None, "", "print(1)\n"),
+        ("text", None, "", "out\n"),
+    ]
+
+
+def test_the_readmes_output_directories_are_git_ignored() -> None:
+    """What the README's blocks write (out/, runs/, wandb/) never shows in git status."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("out/saes", "runs/today", "wandb/offline-run-1"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, timeout=30)
+        assert r.returncode == 0, f"{path} is not git-ignored (.gitignore)"

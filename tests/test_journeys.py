@@ -1,12 +1,15 @@
 """The README's journeys, run as their scripts in ``examples/`` are run, on CPU with
 the tiny Llama, and what each made checked: checkpoints that load, rows stored and
 replayed, W&B runs with metrics, the dashboard's view, activations returned with the
-right shapes, the closed loop's scores against HF transformers.
+right shapes, the closed loop's scores against HF transformers. Then the README's
+blocks, as pasted (``tests/support/docs_blocks.py`` says how): serve and train, steer
+over HTTP, store and replay, and its Python steering snippet run as a file.
 
-Two engines in all: one ``actbus serve`` that journeys 1 (serve and train) and 2 (store
-and replay) and the closed loop drive as a running server (``--connect/--url``), and
-journey 3's own offline ``LLM``. Journey 1 runs last of the three and ends with Ctrl-C of
-that server (``--until-end``): its trainers save on the END ``actbus serve`` sends.
+Three engines in all: one ``actbus serve`` that journeys 1 (serve and train) and 2
+(store and replay), the closed loop and the README's shell blocks drive as a running
+server (``--connect/--url``), journey 3's own offline ``LLM``, and the README snippet's.
+Journey 1 runs last of the server's journeys and ends with Ctrl-C of that server
+(``--until-end``): its trainers save on the END ``actbus serve`` sends.
 """
 
 from __future__ import annotations
@@ -56,8 +59,15 @@ def _script(
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
-    """``actbus serve`` as the README starts it (tiny Llama, layers 1 and 3)."""
+def readme_dir(tmp_path_factory) -> Path:
+    """Where the README's blocks run, as one shell session, and the server runs."""
+    return tmp_path_factory.mktemp("readme")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory, readme_dir):
+    """``actbus serve`` as the README starts it (tiny Llama, layers 1 and 3), in the
+    directory the README's blocks run in (paths they send it are relative to it)."""
     tmp = tmp_path_factory.mktemp("journey-server")
     run = tempfile.mkdtemp(prefix="actbus-jt-")
     address, control = f"ipc://{run}/bus.sock", f"ipc://{run}/control.sock"
@@ -75,7 +85,8 @@ def server(tiny_models, tmp_path_factory):
          "--actbus-config", json.dumps(
              _loop_config(tiny_models["llama"], control, tmp_path_factory.getbasetemp())
          )],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        stdout=log, stderr=subprocess.STDOUT, cwd=readme_dir,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
@@ -103,14 +114,16 @@ def server(tiny_models, tmp_path_factory):
 def _loop_config(model_path: Path, control: str, vectors: Path) -> dict:
     """What the closed loop needs of the server (``examples/closed_loop.py`` starts its
     own with the same): a sigmoid monitor at layer 1 to push the probe into, the
-    control endpoint, steering at layer 2, and the tests' directory (where the loop's
-    --out is) to register the probe's checkpoint from over HTTP."""
+    control endpoint, steering at layer 2 (and 1 and 3, for the README's blocks), and
+    the tests' directory (where the loop's --out and the README's runs are) to register
+    checkpoints from over HTTP."""
     hidden = json.loads((model_path / "config.json").read_text())["hidden_size"]
     probe = {"weight": [0.0] * hidden, "sigmoid": True, "layers": [1]}
     return {
         "monitor": {"monitors": {"probe": probe}},
         "control": control,
-        "steer": {"layers": [2], "hooks": ["post_block"], "vector_dirs": [str(vectors)]},
+        # Layer 2 for the closed loop; 1 and 3, as the README's steering examples.
+        "steer": {"layers": [1, 2, 3], "hooks": ["post_block"], "vector_dirs": [str(vectors)]},
     }
 
 
@@ -214,6 +227,160 @@ def test_closed_loop(server, tiny_models, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def test_return_activations_in_process(tmp_path):
+    """Journey 3, its own offline LLM: every request's rows come back, one per token fed
+    (one for the request that asked for its last prompt token), at both layers."""
+    out = tmp_path / "return"
+    # vLLM's own CPU CI switch: torch.compile traces the model (taps and all) with
+    # dynamo but skips inductor's code generation, which is most of an engine start
+    # here; what comes back, not the compiled graph, is under test (the session
+    # engines capture with inductor).
+    r = _script("return_in_process.py", "--out", str(out), env={"VLLM_CPU_CI_ENV": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    saved = torch.load(out / "activations.pt")
+    assert len(saved) == 8
+    for i, req in enumerate(saved):
+        n = len(req["positions"])
+        assert n == 1 if i == 0 else n > 10
+        for layer in LAYERS:
+            assert req[f"L{layer}/post_block"].shape == (n, 128)
+        assert req["token_ids"].shape == (n,)
+
+
+# ------------------------------------------------------------------ the README's blocks
+# Run as pasted (tests/support/docs_blocks.py): in one directory, as one shell session
+# (later blocks use $MODEL, $BUS and send() from "Serve and train live"), against the
+# server above, which is up already.
+REQUESTS = 16  # the README sends 64; a few suffice to train something and store it
+
+
+def _bash(script: str, cwd: Path, name: str, timeout: float = 300) -> str:
+    """Run ``script`` in bash (``set -e``: a failing command fails the block); its
+    output, which is also kept in ``cwd/name.log``."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    log = cwd / f"{name}.log"
+    with open(log, "w") as f:
+        r = subprocess.run(
+            ["bash", "-e", "-c", script], cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )  # fmt: skip
+    out = log.read_text()
+    print(out[-3000:])
+    assert r.returncode == 0, out[-4000:]
+    return out
+
+
+def _readme_script(block_id: str, server, *, prologue: str = "") -> str:
+    from tests.support.docs_blocks import block, shell_script
+
+    address, url, *_ = server
+    venv = Path(sys.executable).parent.parent
+    code = shell_script(block(block_id).code, address=address, port=int(url.rsplit(":", 1)[1]),
+                        venv=venv)  # fmt: skip
+    return prologue + code.replace("send 64", f"send {REQUESTS}")
+
+
+def _session(server, tiny_models) -> str:
+    """What "Serve and train live" leaves in the shell: $MODEL, $BUS and send()."""
+    import re
+
+    from tests.support.docs_blocks import block
+
+    address, url, *_ = server
+    (send,) = re.findall(r"^send\(\) \{.*?^done; \}$", block("readme-serve").code, re.M | re.S)
+    send = send.replace("localhost:8000", f"127.0.0.1:{url.rsplit(':', 1)[1]}")
+    venv = Path(sys.executable).parent.parent
+    return f". {venv}/bin/activate\nMODEL={tiny_models['llama']}\nBUS={address}\n{send}\n"
+
+
+_STOP_JOBS = """
+pids=$(jobs -p)  # the suite's epilogue: the server goes on, so its subscribers are stopped
+kill -TERM $pids
+for p in $pids; do
+  wait $p && echo "docs-block: job $p exited 0" || echo "docs-block: job $p exited $?"
+done
+"""
+
+
+def test_readme_serve_and_train(server, tiny_models, readme_dir):
+    """ "Serve and train live": the trainers, W&B and the dashboard subscribe, the tagged
+    requests go; stopped (SIGTERM, as the server's Ctrl-C would end their stream), each
+    exits 0 and the trainers save their checkpoints, the probe's with its source."""
+    address, *_ = server
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        board_port = s.getsockname()[1]
+    script = _readme_script("readme-serve", server)
+    assert script.count("actbus dashboard --connect $BUS &") == 1
+    script = script.replace("actbus dashboard --connect $BUS &",
+                            f"actbus dashboard --connect $BUS --port {board_port} &")  # fmt: skip
+    names = {"sae", "probe", "wandb", "dashboard"}
+    wait = (  # before the requests: the README's 64 give them time to start, 16 do not
+        f"{sys.executable} -c 'import sys; sys.path.insert(0, sys.argv[1]); import common; "
+        f"common.wait_subscribed(sys.argv[2], set(sys.argv[3:]), 300)' "
+        f"{ROOT}/examples {address} {' '.join(sorted(names))}\n"
+    )
+    script = script.replace(f"\nsend {REQUESTS}\n", f"\n{wait}send {REQUESTS}\n")
+    out = _bash(script + _STOP_JOBS, readme_dir, "serve")
+    assert out.count("docs-block: job") == 4 and out.count("exited 0") == 4, out[-3000:]
+    sae = readme_dir / "out" / "saes" / "L3-post_block-topk-k8-x4"
+    assert (sae / "cfg.json").exists(), sorted(p.name for p in (readme_dir / "out").rglob("*"))
+    (probe,) = (readme_dir / "out" / "probes").glob("*/probe.json")
+    source = json.loads(probe.read_text())["source"]
+    assert source["address"] == address and source["hidden_size"] == 128, source
+    assert list(readme_dir.glob("wandb/offline-run-*")), "actbus run wandb logged nothing"
+
+
+def test_readme_steer_over_http(server, tiny_models, readme_dir):
+    """ "Steer", over HTTP: the SAE feature the live trainer saved, registered by name,
+    steers greedy decoding visibly: the text differs from the same request unsteered."""
+    from tests.support.docs_blocks import block
+
+    assert (readme_dir / "out" / "saes").exists(), "needs test_readme_serve_and_train's SAE"
+    _, url, *_ = server
+    out = _bash(_readme_script("readme-steer-http", server), readme_dir, "steer-http")
+    steered = json.loads(out.strip().splitlines()[-1])["choices"][0]["text"]
+    assert '"temperature": 0' in block("readme-steer-http").code
+    body = {"model": str(tiny_models["llama"]), "prompt": "a note", "max_tokens": 16,
+            "temperature": 0}  # fmt: skip
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        plain = json.loads(r.read())["choices"][0]["text"]
+    print(f"plain {plain!r}\nsteered {steered!r}")
+    assert steered != plain
+
+
+def test_readme_store_and_replay(server, tiny_models, readme_dir):
+    """ "Store and replay": the sink stores the requests' rows at both layers, the run
+    reads back intact, an SAE trains from it, and the replayed copy holds the same rows;
+    docs/datasets.md's example reads it."""
+    from consumers.fs import ActivationRun
+    from tests.support.docs_blocks import block
+
+    script = _readme_script("readme-store", server, prologue=_session(server, tiny_models))
+    script = script.replace("ipc:///tmp/replay.sock", f"ipc://{readme_dir}/replay.sock")
+    out = _bash(script + "wait\n", readme_dir, "store")
+    run = ActivationRun(readme_dir / "runs" / "today")
+    rows = run.manifest["rows"]
+    assert set(rows) == {"1/post_block", "3/post_block"} and rows["1/post_block"] > 0, rows
+    assert run.verify() == [] and f"{rows} []" in out  # what the block printed
+    assert ActivationRun(readme_dir / "runs" / "copy").manifest["rows"] == rows
+    # A completion's rows carry the response id plus "-0", its prompt's index (as
+    # docs/selection.md says: what subscribers see of vLLM's ids).
+    ids = run.request_ids(3)
+    assert 0 < len(ids) <= REQUESTS and all(i.startswith("cmpl-") and i.endswith("-0") for i in ids)
+    assert "steps on " in out and "saved: " in out  # the SAE from disk
+    # docs/datasets.md's example reads the same run, as pasted into a file.
+    (readme_dir / "read.py").write_text(block("datasets-read").code)
+    r = subprocess.run([sys.executable, "read.py"], cwd=readme_dir, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    verified, last = r.stdout.splitlines()[-2:]
+    assert verified == "[]" and last.startswith("torch.Size([") and '"label"' in last, r.stdout
+
+
 def test_serve_and_train_live_until_the_server_stops(server, tmp_path):
     """Journey 1 against the server, stopped as a user stops it (Ctrl-C of ``actbus
     serve``) once the requests are in: an SAE and a probe trained on the live stream
@@ -279,21 +446,18 @@ def test_serve_and_train_live_until_the_server_stops(server, tmp_path):
     }
 
 
-def test_return_activations_in_process(tmp_path):
-    """Journey 3, its own offline LLM: every request's rows come back, one per token fed
-    (one for the request that asked for its last prompt token), at both layers."""
-    out = tmp_path / "return"
-    # vLLM's own CPU CI switch: torch.compile traces the model (taps and all) with
-    # dynamo but skips inductor's code generation, which is most of an engine start
-    # here; what comes back, not the compiled graph, is under test (the session
-    # engines capture with inductor).
-    r = _script("return_in_process.py", "--out", str(out), env={"VLLM_CPU_CI_ENV": "1"})
+def test_readme_steer_in_python(tmp_path):
+    """ "Steer", in Python: the snippet pasted into a file and run (vLLM's engine process
+    imports it again, so it needs its __main__ guard); greedy text, plain then steered,
+    differs."""
+    from tests.support.docs_blocks import block
+
+    script = tmp_path / "steer.py"
+    script.write_text(block("readme-steer-python").code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1"}  # as journey 3
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    saved = torch.load(out / "activations.pt")
-    assert len(saved) == 8
-    for i, req in enumerate(saved):
-        n = len(req["positions"])
-        assert n == 1 if i == 0 else n > 10
-        for layer in LAYERS:
-            assert req[f"L{layer}/post_block"].shape == (n, 128)
-        assert req["token_ids"].shape == (n,)
+    plain, steered = [line for line in r.stdout.splitlines() if line.startswith(("'", '"'))][-2:]
+    print(f"plain {plain}\nsteered {steered}")
+    assert plain != steered

@@ -79,6 +79,13 @@ class MetricsProgressBar(RichProgressBar):
         return out
 
 
+def stream_info(trainer: pl.Trainer) -> dict:
+    """What the data told of its source, for a checkpoint's ``source``: the model's
+    name, width and dtype, the longest sequence, the publisher or stored run."""
+    dm = getattr(trainer, "datamodule", None)
+    return dm.stream_info() if hasattr(dm, "stream_info") else {}
+
+
 class SaveSAEs(pl.Callback):
     """Every ``every_steps`` optimizer steps, and at the end: ``out/<name>/`` per SAE."""
 
@@ -91,8 +98,7 @@ class SaveSAEs(pl.Callback):
     def _save(self, trainer: pl.Trainer, module) -> None:
         if not trainer.is_global_zero:
             return
-        dm = getattr(trainer, "datamodule", None)  # the model name, context, run dir
-        source = dm.stream_info() if hasattr(dm, "stream_info") else {}
+        source = stream_info(trainer)
         for c in module.configs:
             sae = module.sae(c.name)
             if bool(sae.initialized):
@@ -122,9 +128,12 @@ class SaveProbes(pl.Callback):
         if not trainer.is_global_zero:
             return
         metrics = pl_module.fit_summary()["metrics"]
+        source = stream_info(trainer)
         for c in pl_module.configs:
             m = {k: v for k, v in metrics.items() if k.startswith(f"{c.name}/")}
-            self.saved.append(save_probe(pl_module.probe(c.name), self.out / c.name, metrics=m))
+            self.saved.append(
+                save_probe(pl_module.probe(c.name), self.out / c.name, metrics=m, source=source)
+            )
 
 
 class DataStats(pl.Callback):

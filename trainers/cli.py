@@ -484,7 +484,7 @@ def _parse(
         configs, data_cfg = build(opts, sub, _d_in(opts, sub))
         opts.push_target = _push_target(opts, configs)
     except (ValueError, TimeoutError, FileNotFoundError) as e:
-        parser.error(name_flag(parser, str(e)))
+        parser.error(name_flag(parser, str(e), opts))
     return opts, configs, data_cfg
 
 
@@ -525,14 +525,29 @@ def _fit_or_refused(kind: str, module, data_cfg: DataConfig, opts, configs: list
     """Fit; a subscription the publisher refused (or cannot serve) ends the command
     with its reason, not a traceback."""
     try:
-        _fit(module, data_cfg, opts, configs)
+        summary = _fit(module, data_cfg, opts, configs)
     except Exception as e:
         why = _refused(e)
         if why is None:
             raise
         print(f"actbus run {kind}: {why}", file=sys.stderr)
         return 1
-    return 0
+    return _push_verdict(kind, summary.get("push"), opts)
+
+
+def _push_verdict(kind: str, push: dict[str, Any] | None, opts: argparse.Namespace) -> int:
+    """1 when pushes were tried and none reached the engine (what --push is for did not
+    happen, though the checkpoints were saved), with the line that says so; else 0."""
+    if not push or push["sent"] or not (push["errors"] or push["dropped"]):
+        return 0
+    tried = len(push["errors"]) + push["dropped"]
+    last = push["errors"][-1] if push["errors"] else "dropped: the engine did not keep up"
+    print(
+        f"actbus run {kind}: every push to {opts.push} failed ({tried} tried, none sent; "
+        f"the last: {last}); the checkpoints under {opts.out} were saved",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def sae_main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from actbus.bus.endpoints import Endpoints
 from actbus.bus.protocol import MAX_NAME, MAX_WINDOW, Subscription, parse_match, parse_policy
 from actbus.bus.security import ClientAuth
 from actbus.errors import ConfigError
-from actbus.flags import add_fields, flag
+from actbus.flags import add_fields, flag, name_flag
 from actbus.streams import parse_hooks, parse_layers
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class SubscriberOptions:
         except ConfigError as e:
             if parser is None:
                 raise
-            parser.error(str(e))
+            parser.error(name_flag(parser, str(e), ns))
             raise  # not reached: parser.error exits
 
     # ------------------------------------------------------------------ products

@@ -88,6 +88,14 @@ class Selection:
         )
 
 
+REQUEST_KEYS = (
+    "layers, hooks, positions, tags, return (capture); steer, steer_global (steering); "
+    "monitor, monitor_global, monitor_return (monitors)"
+)
+"""Every key a request's ``actbus`` entry may have: the steering and monitor keys are
+taken out before the selection is parsed, so its unknown-key error names them too."""
+
+
 def parse_selection(
     raw: Any,
     *,
@@ -115,7 +123,7 @@ def parse_selection(
     known = ("layers", "hooks", "positions", "tags", "return")
     for key in raw:
         if key not in known:
-            raise ConfigError(f"{where}.{key}: unknown key; valid keys are {', '.join(known)}")
+            raise ConfigError(f"{where}.{key}: unknown key; valid keys are {REQUEST_KEYS}")
     layers = base.layers
     if raw.get("layers") == "all":
         layers = engine_layers

@@ -59,3 +59,19 @@ def test_unsupported_architecture_is_named():
     assert check_architecture(["Qwen2ForCausalLM"]) == "Qwen2ForCausalLM"
     with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
         check_architecture(["GPT2LMHeadModel"])
+
+
+def test_a_requests_unknown_key_names_every_key_a_request_may_give():
+    """The steering and monitor keys are taken out before the selection is parsed; its
+    unknown-key error lists them too."""
+    from actbus.capture.selection import parse_selection
+    from actbus.monitor.frontend import KEYS
+
+    with pytest.raises(ConfigError) as e:
+        parse_selection(
+            {"stear": []}, engine_layers=(1,), engine_hooks=("post_block",), num_layers=4
+        )
+    msg = str(e.value)
+    assert msg.startswith("extra_args.actbus.stear: unknown key; valid keys are "), msg
+    for key in ("layers", "hooks", "positions", "tags", "return", "steer", "steer_global", *KEYS):
+        assert f" {key}," in msg or f" {key} (" in msg, (key, msg)

@@ -99,7 +99,12 @@ BAD = [
     ({"tags": {"deep": _nested(17)}}, "extra_args.actbus.tags: nested deeper than 16"),
     ({"tags": {"raw": b"\x00"}}, "extra_args.actbus.tags: a value of type bytes"),
     ({"tags": {"m": {1: "x"}}}, "extra_args.actbus.tags: 1 is not a string"),
-    ({"layer": [3]}, "extra_args.actbus.layer: unknown key"),
+    (  # every key a request may give, the steering and monitor ones too
+        {"layer": [3]},
+        "extra_args.actbus.layer: unknown key; valid keys are layers, hooks, positions, tags, "
+        "return (capture); steer, steer_global (steering); monitor, monitor_global, "
+        "monitor_return (monitors)",
+    ),
     ("{not json", "extra_args.actbus: not valid JSON"),
     (7, "extra_args.actbus: expected a mapping"),
 ]

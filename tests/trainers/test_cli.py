@@ -244,7 +244,11 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
     (saved,) = (tmp_path / "probe").glob("*/probe.safetensors")
     assert load_file(str(saved))["linear.weight"].shape == (1, 64)
     # Saved when the fit ended: with the final held-out metrics the summary reports.
-    kept = json.loads((saved.parent / "probe.json").read_text())["metrics"]
+    meta = json.loads((saved.parent / "probe.json").read_text())
+    kept = meta["metrics"]
+    # What the stream told, as an SAE's checkpoint keeps it (was {} for probes).
+    assert meta["source"]["model"] == "synthetic" and meta["source"]["hidden_size"] == 64
+    assert meta["source"]["dataset_path"] == str(run_dir) and meta["source"]["context_size"] == 32
     assert kept == {k: v for k, v in p["metrics"].items() if k.startswith(saved.parent.name + "/")}
     assert any(k.endswith("heldout_accuracy") for k in kept)
 
@@ -298,6 +302,10 @@ def test_bad_flags_are_named():
         (*sae, "--push-features", "1,2"): "--push-features: with --push-vector give the one",
         (*sae, "--push-features", "16"): "latent 16 is out of range; the SAE has 16",
         (*sae, "--push-features", "1", "--push-monitor", "m"): "drop --push-monitor",
+        # Named as typed: --layer and --hook, not their other spellings --layers, --hooks[0].
+        (*live[:-1], "-1", "--k", "2"): "error: --layer: expected a 0-based layer index",
+        (*live, "--k", "2", "--hook", "post_blok"): "error: --hook: unknown hook 'post_blok'",
+        (*live, "--k", "2", "--hooks", "post_block,pre_atn"): "error: --hooks[1]: unknown hook",
     }
     for (argv, want), (code, err) in zip(cases.items(), _run_many(*cases), strict=True):
         assert code == 2 and want in err, (argv, code, err[-2000:])
@@ -473,3 +481,33 @@ def test_a_trainer_says_whom_it_waits_for_whom_it_joined_and_what_it_missed(tmp_
     ), out[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert (summary["policy"], summary["dropped"], summary["routed"]) == ("drop_oldest", n, 200)
+
+
+def test_a_trainer_whose_every_push_failed_exits_non_zero(tmp_path):
+    """--push to an engine's control endpoint that refuses every push (it has no monitor
+    of that name): the fit ends and saves as always, but the command says that no push
+    reached the engine and exits 1 (it exited 0)."""
+    from actbus.bus.control import ControlConfig, ControlServer
+    from actbus.bus.pushwire import Slot
+
+    run_dir = tmp_path / "run"
+    _stored_run(run_dir, steps=4)
+    control = f"ipc://{tmp_path}/control.sock"
+    endpoint = ControlServer(ControlConfig(control), {"p": Slot(1, 64, "sigmoid")}, {"p": 1})
+    try:
+        r = _run(
+            "sae", "--from", str(run_dir), "--layer", "2", "--epochs", "1",
+            "--batch-tokens", "256", "--buffer-tokens", "1024", "--warmup-tokens", "256",
+            "--k", "4", "--expansion", "2", "--no-progress", "--out", str(tmp_path / "sae"),
+            "--push", control, "--push-monitor", "m", "--push-features", "0",
+            "--summary", str(tmp_path / "sae.json"),
+        )  # fmt: skip
+    finally:
+        endpoint.close()
+    assert r.returncode == 1, r.stderr[-4000:]
+    push = json.loads((tmp_path / "sae.json").read_text())["push"]
+    assert push["sent"] == 0 and len(push["errors"]) >= 1, push
+    assert endpoint.refused >= 1 and endpoint.accepted == 0
+    assert f"actbus run sae: every push to {control} failed (" in r.stderr, r.stderr[-3000:]
+    assert "no monitor named 'm'" in r.stderr
+    assert any(p.is_dir() for p in (tmp_path / "sae").iterdir())  # saved all the same
