@@ -362,6 +362,10 @@ class ClientAuth:
         """Whether the watched socket's connection is up (a handshake succeeded and it
         has not closed since), as of the last ``failure`` call: a publisher that is
         silent but connected is alive and busy, not gone."""
+        self._held: str | None = None  # a failure ``settle`` took early
+        self.handshakes = 0
+        """Successful handshakes so far: one more means a new connection, maybe to a
+        publisher restarted at the same address, which must be subscribed to again."""
 
     @property
     def curve(self) -> bool:
@@ -387,8 +391,17 @@ class ClientAuth:
             | zmq.EVENT_DISCONNECTED
         )
 
+    def settle(self) -> None:
+        """Take the socket's pending events now (``connected``, ``handshakes`` up to date),
+        keeping a failure among them for the next ``failure`` call."""
+        self._next_check = 0.0
+        self._held = self.failure() or self._held
+
     def failure(self) -> str | None:
         """A definitive handshake failure since the last call, as a message; else None."""
+        if self._held is not None:
+            why, self._held = self._held, None
+            return why
         now = time.monotonic()
         if self._mon is None or now < self._next_check:
             return None
@@ -410,6 +423,7 @@ class ClientAuth:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._no_detail = 0
             self.connected = True
+            self.handshakes += 1
             return None
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             public = self._client[0].decode() if self._client else "(none)"

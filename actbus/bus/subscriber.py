@@ -223,6 +223,7 @@ class Subscriber:
         self._last_recv_call = time.monotonic()
         self._waiting_since = self._waiting_logged = time.monotonic()
         self._busy_logged = False  # the "silent but connected" line, once per quiet spell
+        self._welcome_handshakes = -1  # ClientAuth.handshakes when the last WELCOME came
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         if keepalive:
@@ -409,8 +410,14 @@ class Subscriber:
     def _check_publisher(self) -> None:
         now = time.monotonic()
         silent = self._silent(now)
-        if silent and self.welcome is not None and self._auth.connected:
-            # Alive (the connection stands) but busy: no new subscription is needed.
+        if (
+            silent
+            and self.welcome is not None
+            and self._auth.connected
+            and self._auth.handshakes == self._welcome_handshakes
+        ):
+            # Alive (the connection that welcomed us stands) but busy: no new
+            # subscription is needed. A reconnection may be a restarted publisher.
             if not self._busy_logged:
                 self._busy_logged = True
                 log.info(
@@ -534,6 +541,8 @@ class Subscriber:
                 self._receipt = None
             else:
                 self._skip_to(next_seq)
+            self._auth.settle()  # this WELCOME came over the latest handshake
+            self._welcome_handshakes = self._auth.handshakes
             if repeat:
                 return None
             self.stats.welcomes += 1

@@ -64,7 +64,8 @@ def test_a_layer_or_hook_the_publisher_does_not_tap_is_refused_at_once(tmp_path)
         r = _actbus("run", "sae", "--connect", address, "--layer", "1,7", "--no-progress",
                     "--out", str(tmp_path / "sae"))  # fmt: skip
         assert r.returncode == 2, r.stderr[-2000:]
-        assert "--layers: the publisher at" in r.stderr and "not layer 7 asked for" in r.stderr
+        # named as typed (--layer), issue 34
+        assert "--layer: the publisher at" in r.stderr and "not layer 7 asked for" in r.stderr
         r = _actbus("run", "sae", "--connect", address, "--layer", "3", "--hook", "mlp_out",
                     "--d-in", "64", "--no-progress", "--out", str(tmp_path / "sae"))  # fmt: skip
         assert r.returncode == 1, r.stderr[-2000:]
