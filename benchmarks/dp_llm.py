@@ -78,8 +78,9 @@ class DataParallelLLM:
 
     def shutdown(self) -> None:
         """Stop the engine cores (the front end ends each rank's stream), then the loop."""
+        engine, self.llm_engine = self.llm_engine, None  # not again at exit (__del__)
         try:
-            self.llm_engine.shutdown()
+            engine.shutdown()
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)

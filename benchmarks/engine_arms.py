@@ -164,7 +164,10 @@ def make_llm(
     Under data parallelism, a ``dp_llm.DataParallelLLM`` with the same settings: an
     ``AsyncLLM`` behind the same ``generate``."""
     if tiny:
-        kw.setdefault("gpu_memory_utilization", 0.3)  # on CPU: the KV cache's share
+        # On CPU: the memory's share each worker reserves, and checks is free at its
+        # start; split over the workers, so a parallel arm needs no more than one.
+        workers = parallel.dp * parallel.tp * parallel.pp
+        kw.setdefault("gpu_memory_utilization", round(0.3 / workers, 3))
         _bind_cpu_workers(parallel)
     settings = dict(
         load_format="auto" if tiny else "dummy",
@@ -437,7 +440,10 @@ def run_arms(
         line = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
         if proc.returncode or not line:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
-            raise SystemExit(f"arm {name} failed")
+            # The root cause (a worker's) is often far above the tail: keep it all.
+            log = Path(tempfile.mkdtemp(prefix="bench-arm-")) / f"{name}.log"
+            log.write_text(proc.stdout + proc.stderr)
+            raise SystemExit(f"arm {name} failed; its whole output: {log}")
         results[name] = json.loads(line[-1][len(RESULT) :])
         print(f"  {name:16s} {results[name]['tok_per_s']:>10.1f} tok/s", flush=True)
     return results
