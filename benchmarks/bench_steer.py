@@ -201,6 +201,8 @@ def main() -> int:
             summary[f"ratio_{name}"] = round(ratio, 4)
         if r.get("subscriber"):
             summary[f"received_msgs_{name}"] = r["subscriber"].get("messages", 0)
+            if ranks := r["subscriber"].get("per_rank"):
+                summary[f"received_msgs_by_rank_{name}"] = [x["messages"] for x in ranks]
     summary.update(FAILED)
     print(json.dumps(summary))
     return 0
