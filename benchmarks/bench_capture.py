@@ -10,9 +10,14 @@ engine), with vLLM's defaults (torch.compile, CUDA graphs):
     4_layers     layers 4, 12, 20, 28, same subscriber
     all_layers_drop  all 32 layers, subscriber with drop_newest (drops counted)
 
-Prints a table, then one JSON line with every figure and ratio.
+Prints a table, then one JSON line with every figure and ratio. ``--tp``, ``--pp``
+and ``--dp`` set every arm's parallelism alike (``engine_arms.add_parallel_args``);
+under data parallelism each rank publishes on its own address and gets its own
+subscriber.
 
     python benchmarks/bench_capture.py [--prompts 512 --input 256 --output 256]
+    python benchmarks/bench_capture.py --tp 2          # every arm at tensor parallel 2
+    python benchmarks/bench_capture.py --tiny      # a CPU check with the tiny Llama
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ from benchmarks.engine_arms import (
     FAILED,
     LLAMA3_8B,
     RESULT,
+    Parallel,
+    add_parallel_args,
+    bus_template,
     make_llm,
     model,
     random_prompts,
     run_arms,
-    start_bus_subscriber,
-    stop_bus_subscriber,
+    shutdown,
+    start_bus_subscribers,
+    stop_bus_subscribers,
     timed_generate,
     warm_up,
 )
@@ -48,22 +57,37 @@ CONFIGS = {
     "4_layers": ([4, 12, 20, 28], "block"),
     "all_layers_drop": ("all", "drop_newest"),
 }
+TINY_LAYERS = {16: 2, 4: 0, 12: 1, 20: 2, 28: 3}  # the tiny Llama has 4 layers
+DEFAULTS = {
+    "gpu": {"prompts": 512, "input": 256, "output": 256},
+    "tiny": {"prompts": 16, "input": 32, "output": 32},
+}
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """One configuration, in this process: start the engine, generate, time it."""
-    model_dir, config = model(tiny=False)
+    model_dir, config = model(args.tiny)
+    par = Parallel.of(args)
     extra: dict = {}
-    sub = None
+    subs = []
     if CONFIGS[name] is not None:
         layers, policy = CONFIGS[name]
-        address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
+        if args.tiny and layers != "all":
+            layers = [TINY_LAYERS[x] for x in layers]
+        address = bus_template(tempfile.mkdtemp(), "bus", par)
         extra = {"actbus": {"publish": address, "layers": layers, "queue_mb": 4096}}
-        sub = start_bus_subscriber(address, policy)
+        subs = start_bus_subscribers(address, policy, par)
     from vllm import SamplingParams
 
     t0 = time.monotonic()
-    llm = make_llm(model_dir, tiny=False, input_len=args.input, output_len=args.output, extra=extra)
+    llm = make_llm(
+        model_dir,
+        tiny=args.tiny,
+        input_len=args.input,
+        output_len=args.output,
+        extra=extra,
+        parallel=par,
+    )
     start_s = time.monotonic() - t0
     prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
     sp = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
@@ -74,43 +98,60 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "engine_start_s": round(start_s, 1),
         **timed,
     }
-    llm.llm_engine.engine_core.shutdown()
-    if sub is not None:
-        result["subscriber"] = stop_bus_subscriber(name, sub)
+    shutdown(llm)
+    if subs:
+        result["subscriber"] = stop_bus_subscribers(name, subs)
     return result
+
+
+def per_rank(s: dict) -> str:
+    """Each data-parallel rank's subscriber's messages, for the table."""
+    ranks = s.get("per_rank")
+    return f" (by dp rank: {[r.get('messages', 0) for r in ranks]} msgs)" if ranks else ""
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=512)
-    ap.add_argument("--input", type=int, default=256)
-    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
+    ap.add_argument("--prompts", type=int, default=None, help="512 (--tiny: 16)")
+    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
+    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    add_parallel_args(ap)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.one:
         print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    par = Parallel.of(args)
     argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
-    argv += ["--output", str(args.output)]
+    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else []) + par.argv()
     results = run_arms(
         __file__,
-        args.configs.split(","),
+        names,
         argv,
         # plain: no plugin at all; the others actbus alone, so an installed peer plugin
         # (vllm-lens forces enforce_eager) cannot change how they run
         lambda name: "no-plugin" if name == "plain" else "actbus",
     )
     base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{'config':16s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}  subscriber")
-    summary: dict = {}
+    print(f"\n{par.title()}")
+    print(f"{'config':16s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}  subscriber")
+    summary: dict = par.summary()
     for name, r in results.items():
         ratio = r["tok_per_s"] / base if base else float("nan")
         s = r.get("subscriber", {})
         sub_txt = (
             (
                 f"{s.get('messages', 0)} msgs, {s.get('bytes', 0) / 2**30:.1f} GiB, "
-                f"dropped {s.get('dropped_by_publisher', {})}"
+                f"dropped {s.get('dropped_by_publisher', {})}" + per_rank(s)
             )
             if s
             else ""
@@ -123,6 +164,8 @@ def main() -> int:
         if s:
             summary[f"dropped_{name}"] = sum(s.get("dropped_by_publisher", {}).values())
             summary[f"received_msgs_{name}"] = s.get("messages", 0)
+            if s.get("per_rank"):
+                summary[f"received_msgs_by_rank_{name}"] = [r["messages"] for r in s["per_rank"]]
     summary.update(FAILED)
     print(json.dumps(summary))
     return 0

@@ -30,8 +30,14 @@ scheduling of the first step that reads it (the engine's own figure, from the co
 endpoint's ``status``); ``pushes_used`` of ``pushes_sent`` were used by a step (a push
 that arrives before the previous one was used replaces it).
 
+``--tp``, ``--pp`` and ``--dp`` set every arm's parallelism alike
+(``engine_arms.add_parallel_args``). Under data parallelism each rank has its own
+publisher and control endpoint: every push goes to each rank, a bus arm reads each
+rank's scores with its own reader, and the swap times are over every rank's pushes.
+
     python benchmarks/bench_monitor.py [--prompts 512 --input 256 --output 256]
     python benchmarks/bench_monitor.py --tiny      # a CPU check with the tiny Llama
+    python benchmarks/bench_monitor.py --tp 2      # every arm at tensor parallel 2
 """
 
 from __future__ import annotations
@@ -50,11 +56,15 @@ from engine_arms import (
     RESULT,
     ROOT,
     CostMeter,
+    Parallel,
+    add_parallel_args,
+    bus_template,
     cost_line,
     make_llm,
     model,
     random_prompts,
     run_arms,
+    shutdown,
     timed_generate,
     warm_up,
 )
@@ -153,19 +163,21 @@ def read_scores(address: str) -> int:
 
 class Pusher:
     """Pushes new weights for monitor ``m`` every PUSH_EVERY_S from a thread, until
-    closed; then reads the engine's swap times of the versions it pushed."""
+    closed; then reads the engine's swap times of the versions it pushed. Under data
+    parallelism ``addresses`` are every rank's control endpoints: each push goes to
+    each rank (a rank numbers its own versions)."""
 
-    def __init__(self, address: str, hidden: int) -> None:
+    def __init__(self, addresses: list[str], hidden: int) -> None:
         import threading
 
         import numpy as np
 
         from actbus.bus.control import ControlClient
 
-        self._client = ControlClient(address, timeout_s=30)
+        self._clients = [ControlClient(a, timeout_s=30) for a in addresses]
         self._rng = np.random.default_rng(3)
         self._hidden = hidden
-        self.versions: list[int] = []
+        self.versions: list[list[int]] = [[] for _ in addresses]
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -175,24 +187,31 @@ class Pusher:
         try:
             while not self._stop.wait(PUSH_EVERY_S):
                 w = self._rng.standard_normal(self._hidden).astype("float32") / self._hidden**0.5
-                self.versions.append(self._client.push("m", w, [0.0])["version"])
+                for client, versions in zip(self._clients, self.versions, strict=True):
+                    versions.append(client.push("m", w, [0.0])["version"])
         except BaseException as e:  # reported by close()
             self.error = e
 
     def close(self) -> dict:
-        """``swap_ms`` p50/p99 of the pushes used, and how many were sent and used."""
+        """``swap_ms`` p50/p99 of the pushes used, and how many were sent and used
+        (summed over ranks)."""
         import numpy as np
 
         self._stop.set()
         self._thread.join(timeout=60)
+        swaps: list[float] = []
+        sent = 0
         try:
             if self.error is not None:
                 raise SystemExit(f"the pusher failed: {self.error!r}")
-            mine = set(self.versions)
-            swaps = [s["swap_ms"] for s in self._client.swaps() if s["version"] in mine]
+            for client, versions in zip(self._clients, self.versions, strict=True):
+                mine = set(versions)
+                sent += len(mine)
+                swaps += [s["swap_ms"] for s in client.swaps() if s["version"] in mine]
         finally:
-            self._client.close()
-        out = {"pushes_sent": len(mine), "pushes_used": len(swaps)}
+            for client in self._clients:
+                client.close()
+        out = {"pushes_sent": sent, "pushes_used": len(swaps)}
         if swaps:
             out["swap_ms_p50"] = round(float(np.percentile(swaps, 50)), 2)
             out["swap_ms_p99"] = round(float(np.percentile(swaps, 99)), 2)
@@ -219,16 +238,17 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
     path, config = model(args.tiny)
+    par = Parallel.of(args)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mon-"))
     arm = CONFIGS.get(name) or EXTRA_CONFIGS.get(name)
     extra: dict = {}
-    sub = None
+    subs: list[subprocess.Popen] = []
 
     def layer(x: int) -> int:
         return TINY_LAYERS[x] if args.tiny else x
 
     if arm is not None:
-        address = f"ipc://{tmp}/bus.sock"
+        address = bus_template(str(tmp), "bus", par)
         layers = [layer(x) for x in arm.layers]
         extra = {
             "actbus": {
@@ -240,20 +260,30 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             }
         }
         if arm.push:
-            extra["actbus"]["control"] = f"ipc://{tmp}/control.sock"
+            extra["actbus"]["control"] = bus_template(str(tmp), "control", par)
         if arm.gate_layer is not None:
             extra["actbus"]["monitor"]["global"] = []  # the gate reads it: scored anyway
             extra["actbus"]["steer"] = {"layers": [layer(arm.gate_layer)]}
     if arm is not None and not arm.returned and arm.read and arm.gate_layer is None:
-        sub = subprocess.Popen(
-            [sys.executable, __file__, "--read", address],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
+        subs = [  # one reader per data-parallel rank's publisher
+            subprocess.Popen(
+                [sys.executable, __file__, "--read", a],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            for a in par.addresses(address)
+        ]
     t0 = time.monotonic()
-    llm = make_llm(path, tiny=args.tiny, input_len=args.input, output_len=args.output, extra=extra)
+    llm = make_llm(
+        path,
+        tiny=args.tiny,
+        input_len=args.input,
+        output_len=args.output,
+        extra=extra,
+        parallel=par,
+    )
     start_s = time.monotonic() - t0
     prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
     base = dict(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
@@ -273,8 +303,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     warm_up(llm, prompts)
     pusher = None
     if arm is not None and arm.push:
-        pusher = Pusher(extra["actbus"]["control"], config["hidden_size"])
-    meter = CostMeter(extra["actbus"]["publish"]) if arm is not None else None
+        pusher = Pusher(par.addresses(extra["actbus"]["control"]), config["hidden_size"])
+    meter = CostMeter(par.addresses(extra["actbus"]["publish"])) if arm is not None else None
     try:
         outs, timed = timed_generate(llm, prompts, params)
     finally:
@@ -293,19 +323,28 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         result["returned"] = _count_returned(outs, len(arm.layers))
         if not result["returned"]["exact"]:
             raise SystemExit(f"{name}: returned scores miscounted: {result['returned']}")
-    llm.llm_engine.engine_core.shutdown()
-    if sub is not None:
-        try:
-            out, err = sub.communicate(timeout=120)  # the reader ends with the engine
-        except subprocess.TimeoutExpired:
-            sub.kill()
-            out, err = sub.communicate(timeout=30)
-        last = out.strip().splitlines()[-1] if out.strip() else ""
-        stats = json.loads(last) if last.startswith("{") else {}
-        if not stats.get("rows"):  # a run without its scores read measures nothing
-            raise SystemExit(f"{name}: the score reader received nothing:\n{err[-3000:]}")
-        result["subscriber"] = stats
+    shutdown(llm)
+    if subs:
+        per = [_reader_stats(f"{name} (dp rank {r})", sub) for r, sub in enumerate(subs)]
+        result["subscriber"] = {k: sum(p[k] for p in per) for k in ("messages", "rows", "missed")}
+        if len(per) > 1:
+            result["subscriber"]["rows_by_rank"] = [p["rows"] for p in per]
     return result
+
+
+def _reader_stats(name: str, sub: subprocess.Popen) -> dict:
+    """A score reader's counters, once it ended with the engine; one that read no
+    scores measured nothing, and fails the run."""
+    try:
+        out, err = sub.communicate(timeout=120)  # the reader ends with the engine
+    except subprocess.TimeoutExpired:
+        sub.kill()
+        out, err = sub.communicate(timeout=30)
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    stats = json.loads(last) if last.startswith("{") else {}
+    if not stats.get("rows"):
+        raise SystemExit(f"{name}: the score reader received nothing:\n{err[-3000:]}")
+    return stats
 
 
 def main() -> int:
@@ -316,6 +355,7 @@ def main() -> int:
     ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated arms")
     ap.add_argument("--arm-timeout", type=float, default=900.0)
+    add_parallel_args(ap)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--read", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -333,6 +373,8 @@ def main() -> int:
         ap.error(f"--configs: unknown {unknown}; choose from {[*CONFIGS, *EXTRA_CONFIGS]}")
     argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
     argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
+    par = Parallel.of(args)
+    argv += par.argv()
     results = run_arms(
         __file__,
         names,
@@ -341,8 +383,9 @@ def main() -> int:
         args.arm_timeout,
     )
     base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
-    summary: dict = {}
+    print(f"\n{par.title()}")
+    print(f"{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
+    summary: dict = par.summary()
     for name, r in results.items():
         ratio = r["tok_per_s"] / base if base else float("nan")
         print(f"{name:18s} {r['tok_per_s']:>10.1f} {ratio:>9.3f} {r['engine_start_s']:>8.1f}")
@@ -366,6 +409,8 @@ def main() -> int:
         if r.get("subscriber"):
             summary[f"received_rows_{name}"] = r["subscriber"].get("rows", 0)
             summary[f"missed_{name}"] = r["subscriber"].get("missed", 0)
+            if "rows_by_rank" in r["subscriber"]:
+                summary[f"received_rows_by_rank_{name}"] = r["subscriber"]["rows_by_rank"]
     summary.update(FAILED)
     print(json.dumps(summary))
     return 0

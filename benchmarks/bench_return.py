@@ -16,11 +16,18 @@ output carries prompt + generated - 1 rows, at positions 0.., marked ``complete`
 the bus arm, that its subscriber got that many per layer for every request served
 (the warm-up's included). A count that differs fails the run, naming the arm.
 
+``--tp``, ``--pp`` and ``--dp`` set every arm's parallelism alike
+(``engine_arms.add_parallel_args``). Under data parallelism the prompts are spread
+over the ranks round-robin, each rank publishes on its own address, and the bus arm
+has one subscriber per rank: each must get the rows of the requests its rank served.
+
 Prints a table, then one JSON line with every figure and ratio (``ratio_return_1``,
-``ratio_return_4``, ``ratio_bus_4``: generated tok/s against plain).
+``ratio_return_4``, ``ratio_bus_4``: generated tok/s against plain) and the
+parallelism (``tp``, ``pp``, ``dp``).
 
     python benchmarks/bench_return.py [--prompts 256 --input 256 --output 256]
     python benchmarks/bench_return.py --tiny     # CPU check: the tiny Llama
+    python benchmarks/bench_return.py --dp 2     # every arm over two engine cores
 """
 
 from __future__ import annotations
@@ -39,15 +46,20 @@ from benchmarks.engine_arms import (
     FAILED,
     RESULT,
     CostMeter,
+    Parallel,
+    add_parallel_args,
+    bus_template,
     cost_line,
     make_llm,
     model,
     random_prompts,
+    rank_of,
     run_arms,
-    start_bus_subscriber,
-    stop_bus_subscriber,
+    shutdown,
+    start_bus_subscribers,
+    stop_bus_subscribers,
     timed_generate,
-    wait_subscribed,
+    wait_all_subscribed,
     warm_up,
 )
 
@@ -73,26 +85,32 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
 
     model_dir, config = model(args.tiny)
+    par = Parallel.of(args)
     extra: dict[str, Any] = {}
-    sub = None
+    subs = []
     returns = None
     layers: list[int] = []
     if ARMS[name] is not None:
         which, how = ARMS[name]
         layers = LAYERS["tiny" if args.tiny else "gpu"][which]
-        address = f"ipc://{tempfile.mkdtemp(prefix='bench-ret-')}/bus.sock"
+        address = bus_template(tempfile.mkdtemp(prefix="bench-ret-"), "bus", par)
         extra = {"actbus": {"publish": address, "layers": layers, "queue_mb": 4096}}
         if how == "bus":
-            sub = start_bus_subscriber(address, "block")
+            subs = start_bus_subscribers(address, "block", par)
         else:
             returns = {"actbus": {"return": True}}  # the engine's layers, every position
     t0 = time.monotonic()
     llm = make_llm(
-        model_dir, tiny=args.tiny, input_len=args.input, output_len=args.output, extra=extra
+        model_dir,
+        tiny=args.tiny,
+        input_len=args.input,
+        output_len=args.output,
+        extra=extra,
+        parallel=par,
     )
     start_s = time.monotonic() - t0
-    if sub is not None:
-        wait_subscribed(address, "null")  # so it counts every row, the warm-up's too
+    if subs:  # so they count every row, the warm-up's too
+        wait_all_subscribed(address, "null", par)
     prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
     # The warm-up asks for rows too: the front end's return subscriber starts there.
     warm = warm_up(llm, prompts, returns)
@@ -100,7 +118,7 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
         temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False,
         extra_args=returns,
     )  # fmt: skip
-    meter = CostMeter(address) if layers else None
+    meter = CostMeter(par.addresses(address)) if layers else None
     outs, timed = timed_generate(llm, prompts, sp)
     result: dict[str, Any] = {
         "arm": name,
@@ -110,15 +128,21 @@ def run_arm(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     if meter is not None:  # where the arm's cost lies: engine thread, front end
         result["cost"] = meter.result()
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
     if returns is not None:
         result |= _count_returned(name, outs, layers)
-    if sub is not None:
-        stats = stop_bus_subscriber(name, sub)
-        want = len(layers) * sum(_fed(o) for o in [*warm, *outs])
-        if stats["rows"] != want:
-            raise SystemExit(f"{name}: the subscriber got {stats['rows']} rows, expected {want}")
-        result |= {"rows": stats["rows"], "rows_expected": want, "subscriber": stats}
+    if subs:
+        stats = stop_bus_subscribers(name, subs)
+        ranks = stats.get("per_rank", [stats])
+        want = [0] * len(ranks)  # rows each rank's subscriber must have got
+        for o in [*warm, *outs]:
+            want[rank_of(llm, o)] += len(layers) * _fed(o)
+        got = [r["rows"] for r in ranks]
+        if got != want:
+            raise SystemExit(f"{name}: the subscribers got {got} rows by dp rank, expected {want}")
+        result |= {"rows": stats["rows"], "rows_expected": sum(want), "subscriber": stats}
+        if len(ranks) > 1:
+            result["rows_by_rank"] = got
     return result
 
 
@@ -149,6 +173,7 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
     base = results.get("plain", {}).get("tok_per_s")
     s: dict[str, Any] = {
         "model": "tiny-llama" if args.tiny else "llama-3-8b-shape-dummy-bf16",
+        **Parallel.of(args).summary(),
         "prompts": args.prompts,
         "input": args.input,
         "output": args.output,
@@ -163,6 +188,8 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
             s[f"rows_{name}"] = r["rows"]
             s[f"rows_expected_{name}"] = r["rows_expected"]
             s[f"rows_ok_{name}"] = r["rows"] == r["rows_expected"]
+            if "rows_by_rank" in r:
+                s[f"rows_by_rank_{name}"] = r["rows_by_rank"]
         for k, v in r.get("cost", {}).items():
             if k != "steps":
                 s[f"{k}_{name}"] = v
@@ -177,6 +204,7 @@ def main() -> int:
     ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
     ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, in order")
     ap.add_argument("--arm-timeout", type=float, default=1200.0)
+    add_parallel_args(ap)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
@@ -191,6 +219,7 @@ def main() -> int:
         ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
     argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
     argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
+    argv += Parallel.of(args).argv()
     results = run_arms(
         __file__,
         arms,
@@ -199,11 +228,14 @@ def main() -> int:
         args.arm_timeout,
     )
     base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{'arm':10s} {'layers':>14s} {'tok/s':>10s} {'vs plain':>9s} {'rows':>12s}  check")
+    print(f"\n{Parallel.of(args).title()}")
+    print(f"{'arm':10s} {'layers':>14s} {'tok/s':>10s} {'vs plain':>9s} {'rows':>12s}  check")
     for name, r in results.items():
         ratio = r["tok_per_s"] / base if base else float("nan")
         rows = f"{r['rows']:,}" if "rows" in r else ""
         check = "ok: prompt + generated - 1 per request per layer" if "rows" in r else ""
+        if "rows_by_rank" in r:
+            check += f"; by dp rank {r['rows_by_rank']}"
         layers = ",".join(map(str, r["layers"]))
         tps = r["tok_per_s"]
         print(f"{name:10s} {layers:>14s} {tps:>10.1f} {ratio:>9.3f} {rows:>12s}  {check}")

@@ -14,13 +14,15 @@ graphs). Each configuration runs in its own process (a fresh engine):
                        every request at layer 16 with the same vector and scale
 
 Each arm loads only its own plugin (``VLLM_PLUGINS``), so an installed vllm-lens never
-forces eager mode on the actbus arms.
+forces eager mode on the actbus arms. ``--tp``, ``--pp`` and ``--dp`` set every arm's
+parallelism alike (``engine_arms.add_parallel_args``).
 
 Prints a table, then one JSON line with every figure and ``ratio_<config>`` (tokens per
 second against ``plain``).
 
     python benchmarks/bench_steer.py [--prompts 512 --input 256 --output 256]
     python benchmarks/bench_steer.py --tiny      # a CPU check with the tiny Llama
+    python benchmarks/bench_steer.py --tp 2 --dp 2   # every arm on 4 GPUs
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ from dataclasses import dataclass
 from engine_arms import (
     FAILED,
     RESULT,
+    Parallel,
+    add_parallel_args,
+    bus_template,
     make_llm,
     model,
     random_prompts,
     run_arms,
-    start_bus_subscriber,
-    stop_bus_subscriber,
+    shutdown,
+    start_bus_subscribers,
+    stop_bus_subscribers,
     timed_generate,
-    wait_subscribed,
+    wait_all_subscribed,
     warm_up,
 )
 
@@ -79,12 +85,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
     path, config = model(args.tiny)
+    par = Parallel.of(args)
     hidden = config["hidden_size"]
     arm = CONFIGS[name]
     layers = (lambda ls: [TINY_LAYERS[x] for x in ls]) if args.tiny else (lambda ls: ls)
     extra: dict = {}
-    sub = None
-    address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
+    subs = []
+    address = bus_template(tempfile.mkdtemp(), "bus", par)
     if arm is not None:
         # Capture of the steered configurations is restricted to no request but the
         # capture arm's (requests: selected), so only steering is measured.
@@ -98,12 +105,19 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             }
         }
         if arm.capture:
-            sub = start_bus_subscriber(address, "block")
+            subs = start_bus_subscribers(address, "block", par)
     t0 = time.monotonic()
-    llm = make_llm(path, tiny=args.tiny, input_len=args.input, output_len=args.output, extra=extra)
+    llm = make_llm(
+        path,
+        tiny=args.tiny,
+        input_len=args.input,
+        output_len=args.output,
+        extra=extra,
+        parallel=par,
+    )
     start_s = time.monotonic() - t0
-    if sub is not None:
-        wait_subscribed(address, "null")
+    if subs:
+        wait_all_subscribed(address, "null", par)
     prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
     base = dict(temperature=0, max_tokens=args.output, ignore_eos=True, detokenize=False)
     params = [SamplingParams(**base) for _ in prompts]  # plain
@@ -137,9 +151,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "engine_start_s": round(start_s, 1),
         **timed,
     }
-    llm.llm_engine.engine_core.shutdown()
-    if sub is not None:
-        result["subscriber"] = stop_bus_subscriber(name, sub)
+    shutdown(llm)
+    if subs:
+        result["subscriber"] = stop_bus_subscribers(name, subs)
     return result
 
 
@@ -155,6 +169,7 @@ def main() -> int:
         help="comma-separated arms; lens_steer_1 needs vllm-lens installed",
     )
     ap.add_argument("--arm-timeout", type=float, default=900.0)
+    add_parallel_args(ap)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
@@ -169,12 +184,15 @@ def main() -> int:
         ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
     argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
+    par = Parallel.of(args)
+    argv += par.argv()
     results = run_arms(
         __file__, names, argv, lambda name: PLUGINS.get(name, "actbus"), args.arm_timeout
     )
     base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
-    summary: dict = {}
+    print(f"\n{par.title()}")
+    print(f"{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
+    summary: dict = par.summary()
     for name, r in results.items():
         ratio = r["tok_per_s"] / base if base else float("nan")
         print(f"{name:18s} {r['tok_per_s']:>10.1f} {ratio:>9.3f} {r['engine_start_s']:>8.1f}")
@@ -183,6 +201,8 @@ def main() -> int:
             summary[f"ratio_{name}"] = round(ratio, 4)
         if r.get("subscriber"):
             summary[f"received_msgs_{name}"] = r["subscriber"].get("messages", 0)
+            if ranks := r["subscriber"].get("per_rank"):
+                summary[f"received_msgs_by_rank_{name}"] = [x["messages"] for x in ranks]
     summary.update(FAILED)
     print(json.dumps(summary))
     return 0

@@ -5,10 +5,16 @@ the lossless bus subscriber, and one fresh process per arm.
 actbus does; building every arm from these keeps that true. ``tiny`` swaps the
 Llama-3-8B shape (dummy bf16 weights, for a GPU) for the tests' tiny Llama (float32,
 on CPU), so a benchmark can be checked end to end where no GPU is.
+
+``--tp``, ``--pp`` and ``--dp`` (``add_parallel_args``) set every arm's parallelism
+alike, plain vLLM's included, so a run's ratios compare like with like. Data
+parallelism runs through ``AsyncLLM`` (``dp_llm.DataParallelLLM``): vLLM refuses it
+in the offline ``LLM``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -17,9 +23,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actbus.bus.endpoints import for_rank
 from actbus.cli import consumer_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,17 +65,111 @@ def model(tiny: bool) -> tuple[Path, dict[str, Any]]:
     return path, LLAMA3_8B
 
 
+@dataclass(frozen=True)
+class Parallel:
+    """One run's parallelism, the same for every arm: tensor, pipeline and data
+    parallel sizes."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @classmethod
+    def of(cls, args: Any) -> Parallel:
+        """From the parsed ``add_parallel_args`` flags."""
+        return cls(args.tp, args.pp, args.dp)
+
+    def argv(self) -> list[str]:
+        """The flags that give an arm's process the same parallelism."""
+        return ["--tp", str(self.tp), "--pp", str(self.pp), "--dp", str(self.dp)]
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """vLLM's engine arguments for tensor and pipeline parallelism (data
+        parallelism is ``dp_llm``'s: the offline ``LLM`` refuses it)."""
+        return {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp}
+
+    def summary(self) -> dict[str, int]:
+        """For a benchmark's JSON line."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+    def title(self) -> str:
+        """For a benchmark's table header."""
+        return f"parallelism: tp={self.tp} pp={self.pp} dp={self.dp} (every arm alike)"
+
+    def addresses(self, template: str) -> list[str]:
+        """The address each data-parallel rank's publisher binds for ``template``."""
+        return [for_rank(template, r) for r in range(self.dp)]
+
+
+def _size(text: str) -> int:
+    """A parallel size: an integer from 1 to 64."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"{n} is out of range: a size from 1 to 64")
+    return n
+
+
+def add_parallel_args(ap: argparse.ArgumentParser) -> None:
+    """``--tp``, ``--pp`` and ``--dp``: every arm's parallelism, plain vLLM's included."""
+    g = ap.add_argument_group("parallelism (every arm alike, plain vLLM's included)")
+    g.add_argument("--tp", type=_size, default=1, help="tensor parallel size (default 1)")
+    g.add_argument("--pp", type=_size, default=1, help="pipeline parallel size (default 1)")
+    g.add_argument(
+        "--dp",
+        type=_size,
+        default=1,
+        help="data parallel size (default 1); above 1 the engine is AsyncLLM with the "
+        "prompts spread over the ranks round-robin, one publisher per rank",
+    )
+
+
+def bus_template(directory: str, name: str, par: Parallel) -> str:
+    """An arm's publish (or control) address in ``directory``: a ``{dp_rank}``
+    template under data parallelism, so each rank binds its own."""
+    return (
+        f"ipc://{directory}/{name}-{{dp_rank}}.sock"
+        if par.dp > 1
+        else f"ipc://{directory}/{name}.sock"
+    )
+
+
+def _bind_cpu_workers(par: Parallel) -> None:
+    """On CPU, vLLM binds each worker to ``VLLM_CPU_OMP_THREADS_BIND``'s core list
+    (ranks ordered DP, PP, TP); its ``auto`` wants a NUMA node per rank. Unless set,
+    the workers take this process's cores round-robin, as the suite's TP x PP engine."""
+    workers = par.dp * par.tp * par.pp
+    if workers == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        str(cores[i % len(cores)]) for i in range(workers)
+    )
+
+
 def make_llm(
-    path: Path, *, tiny: bool, input_len: int, output_len: int, extra: dict[str, Any], **kw: Any
+    path: Path,
+    *,
+    tiny: bool,
+    input_len: int,
+    output_len: int,
+    extra: dict[str, Any],
+    parallel: Parallel = Parallel(),
+    **kw: Any,
 ) -> Any:
     """An offline ``vllm.LLM`` with vLLM's defaults (torch.compile, CUDA graphs on a
-    GPU), token-id prompts and no prefix caching; ``extra`` is ``additional_config``."""
-    from vllm import LLM
-
+    GPU), token-id prompts and no prefix caching; ``extra`` is ``additional_config``.
+    Under data parallelism, a ``dp_llm.DataParallelLLM`` with the same settings: an
+    ``AsyncLLM`` behind the same ``generate``."""
     if tiny:
-        kw.setdefault("gpu_memory_utilization", 0.3)  # on CPU: the KV cache's share
-    return LLM(
-        str(path),
+        # On CPU: the memory's share each worker reserves, and checks is free at its
+        # start; split over the workers, so a parallel arm needs no more than one.
+        workers = parallel.dp * parallel.tp * parallel.pp
+        kw.setdefault("gpu_memory_utilization", round(0.3 / workers, 3))
+        _bind_cpu_workers(parallel)
+    settings = dict(
         load_format="auto" if tiny else "dummy",
         skip_tokenizer_init=True,
         dtype="float32" if tiny else "bfloat16",
@@ -76,8 +178,31 @@ def make_llm(
         enable_prefix_caching=False,
         seed=0,
         additional_config=extra,
+        **parallel.engine_kwargs(),
         **kw,
     )
+    if parallel.dp > 1:
+        from importlib import import_module
+
+        # Run as a script (``benchmarks/`` first on the path) or as ``benchmarks.*``.
+        dp_llm = import_module(f"{__package__}.dp_llm" if __package__ else "dp_llm")
+        return dp_llm.DataParallelLLM(str(path), data_parallel_size=parallel.dp, **settings)
+    from vllm import LLM
+
+    return LLM(str(path), **settings)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop an arm's engine (its publishers send END to their subscribers)."""
+    if hasattr(llm, "shutdown"):  # DataParallelLLM
+        llm.shutdown()
+    else:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def rank_of(llm: Any, out: Any) -> int:
+    """The data-parallel rank that served ``out`` (0 without data parallelism)."""
+    return getattr(llm, "ranks", {}).get(out.request_id, 0)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[Any]:
@@ -152,6 +277,31 @@ def stop_bus_subscriber(name: str, sub: subprocess.Popen) -> dict[str, Any]:
     return stats
 
 
+def start_bus_subscribers(template: str, policy: str, par: Parallel) -> list[subprocess.Popen]:
+    """``start_bus_subscriber`` for each data-parallel rank's publisher, in rank order."""
+    return [start_bus_subscriber(a, policy) for a in par.addresses(template)]
+
+
+def wait_all_subscribed(template: str, name: str, par: Parallel) -> None:
+    """``wait_subscribed`` on each data-parallel rank's publisher."""
+    for address in par.addresses(template):
+        wait_subscribed(address, name)
+
+
+def stop_bus_subscribers(name: str, subs: list[subprocess.Popen]) -> dict[str, Any]:
+    """Their counters summed (``stop_bus_subscriber``; every rank's must have received
+    something), and under data parallelism each rank's own in ``per_rank``."""
+    per = [stop_bus_subscriber(f"{name} (dp rank {r})", s) for r, s in enumerate(subs)]
+    if len(per) == 1:
+        return per[0]
+    out: dict[str, Any] = {k: sum(p.get(k, 0) for p in per) for k in ("messages", "rows", "bytes")}
+    dropped: dict[str, int] = {}
+    for p in per:
+        for k, v in (p.get("dropped_by_publisher") or {}).items():
+            dropped[k] = dropped.get(k, 0) + v
+    return out | {"dropped_by_publisher": dropped, "per_rank": per}
+
+
 def engine_counters(address: str, timeout: float = 30.0) -> dict[str, float]:
     """The publisher's own counters of the engine's side: steps, tokens, seconds its
     thread spent in actbus (``capture_s``), stalled on lossless subscribers
@@ -210,18 +360,30 @@ def collector_totals() -> dict[str, float]:
     return out
 
 
+def all_counters(addresses: list[str]) -> dict[str, float]:
+    """``engine_counters`` of several publishers (one per data-parallel rank): summed,
+    but the queue's peak is the largest rank's."""
+    out: dict[str, float] = {}
+    for st in map(engine_counters, addresses):
+        for k, v in st.items():
+            out[k] = max(out.get(k, 0.0), v) if k == "queued_bytes_peak" else out.get(k, 0.0) + v
+    return out
+
+
 class CostMeter:
     """Where an arm's cost lies over its timed generation: made just before it, read
     (``result``) just after. The engine's side (``engine_cost``) and this front end's
-    receiving threads (``collector_totals``), per engine step."""
+    receiving threads (``collector_totals``), per engine step. Under data parallelism
+    ``addresses`` are every rank's publishers: steps and seconds summed over ranks, so
+    the figures are per step of one rank."""
 
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.before = engine_counters(address)
+    def __init__(self, addresses: str | list[str]) -> None:
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.before = all_counters(self.addresses)
         self.front0 = collector_totals()
 
     def result(self) -> dict[str, Any]:
-        cost: dict[str, Any] = engine_cost(self.before, engine_counters(self.address))
+        cost: dict[str, Any] = engine_cost(self.before, all_counters(self.addresses))
         front = collector_totals()
         cpu = front["recv_cpu_s"] - self.front0["recv_cpu_s"]
         cost["collector_cpu_ms_per_step"] = round(1e3 * cpu / max(1, cost["steps"]), 3)
@@ -278,7 +440,10 @@ def run_arms(
         line = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
         if proc.returncode or not line:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
-            raise SystemExit(f"arm {name} failed")
+            # The root cause (a worker's) is often far above the tail: keep it all.
+            log = Path(tempfile.mkdtemp(prefix="bench-arm-")) / f"{name}.log"
+            log.write_text(proc.stdout + proc.stderr)
+            raise SystemExit(f"arm {name} failed; its whole output: {log}")
         results[name] = json.loads(line[-1][len(RESULT) :])
         print(f"  {name:16s} {results[name]['tok_per_s']:>10.1f} tok/s", flush=True)
     return results
