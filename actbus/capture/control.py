@@ -17,6 +17,7 @@ from typing import Any
 from actbus.bus.control import ControlServer
 from actbus.bus.endpoints import for_rank
 from actbus.bus.pushwire import Slot
+from actbus.capture.dataparallel import worker_rank
 from actbus.capture.session import capture_config, monitor_weights
 
 
@@ -56,7 +57,9 @@ def start_control(vllm_config: Any) -> ControlServer | None:
     live = dict.fromkeys(cfg.steer.live, hidden) if cfg.steer is not None else {}
     if not weights and not live:
         return None
-    rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    # The engine core's own rank: vLLM resets data_parallel_rank to 0 in every core of a
+    # dense model, so each rank would bind rank 0's address (and the others none).
+    rank = worker_rank(vllm_config)
     control = dataclasses.replace(
         cfg.control, address=for_rank(cfg.control.address, rank, "actbus.control.address")
     )

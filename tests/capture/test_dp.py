@@ -12,6 +12,7 @@ cores) for every check here.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from collections import Counter
@@ -50,9 +51,13 @@ class DPRun:
     addresses: list[str]
     model_path: Path
     ended: dict[str, bool]
+    pushed: dict[int, object]
+    """Per rank, the reply of its control endpoint to a push (or why none came)."""
 
 
-async def _serve(model: Path, template: str, spec: str) -> tuple[list[Req], Collector, dict]:
+async def _serve(
+    model: Path, template: str, spec: str, control: str
+) -> tuple[list[Req], Collector, dict, dict]:
     import random
 
     from vllm import SamplingParams
@@ -60,6 +65,7 @@ async def _serve(model: Path, template: str, spec: str) -> tuple[list[Req], Coll
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     t0 = time.monotonic()
     engine = AsyncLLM.from_engine_args(
         AsyncEngineArgs(
@@ -80,6 +86,9 @@ async def _serve(model: Path, template: str, spec: str) -> tuple[list[Req], Coll
                     "layers": CAPTURE_LAYERS,
                     "hooks": HOOKS,
                     "heartbeat_s": 0.25,
+                    # Each rank's own control endpoint, as its own publisher.
+                    "monitor": {"monitors": {"m": {"weight": [0.0] * hidden, "layers": [0]}}},
+                    "control": control,
                 }
             },
         )
@@ -108,6 +117,7 @@ async def _serve(model: Path, template: str, spec: str) -> tuple[list[Req], Coll
     try:
         reqs = await asyncio.gather(*(one(i, n) for i, n in enumerate(LENGTHS)))
         col.wait_ended([(r.rid, 0) for r in reqs])
+        pushed = {r: _push(control.replace("{dp_rank}", str(r)), hidden) for r in (0, 1)}
     finally:
         engine.shutdown()  # the front end ends each rank's stream it did not end itself
     col.wait(
@@ -116,7 +126,20 @@ async def _serve(model: Path, template: str, spec: str) -> tuple[list[Req], Coll
         "END from both publishers",
     )
     ended = {a: row["ended"] for a, row in col.sub.per_publisher().items()}
-    return reqs, col, ended
+    return reqs, col, ended, pushed
+
+
+def _push(address: str, hidden: int) -> object:
+    """A push to one rank's control endpoint: its reply, or why there was none."""
+    import numpy as np
+
+    from actbus.bus.control import ControlClient
+
+    try:
+        with ControlClient(address, timeout_s=20) as client:
+            return client.push("m", np.ones(hidden, np.float32), [0.0])
+    except Exception as e:
+        return repr(e)
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +148,18 @@ def dp_run(tiny_models, engine_pool, tmp_path_factory) -> DPRun:
     sock = tmp_path_factory.mktemp("dp")
     template = f"ipc://{sock}/actbus-{{dp_rank}}.sock"
     spec = connect_spec(template, [0, 1])
-    reqs, col, ended = asyncio.run(_serve(tiny_models["llama"], template, spec))
+    control = f"ipc://{sock}/control-{{dp_rank}}.sock"
+    reqs, col, ended, pushed = asyncio.run(_serve(tiny_models["llama"], template, spec, control))
     col.close()
     addresses = [f"ipc://{sock}/actbus-{r}.sock" for r in (0, 1)]
-    return DPRun(reqs, col, addresses, tiny_models["llama"], ended)
+    return DPRun(reqs, col, addresses, tiny_models["llama"], ended, pushed)
+
+
+def test_each_rank_binds_its_own_control_endpoint(dp_run):
+    """vLLM resets ``data_parallel_rank`` to 0 in every engine core of a dense model:
+    every rank bound rank 0's control address, and a push to rank 1's got no reply."""
+    for rank, reply in dp_run.pushed.items():
+        assert isinstance(reply, dict) and reply.get("version") == 2, (rank, reply)
 
 
 def test_each_rank_publishes_its_requests_on_its_own_address(dp_run):
