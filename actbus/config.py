@@ -27,6 +27,22 @@ DEFAULT_ADDRESS = "ipc:///tmp/actbus.sock"
 MAX_TAGS_BYTES = 4096
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """A front end's data-parallel layout."""
+
+    size: int
+    local: tuple[int, ...]
+    """Ranks whose engine cores (and publishers) run on this node."""
+    served: tuple[int, ...]
+    """Ranks this front end sends requests to."""
+
+    @property
+    def remote(self) -> tuple[int, ...]:
+        """Ranks this front end serves whose publishers are on other nodes."""
+        return tuple(r for r in self.served if r not in self.local)
+
+
 @dataclass(frozen=True, eq=False)
 class CaptureConfig:
     """What to capture and where to publish it."""

@@ -6,7 +6,7 @@ monitors, and the residual width. From the steering vectors' and monitors' check
 their configs and safetensors headers (no weights are read): their widths against that
 one, and the model each was trained on. A mistake found here costs a second and one
 line, not an engine start and a traceback; the engine checks it all again
-(``actbus.capture.session.validate``), and whatever cannot be found here (a model not
+(``actbus.engine.session.validate``), and whatever cannot be found here (a model not
 in the local cache) is left to it.
 
 A source SAE or probe trained on another model than the one served is not refused (a
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actbus.capture.archs import check_architecture
 from actbus.config import CaptureConfig
+from actbus.engine.archs import check_architecture
 from actbus.errors import ConfigError
 from actbus.monitor.weights import SAE_CFG
 from actbus.steer.vectors import PROBE_CFG, PROBE_WEIGHTS, SAE_WEIGHTS

@@ -36,6 +36,7 @@ from typing import Any
 
 from actbus.bus.endpoints import connect_spec
 from actbus.config import REQUESTS, CaptureConfig
+from actbus.engine.dataparallel import of_args
 from actbus.errors import ConfigError
 from actbus.flags import HelpFormatter
 from actbus.logcap import show_own_logs
@@ -88,12 +89,12 @@ def serve_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
     if args.positions:
         cfg["positions"] = args.positions
     # Fail here, before the engine starts (two ranks on one address, too).
-    CaptureConfig.from_dict(cfg).check_data_parallel(data_parallel(vllm_args)[0])
+    CaptureConfig.from_dict(cfg).check_data_parallel(of_args(vllm_args)[0])
     if any(a == "--additional-config" or a.startswith("--additional-config=") for a in vllm_args):
         raise ConfigError("--additional-config: actbus serve writes it; use --actbus-config")
     # With steering on: the endpoints for named vectors and global steering
-    # (actbus.steer.http), through vLLM's own --middleware flag.
-    steer = ["--middleware", "actbus.steer.http.middleware"] if "steer" in cfg else []
+    # (actbus.engine.routes), through vLLM's own --middleware flag.
+    steer = ["--middleware", "actbus.engine.routes.middleware"] if "steer" in cfg else []
     if args.actbus_admin_key is not None:
         if not steer:
             raise ConfigError(
@@ -115,33 +116,6 @@ def serve_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
         *steer,
         *vllm_args,
     ]
-
-
-def data_parallel(vllm_args: list[str]) -> tuple[int, list[int]]:
-    """(data-parallel size, the ranks whose engines this server runs), read by vLLM's
-    own argument parser: external load balancing (``--data-parallel-rank``) runs one
-    rank, a node of a multi-node deployment (``--data-parallel-start-rank``) its
-    ``--data-parallel-size-local`` ranks from there, one node all of them. vLLM is
-    imported only when an argument can set data parallelism (``-dp*``,
-    ``--data-parallel-*``, ``--config``)."""
-    if not any(a.startswith(("-dp", "--data-parallel", "--config")) for a in vllm_args):
-        return 1, [0]
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    p = FlexibleArgumentParser(add_help=False)
-    EngineArgs.add_cli_args(p)
-    try:
-        a, _ = p.parse_known_args(vllm_args)
-    except SystemExit:
-        raise ConfigError(
-            "--data-parallel-*: vLLM could not read them (see vllm serve -h)"
-        ) from None
-    size = max(1, int(a.data_parallel_size or 1))
-    if a.data_parallel_rank is not None:
-        return size, [int(a.data_parallel_rank)]
-    start = int(a.data_parallel_start_rank or 0)
-    return size, list(range(start, start + int(a.data_parallel_size_local or size - start)))
 
 
 def _actbus_config(text: str) -> dict[str, Any]:
@@ -283,7 +257,7 @@ def main(argv: list[str]) -> int:
     try:
         cmd = serve_command(argv, os.environ)  # the server inherits the admin key
         cfg = capture_of(cmd)
-        size, ranks = data_parallel(cmd)
+        size, ranks = of_args(cmd)
         warnings = _precheck(cmd, cfg)
     except (ConfigError, json.JSONDecodeError) as e:
         print(f"actbus serve: {e}", file=sys.stderr)

@@ -293,7 +293,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     if arm is not None and arm.gate_layer is not None:
         import torch
 
-        from actbus.steer.api import vectors
+        from actbus.engine.api import vectors
 
         g = torch.Generator().manual_seed(2)
         vectors(llm).register("v", torch.randn(config["hidden_size"], generator=g))

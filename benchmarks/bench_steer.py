@@ -131,7 +131,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             SamplingParams(**base, extra_args={"apply_steering_vectors": [sv]}) for _ in prompts
         ]
     if arm is not None:
-        from actbus.steer.api import vectors
+        from actbus.engine.api import vectors
 
         own = arm.share < 1.0
         every = round(1 / arm.share)

@@ -155,7 +155,7 @@ def test_serve_puts_the_admin_key_in_the_environment_not_the_argv():
     env: dict[str, str] = {}
     cmd = serve_command(["m", *steer, "--actbus-admin-key", "s3cret"], env)
     assert env == {"ACTBUS_ADMIN_KEY": "s3cret"} and "s3cret" not in " ".join(cmd)
-    assert "actbus.steer.http.middleware" in cmd
+    assert "actbus.engine.routes.middleware" in cmd
     with pytest.raises(ConfigError, match="--actbus-admin-key: this server has no steering"):
         serve_command(["m", "--actbus-admin-key", "k"], {})
     with pytest.raises(ConfigError, match="--actbus-admin-key: an empty key"):

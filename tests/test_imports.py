@@ -21,27 +21,38 @@ LAYERS: dict[str, int] = {
     "actbus.logcap": 0,
     "actbus.flags": 0,
     "actbus.jsontext": 0,
+    "actbus.request_ids": 0,
     "actbus.wire": 1,
+    "actbus.ops": 1,  # the custom ops every feature's graph code calls
+    "actbus.steps": 1,  # what a step tells the features
     "actbus.bus": 2,
     "actbus.bus.": 2,
     "actbus.config": 3,
     "actbus.steer": 3,  # the package's docstring
     "actbus.steer.config": 3,  # part of the engine's config
-    "actbus.steer.": 4,
     "actbus.monitor": 3,  # the package's docstring
     "actbus.monitor.config": 3,  # part of the engine's config
-    "actbus.monitor.": 4,
+    # The features: siblings that never import each other (FEATURES below).
     "actbus.capture": 4,
     "actbus.capture.": 4,
-    "actbus.tiny_models": 4,
-    "actbus.precheck": 4,  # read by actbus serve, and by the engine (foreign_sources)
+    "actbus.steer.": 4,
+    "actbus.monitor.": 4,
+    # The one seam to vLLM: composes the features.
+    "actbus.engine": 5,
+    "actbus.engine.": 5,
+    "actbus.precheck": 5,  # read by actbus serve, and by the engine (foreign_sources)
+    "actbus.tiny_models": 5,
     "actbus.consumer": 5,
-    "actbus.plugin": 6,
     "actbus.serve": 6,
     "actbus.keys": 6,
     "actbus.run": 6,
     "actbus.cli": 6,
 }
+FEATURES = ("actbus.capture", "actbus.steer", "actbus.monitor")
+"""Siblings: what they share lives below them, and only ``actbus.engine`` composes them."""
+VLLM_IMPORTERS = ("actbus.engine", "actbus.tiny_models")
+"""The only modules of the three packages that may import vLLM (besides tests and
+benchmarks, which are not packages)."""
 # Which top-level package may import which (each may import itself).
 ALLOWED = {
     "actbus": set(),
@@ -156,8 +167,8 @@ def test_the_walk_sees_lazy_and_from_imports():
     package's own modules are all found (a walker that saw none would pass below)."""
     edges = graph()
     assert "actbus.bus.protocol" in edges["actbus.bus"]  # the package re-exports it
-    assert "actbus.capture.ops" in edges["actbus.capture.taps"]  # from actbus.capture import ops
-    assert "actbus.capture.session" in edges["actbus.plugin"]  # inside a function
+    assert "actbus.ops" in edges["actbus.capture.taps"]  # from actbus import ops
+    assert "actbus.engine.session" in edges["actbus.engine.plugin"]  # inside a function
     # policies name routing's types for annotations only (``if TYPE_CHECKING:``)
     assert "actbus.bus.routing" not in edges["actbus.bus.policies"]
     assert "actbus.bus.policies" in edges["actbus.bus.routing"]
@@ -196,3 +207,69 @@ def test_core_layers():
         if dst.split(".")[0] == "actbus" and layer(dst) > layer(src)
     ]
     assert not bad, "the core imports only from its own layer or lower:\n  " + "\n  ".join(bad)
+
+
+def feature_of(module: str) -> str | None:
+    return next((f for f in FEATURES if module == f or module.startswith(f + ".")), None)
+
+
+def crossings(edges: dict[str, dict[str, int]]) -> list[str]:
+    """Imports from one feature package into another."""
+    return [
+        f"{src} imports {dst} (line {line})"
+        for src, targets in edges.items()
+        for dst, line in targets.items()
+        if (a := feature_of(src)) and (b := feature_of(dst)) and a != b
+    ]
+
+
+def vllm_imports(name: str, source: str) -> list[int]:
+    """Lines of ``source`` (module ``name``) that import vLLM at any depth, unless the
+    module is one of ``VLLM_IMPORTERS``."""
+    if any(name == m or name.startswith(m + ".") for m in VLLM_IMPORTERS):
+        return []
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(n == "vllm" or n.startswith("vllm.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_features_never_import_each_other():
+    bad = crossings(graph())
+    assert not bad, (
+        "capture, steer and monitor are siblings: move what they share below them, and "
+        "compose them in actbus.engine:\n  " + "\n  ".join(bad)
+    )
+
+
+def test_only_the_engine_imports_vllm():
+    bad = [
+        f"{name} line {line}"
+        for name, path in modules().items()
+        for line in vllm_imports(name, path.read_text())
+    ]
+    assert not bad, "only actbus.engine touches vLLM; move these there:\n  " + "\n  ".join(bad)
+
+
+def test_the_checks_catch_a_deliberate_violation():
+    """Each rule flags a planted violation, so a rule that checks nothing fails here."""
+    planted = {"actbus.capture.worker": {"actbus.monitor.worker": 7}, "actbus.steer.x": {}}
+    assert crossings(planted) == ["actbus.capture.worker imports actbus.monitor.worker (line 7)"]
+    assert crossings({"actbus.engine.session": {"actbus.monitor.worker": 3}}) == []
+    lazy = "def f():\n    from vllm.v1 import x\n    import vllm\n"
+    assert vllm_imports("actbus.steer.worker", lazy) == [2, 3]
+    assert vllm_imports("actbus.engine.session", lazy) == []
+    edges = graph()
+    edges["actbus.wire"] = {**edges["actbus.wire"], "actbus.engine.session": 1}
+    assert any(
+        src == "actbus.wire" and layer(dst) > layer(src)
+        for src, targets in edges.items()
+        for dst in targets
+    )

@@ -48,9 +48,9 @@ from actbus.capture.collector import (  # noqa: F401  (the timeouts: named here 
     Collector,
     Registry,
 )
-from actbus.capture.dataparallel import DataParallel
 from actbus.capture.rowbuffer import Slab, SlabPool, TapRows, retire
 from actbus.capture.selection import Selection
+from actbus.config import DataParallel
 from actbus.wire import DTYPES, RowIndex
 
 log = logging.getLogger("actbus.returns")

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -29,16 +30,13 @@ import torch
 
 from actbus.bus.outlet import Admission, Outlet, TapOffer
 from actbus.bus.publisher import Publisher
-from actbus.capture.internals import StepGuard
-from actbus.capture.requests import caller_request_id
-from actbus.capture.scheduler import StepRequests
 from actbus.capture.selection import Selection
 from actbus.capture.stages import StageCollector, StageForwarder, stage_address
 from actbus.capture.taps import TapSet
 from actbus.config import CaptureConfig
 from actbus.errors import VllmVersionError
-from actbus.monitor.worker import MonitorHarvest
-from actbus.steer.worker import Steerer
+from actbus.request_ids import caller_request_id
+from actbus.steps import StepGuard, StepHarvest, StepRequests, StepView
 from actbus.wire import DTYPE_NAMES, Header, RequestEnd, RowIndex
 
 log = logging.getLogger("actbus.capture")
@@ -50,24 +48,6 @@ _CHILD = re.compile(r"^(\d+)_")
 _CHECK = os.environ.get("ACTBUS_CHECK_POSITIONS", "") not in ("", "0")
 # Largest device tensor staged for one host copy (several taps share one when small).
 STAGE_BYTES = 256 << 20
-
-
-@dataclass
-class StepView:
-    """One forward step's batch, as the runner laid it out."""
-
-    req_ids: list[str]  # vLLM-internal ids, batch order
-    offsets: np.ndarray  # [num_reqs + 1] row offsets per request
-    positions: torch.Tensor  # [num_tokens] (any device)
-    token_ids: torch.Tensor  # [num_tokens] (any device)
-    requests: StepRequests
-    started: float | None = None
-    """``time.perf_counter()`` when the runner's hook began: the step's capture time
-    (``capture_s`` in the bus stats) counts from it."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.offsets[-1]) if len(self.offsets) else 0
 
 
 @dataclass
@@ -172,15 +152,16 @@ class CaptureWorker:
         layers = tuple(sorted(layers if layers is not None else {k[0] for k in taps.keys}))
         self._full_sig = (layers, tuple(cfg.hooks), "all")
         self._stages = None
-        self.guard = StepGuard(always=_CHECK)
+        self.guard = StepGuard(always=_CHECK, version=(engine or {}).get("vllm", "unknown"))
         self.stopped: str | None = None
         """Why capture stopped (an invariant broke), or None while it runs."""
         self.invariant_failures = 0
-        self.monitors: MonitorHarvest | None = None
-        """Monitor scores published after each step (``actbus.monitor.worker``)."""
-        self.steering: Steerer | None = None
-        """This rank's steerer (set by the runner adapter): which live vector versions
-        each request steers with, for its rows' index."""
+        self.harvests: list[StepHarvest] = []
+        """What publishes beside capture after each step, on the same rows (the
+        engine adds the monitors' harvest, ``actbus.monitor.worker``)."""
+        self.live_versions: Callable[[str], dict[str, int]] | None = None
+        """Which live vector versions a request steers with, for its rows' index (the
+        engine sets it to this rank's steerer's)."""
         self.publisher: Outlet
         address = cfg.publish_address(dp[0])
         if stage[0] > 0:
@@ -240,7 +221,7 @@ class CaptureWorker:
                 prompt_len=prompt_len,
                 sel=sel,
                 sig=(sel.layers, sel.hooks, sel.positions),
-                live=self.steering.live_versions(rid) if self.steering is not None else {},
+                live=self.live_versions(rid) if self.live_versions is not None else {},
                 engine_id=rid if sel.returns else "",
             )
 
@@ -302,8 +283,8 @@ class CaptureWorker:
             self.guard.check_positions(view, host_pos)
         if parts or ended or lasts:
             self._emit(view, parts, full, host_pos, ended, lasts)
-        if self.monitors is not None:  # same rows, same positions as capture's
-            self.monitors.step(
+        for harvest in self.harvests:  # same rows, same positions as capture's
+            harvest.step(
                 self.step,
                 view.req_ids,
                 np.asarray(view.offsets, dtype=np.int64),

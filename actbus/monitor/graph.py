@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from actbus.capture import ops  # noqa: F401  (registers torch.ops.actbus.*)
+from actbus import ops  # noqa: F401  (registers torch.ops.actbus.*)
 from actbus.monitor.weights import MonitorWeights
 
 
@@ -151,7 +151,7 @@ def install_monitors(
 ) -> MonitorTables:
     """Register each point's table on its layer (``points``: monitor name -> the
     points this rank holds) and write every monitor's weights (version 1). The layer's
-    forward is wrapped by ``actbus.capture.taps.wrap_layer``, which reads
+    forward is wrapped by ``actbus.engine.layers.wrap_layer``, which reads
     ``_actbus_monitor``."""
     by_point: dict[tuple[int, str], list[str]] = {}
     for name, pts in points.items():

@@ -7,11 +7,11 @@ activation, columns and TopK ``k`` shape the compiled graph and stay as the engi
 started.
 
 Path of a push: the engine core's control endpoint (``actbus.bus.control``, started
-by ``actbus.capture.control``) checks it and keeps it pending; the scheduler puts the
-pending pushes on the next ``SchedulerOutput`` that runs a forward (``PUSH_ATTR``), so
+by ``actbus.engine.pushes``) checks it and keeps it pending; the scheduler puts the
+pending pushes on the next ``SchedulerOutput`` that runs a forward, so
 every worker gets them with that step, and the worker writes them into the back slot
 of its double-buffered tables and flips them before launching that step's forward
-(``apply_pushes``, ``actbus.monitor.swap``): that step and the ones after read
+(``apply_monitor_pushes``, ``actbus.monitor.swap``): that step and the ones after read
 entirely the new weights, the ones before entirely the old. The monitor's version
 changes at the same point, so every score message names the weights that made it.
 """
@@ -20,39 +20,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from actbus.bus.pushwire import Push
 from actbus.monitor.graph import MonitorTables
 from actbus.monitor.swap import TableSwap
 from actbus.monitor.weights import MonitorWeights
-from actbus.steer.live import apply_vector_pushes
 
 log = logging.getLogger("actbus.monitor")
 
-PUSH_ATTR = "_actbus_pushes"
-"""The ``SchedulerOutput`` attribute carrying a step's pushes to the workers."""
 
-
-def apply_pushes(runner: Any, scheduler_output: Any) -> None:
-    """Swap this step's pushes into the runner's monitor tables (and hand live steering
-    vectors' pushes to its steerer); called before the step's forward is launched and
-    before its requests are admitted, on every rank. Every rank that holds tables writes
-    them: tensor-parallel rank 0 for the scores' harvest, and every tensor-parallel
-    rank when steering gates read the scores (each rank's gates read its own copy, so
-    all must change at the same step: each rank gets the same ``SchedulerOutput``).
-    A rank without tables (no gates, TP rank > 0) has nothing to write."""
-    pushes: list[Push] | None = getattr(scheduler_output, PUSH_ATTR, None)
+def apply_monitor_pushes(tables: MonitorTables, pushes: list[Push], step: int | str) -> None:
+    """Swap this step's monitor pushes into this rank's tables; called by the engine
+    (``actbus.engine.pushes.dispatch``) before the step's forward is launched, on every
+    rank that holds tables. A monitor whose layers are on another pipeline stage has
+    nothing to write here."""
     if not pushes:
         return
-    apply_vector_pushes(runner, [p for p in pushes if p.kind == "vector"])
-    pushes = [p for p in pushes if p.kind == "monitor"]
-    if not pushes:
-        return
-    tables: MonitorTables | None = getattr(runner, "_actbus_monitor_tables", None)
-    if tables is None:
-        return
-    step = getattr(getattr(runner, "_actbus", None), "step", "?")
     updates: dict[str, MonitorWeights] = {}
     for p in pushes:
         segs = [pt.segments[p.name] for pt in tables.points.values() if p.name in pt.segments]

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from actbus.bus.outlet import Admission, Outlet, TapOffer
-from actbus.capture.requests import caller_request_id
-from actbus.capture.scheduler import StepRequests
 from actbus.monitor.graph import MonitorTables
+from actbus.request_ids import caller_request_id
+from actbus.steps import StepRequests
 from actbus.wire import MONITOR_HOOK, Header, MonitorInfo, RequestEnd, RowIndex
 
 _CHILD = re.compile(r"^(\d+)_")

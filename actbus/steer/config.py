@@ -33,7 +33,7 @@ TIERS = ("base", "prefill", "decode")
 ENTRY_KEYS = ("vector", "layers", "hooks", "scale", "norm_match", "tier", "positions", "gate")
 GATE_KEYS = ("monitor", "layer", "feature", "threshold", "sharpness", "source")
 GATE_SOURCES = ("token", "previous")
-# Where each point runs inside a decoder layer (``actbus.capture.taps.wrap_layer``):
+# Where each point runs inside a decoder layer (``actbus.engine.layers.wrap_layer``):
 # steering at a point comes before the monitor there, so a monitor reads the steered
 # stream; post_attn steering runs inside the layer, before the post_attn monitor.
 _STEER_RANK = {"pre_attn": 0, "post_attn": 2, "post_block": 5}

@@ -205,7 +205,7 @@ def install_steering(
     device: torch.device,
 ) -> SteerTables:
     """Register the tables on ``layers`` of ``decoder`` and wrap their post-attention
-    norms; the layer's own forward is wrapped by ``actbus.capture.taps.wrap_layer``,
+    norms; the layer's own forward is wrapped by ``actbus.engine.layers.wrap_layer``,
     which reads ``_actbus_steer_hooks``."""
     table = torch.zeros(max_vectors, hidden_size, dtype=dtype, device=device)
     tables = SteerTables(table, {}, {}, per_token, max_rows)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from actbus.steer.vectors import Vector, load_source
 
 if TYPE_CHECKING:
     from actbus.bus.pushwire import Push
+    from actbus.steer.worker import Steerer
 
 log = logging.getLogger("actbus.steer")
 
@@ -90,14 +91,12 @@ class LiveVectors:
         return True
 
 
-def apply_vector_pushes(runner: Any, pushes: list[Push]) -> None:
-    """Hand this step's live vector pushes to the runner's steerer, on every rank
-    (each adds the vector to its copy of the stream), before the step's requests are
+def apply_vector_pushes(steer: Steerer, pushes: list[Push], step: int | str) -> None:
+    """Hand this step's live vector pushes to this rank's steerer, on every rank (each
+    adds the vector to its copy of the stream), before the step's requests are
     admitted: a request first scheduled in the step a push arrives with steers with it."""
-    steer = getattr(runner, "_actbus_steer", None)
-    if steer is None or not pushes:
+    if not pushes:
         return
-    step = getattr(getattr(runner, "_actbus", None), "step", "?")
     for p in pushes:
         if steer.push(p.name, p.version, p.weight):
             log.info(

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actbus.capture.scheduler import StepRequests
 from actbus.steer.config import FLOAT32_MAX, monitor_runs_before
 from actbus.steer.graph import GateTables, SteerTables
 from actbus.steer.live import LIVE_PREFIX, LiveVectors
+from actbus.steps import StepRequests
 
 log = logging.getLogger("actbus.steer")
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from actbus.capture.taps import check_architecture
 from actbus.config import CaptureConfig
+from actbus.engine.archs import check_architecture
 from actbus.errors import ConfigError
 
 

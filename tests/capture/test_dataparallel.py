@@ -12,10 +12,11 @@ import zmq
 
 from actbus.bus.endpoints import Endpoints, connect_spec, for_rank
 from actbus.bus.subscriber import Subscriber
-from actbus.capture import dataparallel
 from actbus.config import CaptureConfig
+from actbus.engine import dataparallel
+from actbus.engine.dataparallel import of_args as data_parallel
 from actbus.errors import ConfigError
-from actbus.serve import data_parallel, serve_command
+from actbus.serve import serve_command
 from actbus.wire import HELLO, SCHEMA_VERSION, WELCOME
 
 

@@ -35,11 +35,11 @@ def _until_end(sub: Subscriber, timeout: float) -> dict | None:
 def test_shutdown_tells_the_subscribers_of_a_killed_publisher(tiny_models, tmp_path):
     from vllm.v1.engine.core_client import MPClient
 
-    import actbus.plugin
+    import actbus.engine.plugin
 
-    actbus.plugin.register()
+    actbus.engine.plugin.register()
     assert getattr(MPClient.shutdown, "__wrapped__", None) is not None  # the front end's hook
-    from actbus.capture.frontend import _farewell
+    from actbus.engine.frontend import _farewell
 
     address = f"ipc://{tmp_path}/bus.sock"
     config = _vllm_config(tiny_models["llama"], address)
@@ -64,7 +64,7 @@ def test_shutdown_tells_the_subscribers_of_a_killed_publisher(tiny_models, tmp_p
 
 def test_a_publisher_that_ended_cleanly_needs_no_farewell(tiny_models, tmp_path):
     from actbus.bus import Publisher
-    from actbus.capture.frontend import _farewell
+    from actbus.engine.frontend import _farewell
 
     address = f"ipc://{tmp_path}/bus.sock"
     config = _vllm_config(tiny_models["llama"], address)

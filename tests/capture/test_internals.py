@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from actbus.capture import internals
-from actbus.capture.scheduler import StepRequests
-from actbus.capture.worker import StepView
+from actbus import steps
+from actbus.engine import internals
 from actbus.errors import VllmVersionError
+from actbus.steps import StepRequests, StepView
 
 
 def test_what_actbus_reads_is_there_on_this_vllm():
@@ -35,9 +35,9 @@ def test_a_missing_scheduler_method_fails_the_engine_config(tiny_models, monkeyp
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    import actbus.plugin
+    import actbus.engine.plugin
 
-    actbus.plugin.register()
+    actbus.engine.plugin.register()
     monkeypatch.delattr(Scheduler, "_free_request")
     args = EngineArgs(
         model=str(tiny_models["llama"]),
@@ -69,9 +69,9 @@ def test_a_runner_that_overrides_execute_model_is_refused():
     """A subclass's own execute_model would run with no capture at all: refused."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    import actbus.plugin
+    import actbus.engine.plugin
 
-    actbus.plugin.register()
+    actbus.engine.plugin.register()
 
     class OwnStep(GPUModelRunner):
         def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -98,8 +98,8 @@ def _view(req_ids, offsets, positions, *, scheduled, starts, total=None) -> Step
 
 
 def test_step_guard_passes_a_consistent_step_and_checks_only_the_first():
-    guard = internals.StepGuard()
-    for _ in range(internals.CHECKED_STEPS):
+    guard = steps.StepGuard()
+    for _ in range(steps.CHECKED_STEPS):
         view = _view(["a", "b"], [0, 3, 4], [0, 1, 2, 7], scheduled={"a": 3, "b": 1},
                      starts={"a": 0, "b": 7})  # fmt: skip
         assert guard.check(view)
@@ -127,13 +127,13 @@ def test_step_guard_passes_a_consistent_step_and_checks_only_the_first():
 )  # fmt: skip
 def test_step_guard_names_the_broken_invariant(view, needle):
     with pytest.raises(VllmVersionError, match="a step broke an invariant") as e:
-        internals.StepGuard().check(view)
+        steps.StepGuard().check(view)
     assert needle in str(e.value)
 
 
 def test_step_guard_compares_device_positions():
     view = _view(["a"], [0, 3], [4, 5, 7], scheduled={"a": 3}, starts={"a": 4})
-    guard = internals.StepGuard()
+    guard = steps.StepGuard()
     assert guard.check(view)
     with pytest.raises(VllmVersionError, match="position of row 2 is 7 on the device, 6 as"):
         guard.check_positions(view, np.array([4, 5, 6]))
@@ -165,9 +165,9 @@ def test_a_worker_with_a_runner_actbus_does_not_wrap_fails_at_start(tiny_models)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
-    import actbus.plugin
+    import actbus.engine.plugin
 
-    actbus.plugin.register()
+    actbus.engine.plugin.register()
 
     class OwnLoad(GPUModelRunner):
         def load_model(self, *args, **kwargs):

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from actbus.capture import mode
+from actbus.engine import mode
 
 
 class _Lines(logging.Handler):
@@ -31,9 +31,9 @@ def warnings():
 def _config(model, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    import actbus.plugin
+    import actbus.engine.plugin
 
-    actbus.plugin.register()
+    actbus.engine.plugin.register()
     args = EngineArgs(
         model=str(model), dtype="float32", additional_config={"actbus": {"layers": [1]}}, **kwargs
     )
@@ -55,13 +55,13 @@ def test_eager_forced_inside_actbus_is_reported_with_its_wrapper(
     caller asked for (not eager) and finds the wrapper that forced it."""
     from vllm.engine.arg_utils import EngineArgs
 
-    import actbus.plugin
+    import actbus.engine.plugin
 
-    actbus.plugin.register()
+    actbus.engine.plugin.register()
     ours = vars(EngineArgs)["create_engine_config"]
     monkeypatch.setattr(EngineArgs, "create_engine_config", _forcing_eager(ours.__wrapped__))
     monkeypatch.setattr(EngineArgs, "_actbus_patched", False)
-    actbus.plugin._patch_engine_args()  # actbus's wrapper goes outside the forcing one
+    actbus.engine.plugin._patch_engine_args()  # actbus's wrapper goes outside the forcing one
     cfg = _config(tiny_models["llama"])
     assert cfg.model_config.enforce_eager
     (line,) = warnings

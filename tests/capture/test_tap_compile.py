@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from actbus.capture.taps import install_taps
+from actbus.engine.layers import find_decoder_layers, wrap_layer
 from actbus.streams import HOOKS
 
 
@@ -35,16 +36,18 @@ class Model(nn.Module):
 def test_tap_is_compiled_in_place_and_exact():
     torch.manual_seed(0)
     model = Model()
+    decoder = find_decoder_layers(model, 3)
     taps = install_taps(
-        model,
+        decoder,
         layers=(0, 2),
         hooks=HOOKS,
-        num_layers=3,
         hidden_size=32,
         max_rows=64,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
+    for i in (0, 2):
+        wrap_layer(decoder[i])
     explain = torch._dynamo.explain(model)(torch.arange(5), torch.randn(5, 32))
     assert explain.graph_break_count == 0 and explain.graph_count == 1
     ops = [str(n.target) for g in explain.graphs for n in g.graph.nodes]

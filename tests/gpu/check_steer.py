@@ -62,7 +62,7 @@ def main() -> int:
 
     import torch
 
-    from actbus.steer.api import vectors
+    from actbus.engine.api import vectors
     from actbus.tiny_models import build_tiny_model
     from tests.support.compile_counts import compile_counts
     from tests.support.oracle import max_rel_error

@@ -364,7 +364,7 @@ def test_compiled_monitors_score_the_summed_stream_rounded_as_captured():
     skips rounding the sum: a monitor there would score a stream that capture (which
     rounds) and HF transformers never had. Scores of the compiled bf16 model equal the
     rounded sum's, bitwise."""
-    from actbus.capture.taps import wrap_layer
+    from actbus.engine.layers import wrap_layer
 
     torch._dynamo.reset()
     d = 64

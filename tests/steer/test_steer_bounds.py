@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from actbus.capture.scheduler import StepRequests
 from actbus.capture.selection import parse_selection
-from actbus.capture.taps import find_decoder_layers, wrap_layer
 from actbus.config import CaptureConfig
+from actbus.engine.layers import find_decoder_layers, wrap_layer
 from actbus.errors import ConfigError
 from actbus.monitor.config import MonitorConfig
 from actbus.steer.config import FLOAT32_MAX, SteerConfig, parse_steer
 from actbus.steer.frontend import SteerFrontend
 from actbus.steer.graph import STREAM_BOUND, bounded_add, install_steering, stream_bound
 from actbus.steer.worker import Steerer
+from actbus.steps import StepRequests
 from actbus.streams import MAX_INT32, parse_positions
 from actbus.wire import MAX_INT32 as WIRE_INT32
 from tests.steer.test_steer_graph import N_LAYERS, D, Model, _wire

@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from actbus.capture.scheduler import StepRequests
 from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
 from actbus.steer.config import SteerConfig, VectorSource, parse_steer
@@ -16,6 +15,7 @@ from actbus.steer.frontend import SteerFrontend
 from actbus.steer.graph import SteerTables
 from actbus.steer.vectors import VectorRegistry
 from actbus.steer.worker import Steerer
+from actbus.steps import StepRequests
 
 H = 8
 

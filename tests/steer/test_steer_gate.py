@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from actbus.capture.scheduler import StepRequests
-from actbus.capture.taps import find_decoder_layers, wrap_layer
+from actbus.engine.layers import find_decoder_layers, wrap_layer
 from actbus.monitor.graph import install_monitors
 from actbus.monitor.weights import MonitorWeights
 from actbus.steer.graph import install_gates, install_steering
 from actbus.steer.worker import Steerer
+from actbus.steps import StepRequests
 from tests.steer.test_steer_graph import N_LAYERS, AddNorm, D, K, Model, _wire
 
 # Monitors: "early" at layer 0 post_block (before layers 1 and 2), "late" at layer 2
@@ -314,7 +314,7 @@ def test_under_pipeline_parallelism_a_gate_reads_a_monitor_on_its_own_stage():
 def test_pipeline_stages_follow_vllms_partition(monkeypatch):
     from types import SimpleNamespace
 
-    from actbus.capture.session import pipeline_stages
+    from actbus.engine.session import pipeline_stages
 
     def config(layers, pp):
         mc = SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=layers))

@@ -5,10 +5,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from actbus.capture.scheduler import StepRequests
-from actbus.capture.taps import find_decoder_layers, install_taps, wrap_layer
+from actbus.capture.taps import install_taps
+from actbus.engine.layers import find_decoder_layers, wrap_layer
 from actbus.steer.graph import install_steering
 from actbus.steer.worker import Steerer
+from actbus.steps import StepRequests
 
 D, N_LAYERS, K = 32, 3, 2
 
@@ -108,10 +109,9 @@ def test_steering_compiles_once_and_matches_eager():
     for i in (0, 2):
         wrap_layer(decoder[i])
     taps = install_taps(
-        model,
+        decoder,
         layers=(2,),
         hooks=("post_attn",),
-        num_layers=N_LAYERS,
         hidden_size=D,
         max_rows=64,
         dtype=torch.float32,

@@ -58,8 +58,8 @@ def test_positions_past_int32_fail_their_request_and_the_engine_serves(sched_eng
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from actbus.engine.api import set_global
     from actbus.errors import ConfigError
-    from actbus.steer.api import set_global
 
     llm = sched_engine.llm
     hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()

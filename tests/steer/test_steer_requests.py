@@ -36,7 +36,7 @@ def _unit(v: torch.Tensor) -> torch.Tensor:
 def test_named_sae_feature_and_probe_direction(sched_engine, tmp_path):
     """Checkpoints written by the trainers' own save functions, trained a few steps on
     the model's activations, registered by name and steered with by name."""
-    from actbus.steer.api import vectors
+    from actbus.engine.api import vectors
     from actbus.steer.config import VectorSource
     from trainers.checkpoint import save_probe, save_sae
     from trainers.config import ProbeConfig, SAEConfig
@@ -106,7 +106,7 @@ def test_mixed_batch_leaves_unsteered_requests_bitwise_alone(sched_engine):
     """With a global vector on: requests that opt out, next to requests steered globally,
     by their own vectors or both, get exactly the tokens and activations of a batch
     without any steering."""
-    from actbus.steer.api import set_global
+    from actbus.engine.api import set_global
 
     llm = sched_engine.llm
     vocab = llm.get_tokenizer().vocab_size
@@ -181,7 +181,7 @@ def test_hot_change_takes_effect_for_new_requests_without_recompiling(sched_engi
     change gets the new one; the engine compiles and captures nothing."""
     from vllm.inputs import TokensPrompt
 
-    from actbus.steer.api import set_global, vectors
+    from actbus.engine.api import set_global, vectors
 
     llm = sched_engine.llm
     eng = llm.llm_engine
@@ -260,7 +260,7 @@ def test_bad_steering_fails_that_request_alone(sched_engine):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from actbus.steer.api import vectors
+    from actbus.engine.api import vectors
 
     llm = sched_engine.llm
     eng = llm.llm_engine

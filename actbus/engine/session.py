@@ -1,8 +1,12 @@
-"""From a vLLM config to a running capture: validation, taps, publisher.
+"""From a vLLM config to running features: validation, then what each runner holds.
 
 ``validate`` runs in the front-end process when the engine config is built, so a
-bad ``actbus`` entry fails before the engine starts; ``attach_capture`` runs in
-the worker after the model loads.
+bad ``actbus`` entry fails before the engine starts. ``wrap_load_model`` wraps each
+model runner's ``load_model``: after the weights load (before compile and graph
+capture) ``attach`` installs, in this order, steering's tables (with the monitors
+and gates it reads, on every rank), then capture's taps and the monitors' harvest
+(tensor-parallel rank 0), wraps the layers they touch (``actbus.engine.layers``) and
+keeps them on the runner as one ``EngineParts`` for the step loop.
 """
 
 from __future__ import annotations
@@ -11,14 +15,19 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from actbus.capture import dataparallel
-from actbus.capture.internals import (
+from actbus.capture.taps import install_taps
+from actbus.capture.worker import CaptureWorker
+from actbus.config import CaptureConfig
+from actbus.engine import dataparallel
+from actbus.engine.archs import check_architecture
+from actbus.engine.internals import (
     STEER_METHODS,
     require,
     runner_problems,
@@ -26,20 +35,13 @@ from actbus.capture.internals import (
     signature_problems,
     vllm_version,
 )
-from actbus.capture.mode import log as mode_log
-from actbus.capture.mode import mode_line
-from actbus.capture.taps import (
-    check_architecture,
-    find_decoder_layers,
-    install_taps,
-    owned_layers,
-    wrap_layer,
-)
-from actbus.capture.worker import CaptureWorker
-from actbus.config import CaptureConfig
+from actbus.engine.layers import find_decoder_layers, owned_layers, wrap_layer
+from actbus.engine.mode import log as mode_log
+from actbus.engine.mode import mode_line
+from actbus.engine.parts import EngineParts
 from actbus.errors import ConfigError
 from actbus.monitor.config import MonitorConfig
-from actbus.monitor.graph import install_monitors
+from actbus.monitor.graph import MonitorTables, install_monitors
 from actbus.monitor.weights import MonitorWeights, load_weights
 from actbus.monitor.worker import MonitorHarvest, Published
 from actbus.precheck import PRECHECKED_ENV, foreign_sources
@@ -111,6 +113,22 @@ def pipeline_stages(vllm_config: Any) -> tuple[int, ...] | None:
     return tuple(stages)
 
 
+def steer_frontend(cfg: CaptureConfig, vllm_config: Any) -> SteerFrontend | None:
+    """The front end's steering for this engine (None without ``actbus.steer``): named
+    vectors loaded, global entries resolved, both checked against the model."""
+    if cfg.steer is None:
+        return None
+    mc = vllm_config.model_config
+    return SteerFrontend(
+        cfg.steer,
+        num_layers=_num_layers(mc),
+        hidden_size=mc.get_hidden_size(),
+        monitors=cfg.monitor,
+        stages=pipeline_stages(vllm_config),
+        max_len=int(mc.max_model_len),
+    )
+
+
 def validate(vllm_config: Any) -> CaptureConfig | None:
     """Check everything that can be checked without loading weights."""
     checked = _checked(vllm_config)
@@ -120,14 +138,7 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     cfg = checked[0]
     mc = vllm_config.model_config
     if cfg.steer is not None:  # named vectors load and global entries resolve, or fail now
-        SteerFrontend(
-            cfg.steer,
-            num_layers=_num_layers(mc),
-            hidden_size=mc.get_hidden_size(),
-            monitors=cfg.monitor,
-            stages=pipeline_stages(vllm_config),
-            max_len=int(mc.max_model_len),
-        )
+        steer_frontend(cfg, vllm_config)
         LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
         monitor_weights(cfg.monitor, _num_layers(mc), mc.get_hidden_size())
@@ -144,33 +155,87 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     return cfg
 
 
-def attach_capture(
+def attach(
     model: nn.Module, vllm_config: Any, *, max_rows: int, device: torch.device, runner: str
-) -> CaptureWorker | None:
-    """Install taps on a freshly loaded model and start publishing."""
+) -> EngineParts | None:
+    """Install every feature this rank runs on a freshly loaded model; None: inert."""
     checked = _checked(vllm_config)
-    if checked is None or _rank("tensor") != 0:  # TP ranks hold the same residual stream
+    if checked is None:
         return None
     cfg, layers = checked
     mc = vllm_config.model_config
-    stage = (_rank("pipeline"), int(vllm_config.parallel_config.pipeline_parallel_size))
-    # CUDA-graph batches are padded up to a capture size; the taps write padded rows.
+    n, hidden = _num_layers(mc), mc.get_hidden_size()
+    # CUDA-graph batches are padded up to a capture size; the tables hold padded rows.
     cc = vllm_config.compilation_config
     max_rows = max(max_rows, int(getattr(cc, "max_cudagraph_capture_size", 0) or 0))
+    decoder = find_decoder_layers(model, n)
+    parts = EngineParts()
+    monitors: _Monitors | None = None
+    if cfg.steer is not None:  # every rank: TP ranks add the same vectors, stages their own
+        steer_layers = owned_layers(model, n, cfg.steer.resolve_layers(n))
+        max_seqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 256) or 256)
+        tables = install_steering(
+            decoder,
+            architecture=check_architecture(getattr(mc.hf_config, "architectures", None)),
+            layers=steer_layers,
+            hooks=cfg.steer.hooks,
+            hidden_size=hidden,
+            max_rows=max_rows,
+            per_token=cfg.steer.per_token,
+            max_vectors=cfg.steer.max_vectors or 8 * max_seqs + 1,
+            dtype=mc.dtype,
+            device=device,
+        )
+        for i in steer_layers:
+            wrap_layer(decoder[i])
+        log.info("actbus: steering layers %s at %s", list(steer_layers), list(cfg.steer.hooks))
+        live = LiveVectors.of(cfg.steer, hidden) if cfg.steer.live else None
+        if cfg.monitor is None:
+            parts.steer = Steerer(tables, live=live)
+        else:  # gates read monitor scores: every rank scores, before the first forward
+            monitors = _install_monitors(model, decoder, cfg.monitor, mc, max_rows, device)
+            parts.steer = _gated_steerer(tables, decoder, monitors, max_seqs, live)
+    if _rank("tensor") == 0:  # TP ranks hold the same residual stream: one publishes
+        if cfg.monitor is not None and monitors is None:
+            monitors = _install_monitors(model, decoder, cfg.monitor, mc, max_rows, device)
+        parts.capture = _capture_worker(
+            cfg, layers, model, decoder, vllm_config, monitors, max_rows, device, runner
+        )
+        if parts.steer is not None:  # rows name the live versions they steered with
+            parts.capture.live_versions = parts.steer.live_versions
+    # Every rank that holds monitor tables (the harvest's, or its gates') takes pushes.
+    parts.monitor_tables = None if monitors is None else monitors.tables
+    return parts
+
+
+def _capture_worker(
+    cfg: CaptureConfig,
+    layers: tuple[int, ...],
+    model: nn.Module,
+    decoder: nn.ModuleList,
+    vllm_config: Any,
+    monitors: _Monitors | None,
+    max_rows: int,
+    device: torch.device,
+    runner: str,
+) -> CaptureWorker:
+    """Capture's taps on this pipeline stage's layers, and the worker that publishes
+    them (with the monitors' harvest beside it)."""
+    mc = vllm_config.model_config
+    cc = vllm_config.compilation_config
+    mine = owned_layers(model, _num_layers(mc), layers)  # this pipeline stage's
     taps = install_taps(
-        model,
-        layers=owned_layers(model, _num_layers(mc), layers),  # this pipeline stage's
+        decoder,
+        layers=mine,
         hooks=cfg.hooks,
-        num_layers=_num_layers(mc),
         hidden_size=mc.get_hidden_size(),
         max_rows=max_rows,
         dtype=mc.dtype,
         device=device,
     )
+    for i in mine:
+        wrap_layer(decoder[i])
     name = cfg.model_name or _served_name(mc)
-    monitors = None
-    if cfg.monitor is not None:
-        monitors = _attach_monitors(model, cfg.monitor, mc, max_rows=max_rows, device=device)
     engine = {
         "runner": runner,
         "compile_mode": getattr(cc.mode, "name", str(cc.mode)),
@@ -193,12 +258,12 @@ def attach_capture(
         name,
         engine=engine,
         layers=layers,
-        stage=stage,
-        monitors=None if monitors is None else monitors[1],
+        stage=(_rank("pipeline"), int(vllm_config.parallel_config.pipeline_parallel_size)),
+        monitors=None if monitors is None else monitors.info,
         dp=(dataparallel.worker_rank(vllm_config), dataparallel.front_size(vllm_config)),
     )
     if monitors is not None:
-        worker.monitors = MonitorHarvest(monitors[0], monitors[2], name)
+        worker.harvests.append(MonitorHarvest(monitors.tables, monitors.published, name))
     return worker
 
 
@@ -210,21 +275,32 @@ def monitor_weights(mcfg: MonitorConfig, num_layers: int, hidden: int) -> dict[s
     }
 
 
-def _attach_monitors(model: nn.Module, mcfg: MonitorConfig, mc: Any, *, max_rows: int, device):
+@dataclass(frozen=True)
+class _Monitors:
+    tables: MonitorTables
+    info: dict[str, dict]
+    """What the publisher tells subscribers of each monitor (its WELCOME)."""
+    published: dict[str, Published]
+
+
+def _install_monitors(
+    model: nn.Module,
+    decoder: nn.ModuleList,
+    mcfg: MonitorConfig,
+    mc: Any,
+    max_rows: int,
+    device: torch.device,
+) -> _Monitors:
     """The monitor tables on this stage's layers, what the publisher tells subscribers
-    of them, and what each publishes. Installed once per model (kept on it): on TP
-    rank 0 for the scores' harvest, and on every rank when steering can be gated by
-    them (each rank's gates must read the same scores)."""
-    done = getattr(model, "_actbus_monitors", None)
-    if done is not None:
-        return done
+    of them, and what each publishes. Installed once per rank: on TP rank 0 for the
+    scores' harvest, and on every rank when steering can be gated by them (each rank's
+    gates must read the same scores)."""
     n = _num_layers(mc)
     weights = monitor_weights(mcfg, n, mc.get_hidden_size())
     points = {
         name: [(layer, d.hook) for layer in owned_layers(model, n, d.layers)]
         for name, d in mcfg.monitors.items()
     }
-    decoder = find_decoder_layers(model, n)
     tables = install_monitors(
         decoder, weights, points, hidden_size=mc.get_hidden_size(), max_rows=max_rows, device=device
     )
@@ -246,47 +322,18 @@ def _attach_monitors(model: nn.Module, mcfg: MonitorConfig, mc: Any, *, max_rows
         for name, w in weights.items()
     }
     log.info("actbus: monitors %s at %s", list(mcfg.monitors), sorted(tables.points))
-    model._actbus_monitors = (tables, info, published)
-    return tables, info, published
+    return _Monitors(tables, info, published)
 
 
-def attach_steering(
-    model: nn.Module, vllm_config: Any, *, max_rows: int, device: torch.device
-) -> Steerer | None:
-    """Install the steering tables on this rank's steerable layers (every rank: tensor-
-    parallel ranks add the same vectors, pipeline stages steer the layers they own)."""
-    checked = _checked(vllm_config)
-    if checked is None or checked[0].steer is None:
-        return None
-    sc = checked[0].steer
-    mc = vllm_config.model_config
-    n = _num_layers(mc)
-    cc = vllm_config.compilation_config
-    max_rows = max(max_rows, int(getattr(cc, "max_cudagraph_capture_size", 0) or 0))
-    layers = owned_layers(model, n, sc.resolve_layers(n))
-    decoder = find_decoder_layers(model, n)
-    max_seqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 256) or 256)
-    tables = install_steering(
-        decoder,
-        architecture=check_architecture(getattr(mc.hf_config, "architectures", None)),
-        layers=layers,
-        hooks=sc.hooks,
-        hidden_size=mc.get_hidden_size(),
-        max_rows=max_rows,
-        per_token=sc.per_token,
-        max_vectors=sc.max_vectors or 8 * max_seqs + 1,
-        dtype=mc.dtype,
-        device=device,
-    )
-    for i in layers:
-        wrap_layer(decoder[i])
-    log.info("actbus: steering layers %s at %s", list(layers), list(sc.hooks))
-    live = LiveVectors.of(sc, mc.get_hidden_size()) if sc.live else None
-    mcfg = checked[0].monitor
-    if mcfg is None:
-        return Steerer(tables, live=live)
-    # Gates read monitor scores: every rank scores the monitors, before the first forward.
-    mon, _info, published = _attach_monitors(model, mcfg, mc, max_rows=max_rows, device=device)
+def _gated_steerer(
+    tables: Any,
+    decoder: nn.ModuleList,
+    monitors: _Monitors,
+    max_seqs: int,
+    live: LiveVectors | None,
+) -> Steerer:
+    """A steerer whose entries can be gated on the monitors' scores at this rank."""
+    mon = monitors.tables
     gates = install_gates(
         decoder,
         tables,
@@ -302,7 +349,7 @@ def attach_steering(
             },
         )
         for (layer, hook), pt in mon.points.items()
-        for name, pub in published.items()
+        for name, pub in monitors.published.items()
         if name in pt.segments
     }
     return Steerer(tables, gates, columns, live=live)
@@ -312,11 +359,10 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
     """Wrap a runner's ``load_model`` so taps go in after weights load, before compile.
 
     Both runners keep ``model``, ``vllm_config``, ``max_num_tokens`` and ``device``
-    on themselves; the capture worker is kept as ``runner._actbus`` and the steering
-    tables as ``runner._actbus_steer`` (None: inert), and the monitor tables, which
-    live pushes write, as ``runner._actbus_monitor_tables``. With capture configured, the
-    internals actbus reads of this runner are checked first, so a vLLM that changed
-    them fails at start, before weights load.
+    on themselves; what ``attach`` installed is kept as ``runner._actbus_parts``
+    (None: inert), which the step loop reads. With capture configured, the internals
+    actbus reads of this runner are checked first, so a vLLM that changed them fails
+    at start, before weights load.
     """
 
     @functools.wraps(orig)
@@ -324,10 +370,14 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
         if capture_config(self.vllm_config) is not None:
             require(runner_problems(runner, self), f"Model Runner {runner.upper()}")
         out = orig(self, *args, **kwargs)
-        self._actbus_steer = attach_steering(
-            self.model, self.vllm_config, max_rows=self.max_num_tokens, device=self.device
+        parts = attach(
+            self.model,
+            self.vllm_config,
+            max_rows=self.max_num_tokens,
+            device=self.device,
+            runner=runner,
         )
-        if self._actbus_steer is not None:
+        if parts is not None and parts.steer is not None:
             if not getattr(self, "_actbus_steers", False):
                 raise ConfigError(
                     f"actbus.steer: this vLLM's {runner} model runner has no step hook to "
@@ -337,18 +387,7 @@ def wrap_load_model(orig: Callable[..., Any], runner: str) -> Callable[..., Any]
                 signature_problems(type(self), STEER_METHODS[runner]),
                 f"Model Runner {runner.upper()} (steering)",
             )
-        self._actbus = attach_capture(
-            self.model,
-            self.vllm_config,
-            max_rows=self.max_num_tokens,
-            device=self.device,
-            runner=runner,
-        )
-        if self._actbus is not None and self._actbus_steer is not None:
-            self._actbus.steering = self._actbus_steer  # rows name their live versions
-        # Every rank that holds monitor tables (the harvest's, or its gates') takes pushes.
-        monitors = getattr(self.model, "_actbus_monitors", None)
-        self._actbus_monitor_tables = None if monitors is None else monitors[0]
+        self._actbus_parts = parts
         return out
 
     load_model._actbus_wrapper = True  # patch_worker looks for it

@@ -30,9 +30,9 @@ import hmac
 import os
 from typing import Any
 
+from actbus.engine.api import steering
 from actbus.errors import ConfigError
 from actbus.jsontext import parse_json_text
-from actbus.steer.api import steering
 from actbus.steer.config import ADMIN_KEY_ENV, VectorSource
 
 PREFIX = "/v1/actbus/"

@@ -6,8 +6,9 @@ capture rows against a layout it no longer understands, actbus checks every name
 reads: the shared scheduler side when the engine config is built (front end), each
 runner's when that runner loads its model (worker), and fails with
 ``VllmVersionError`` naming the vLLM version and what is missing. After that,
-``StepGuard`` checks cheap invariants on the first real steps (rows per request equal
-the tokens the scheduler gave it), since a name can stay while its meaning changes.
+``actbus.steps.StepGuard`` checks cheap invariants on the first real steps (rows per
+request equal the tokens the scheduler gave it), since a name can stay while its
+meaning changes.
 """
 
 from __future__ import annotations
@@ -16,13 +17,7 @@ import dataclasses
 import inspect
 from typing import Any
 
-import numpy as np
-
 from actbus.errors import VllmVersionError
-from actbus.logcap import capped
-
-CHECKED_STEPS = 8
-"""Real steps whose layout is checked in full (device positions included) after start."""
 
 # What each piece of vLLM must offer, as actbus reads it. A dotted name is read off the
 # value of its first part.
@@ -190,61 +185,3 @@ def runner_problems(runner: str, obj: Any) -> list[str]:
             "actbus wraps, so no step would be captured"
         )
     return out
-
-
-class StepGuard:
-    """Cheap invariants of each step's layout; the full set on the first real steps.
-
-    Every step: rows laid out equal the tokens the scheduler scheduled. The first
-    ``CHECKED_STEPS`` steps with tokens, and every step when ``always`` is set: each
-    request's rows equal its scheduled tokens, every request in the batch has a known
-    first position, and the device's positions equal the ones actbus derives.
-    """
-
-    def __init__(self, *, always: bool = False) -> None:
-        self.checked = 0
-        self.always = always
-
-    def check(self, view: Any) -> bool:
-        """Check the step's layout before its rows are planned; True when its
-        positions are to be checked too (``check_positions``). Raises
-        ``VllmVersionError`` naming the broken invariant."""
-        sr, n = view.requests, view.num_tokens
-        if sr.total is not None and n != sr.total:
-            self._fail(f"the runner laid out {n} rows, the scheduler scheduled {sr.total} tokens")
-        if not n or (self.checked >= CHECKED_STEPS and not self.always):
-            return False
-        self.checked += 1
-        offsets = np.asarray(view.offsets, dtype=np.int64)
-        if len(offsets) != len(view.req_ids) + 1 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
-            self._fail(
-                f"row offsets {capped(offsets.tolist())} do not lay out "
-                f"{len(view.req_ids)} requests"
-            )
-        if sr.scheduled is not None:
-            rows = dict(zip(view.req_ids, np.diff(offsets).tolist(), strict=True))
-            if rows != {r: int(t) for r, t in sr.scheduled.items()}:
-                self._fail(
-                    f"rows per request {capped(rows)} differ from tokens scheduled "
-                    f"{capped(dict(sr.scheduled))}"
-                )
-        unknown = [r for r in view.req_ids if r not in sr.starts]
-        if unknown:
-            self._fail(f"requests {capped(unknown)} ran with no first position from the scheduler")
-        return True
-
-    def check_positions(self, view: Any, host_pos: np.ndarray) -> None:
-        """The device's positions equal those derived from the scheduler (one sync)."""
-        n = view.num_tokens
-        dev = view.positions[:n].cpu().numpy()
-        if not np.array_equal(dev, host_pos):
-            bad = int(np.flatnonzero(dev != host_pos)[0]) if len(dev) == len(host_pos) else 0
-            self._fail(
-                f"position of row {bad} is {int(dev[bad])} on the device, "
-                f"{int(host_pos[bad])} as derived from the scheduler"
-            )
-
-    def _fail(self, what: str) -> None:
-        raise VllmVersionError(
-            f"actbus: on vLLM {vllm_version()}, a step broke an invariant capture relies on: {what}"
-        )

@@ -15,29 +15,15 @@ own publisher (``CaptureConfig.publish_address``). Two views of the rank:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from actbus.config import DataParallel
 from actbus.errors import ConfigError
+
+__all__ = ["DataParallel", "front_size", "of_args", "of_config", "worker_rank"]
 
 SIZE_KEY = "_dp_size"
 """Where ``session.validate`` leaves the front end's data-parallel size for the workers."""
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """A front end's data-parallel layout."""
-
-    size: int
-    local: tuple[int, ...]
-    """Ranks whose engine cores (and publishers) run on this node."""
-    served: tuple[int, ...]
-    """Ranks this front end sends requests to."""
-
-    @property
-    def remote(self) -> tuple[int, ...]:
-        """Ranks this front end serves whose publishers are on other nodes."""
-        return tuple(r for r in self.served if r not in self.local)
 
 
 def of_config(vllm_config: Any) -> DataParallel:
@@ -78,3 +64,31 @@ def worker_rank(vllm_config: Any) -> int:
             )
         rank = getattr(pc, "data_parallel_rank", 0) or 0
     return int(rank)
+
+
+def of_args(vllm_args: list[str]) -> tuple[int, list[int]]:
+    """(data-parallel size, the ranks whose engines a server runs), from ``vllm serve``
+    arguments (``actbus serve`` reads them before vLLM starts), read by vLLM's
+    own argument parser: external load balancing (``--data-parallel-rank``) runs one
+    rank, a node of a multi-node deployment (``--data-parallel-start-rank``) its
+    ``--data-parallel-size-local`` ranks from there, one node all of them. vLLM is
+    imported only when an argument can set data parallelism (``-dp*``,
+    ``--data-parallel-*``, ``--config``)."""
+    if not any(a.startswith(("-dp", "--data-parallel", "--config")) for a in vllm_args):
+        return 1, [0]
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser(add_help=False)
+    EngineArgs.add_cli_args(p)
+    try:
+        a, _ = p.parse_known_args(vllm_args)
+    except SystemExit:
+        raise ConfigError(
+            "--data-parallel-*: vLLM could not read them (see vllm serve -h)"
+        ) from None
+    size = max(1, int(a.data_parallel_size or 1))
+    if a.data_parallel_rank is not None:
+        return size, [int(a.data_parallel_rank)]
+    start = int(a.data_parallel_start_rank or 0)
+    return size, list(range(start, start + int(a.data_parallel_size_local or size - start)))

@@ -19,7 +19,7 @@ of the V1 output processor is made, offline and streaming alike) is wrapped to
 attach their rows as ``CompletionOutput.activations``.
 Requests with ``"monitor_return": true`` are registered the same way with the
 front end's ``ScoreCollector`` (``actbus.monitor.returns``), and their outputs carry
-``CompletionOutput.monitor_scores``; over HTTP ``actbus.monitor.http`` writes them
+``CompletionOutput.monitor_scores``; over HTTP ``actbus.engine.responses`` writes them
 into the response's choices.
 
 Monitors (``"monitor"``, ``"monitor_global"``: ``actbus.monitor.frontend``) are
@@ -45,7 +45,7 @@ from actbus.config import check_request_id
 from actbus.errors import ConfigError
 from actbus.jsontext import parse_json_text
 from actbus.monitor.frontend import take_monitors
-from actbus.steer.frontend import RequestSteer, SteerFrontend
+from actbus.steer.frontend import RequestSteer
 
 KEY = "actbus"
 XARGS_HINT = "; over HTTP send the selection as a JSON string: vllm_xargs={'actbus': '{...}'}"
@@ -88,9 +88,9 @@ def patch() -> bool:
     else:
         OutputProcessor.abort_requests = _wrap_abort(OutputProcessor.abort_requests)
         OutputProcessor.add_request = _wrap_add_request(OutputProcessor.add_request)
-    from actbus.monitor import http
+    from actbus.engine import responses
 
-    http.patch()
+    responses.patch()
     return True
 
 
@@ -117,7 +117,7 @@ def _farewell(vllm_config: Any) -> None:
     if vllm_config is None:
         return
     try:
-        from actbus.capture.session import _checked
+        from actbus.engine.session import _checked
 
         checked = _checked(vllm_config)
     except Exception:  # a config refused at start: no publisher ever ran
@@ -126,7 +126,7 @@ def _farewell(vllm_config: Any) -> None:
         return
     cfg = checked[0]
     from actbus.bus.farewell import announce_end_all
-    from actbus.capture.dataparallel import of_config
+    from actbus.engine.dataparallel import of_config
 
     addresses = [cfg.publish_address(r) for r in of_config(vllm_config).local]
     for name in ("actbus.capture.returns", "actbus.monitor.returns"):
@@ -154,7 +154,7 @@ class _Frontend:
     """What the front end needs of the engine's capture config, parsed once."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from actbus.capture.session import _checked, _num_layers, pipeline_stages
+        from actbus.engine.session import _checked, _num_layers, steer_frontend
 
         checked = _checked(vllm_config)
         self.active = checked is not None
@@ -162,25 +162,14 @@ class _Frontend:
             return
         cfg, layers = checked
         self.cfg = cfg
-        from actbus.capture.dataparallel import of_config
+        from actbus.engine.dataparallel import of_config
 
         self.dp = of_config(vllm_config)
         self.requests = cfg.requests
         self.num_layers = _num_layers(vllm_config.model_config)
         self.max_len = int(vllm_config.model_config.max_model_len)
         self.base = Selection(layers, cfg.hooks, cfg.positions, cfg.tags)
-        self.steer = (
-            SteerFrontend(
-                cfg.steer,
-                num_layers=self.num_layers,
-                hidden_size=vllm_config.model_config.get_hidden_size(),
-                monitors=cfg.monitor,
-                stages=pipeline_stages(vllm_config),
-                max_len=self.max_len,
-            )
-            if cfg.steer is not None
-            else None
-        )
+        self.steer = steer_frontend(cfg, vllm_config)
 
     def parse(
         self, params: Any

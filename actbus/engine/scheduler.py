@@ -1,4 +1,4 @@
-"""Engine-core side of capture: why each request ended.
+"""Engine-core side of each step: why each request ended, and the pushes it carries.
 
 The worker learns that a request left the batch (``finished_req_ids``) but not
 why. The scheduler knows: it wrapped here to note each freed request's status
@@ -10,12 +10,13 @@ An aborted request's rows are then marked partial downstream.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
-from actbus.monitor.push import PUSH_ATTR
+from actbus.steps import StepRequests
 
 ATTR = "_actbus_end_reasons"
+PUSH_ATTR = "_actbus_pushes"
+"""The ``SchedulerOutput`` attribute carrying a step's pushes to the workers."""
 _REASONS = {
     "FINISHED_STOPPED": "stop",
     "FINISHED_LENGTH_CAPPED": "length",
@@ -72,7 +73,7 @@ def _wrap_schedule(orig):
         ended = self.__dict__.get("_actbus_ended")
         if ended:
             setattr(out, ATTR, {r: ended.pop(r) for r in out.finished_req_ids if r in ended})
-        control = self.__dict__.get("_actbus_control")  # actbus.capture.control
+        control = self.__dict__.get("_actbus_control")  # actbus.engine.pushes
         if control is not None and out.total_num_scheduled_tokens:  # a step with a forward
             pushes = control.take()
             if pushes:
@@ -80,22 +81,6 @@ def _wrap_schedule(orig):
         return out
 
     return schedule
-
-
-@dataclass
-class StepRequests:
-    """What the scheduler told the workers about requests for one step."""
-
-    new: list[tuple[str, int, dict[str, Any] | None]]
-    """(internal id, prompt length, normalized ``extra_args["actbus"]`` or None)."""
-    starts: dict[str, int]
-    """Internal id -> position of its first token computed in this step."""
-    finished: set[str]
-    reasons: dict[str, str]
-    scheduled: dict[str, int] | None = None
-    """Internal id -> tokens scheduled for it in this step (the guard checks rows)."""
-    total: int | None = None
-    """Tokens scheduled in this step, all requests together."""
 
 
 def read_step(scheduler_output: Any) -> StepRequests:

@@ -19,7 +19,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from actbus.capture import control, frontend, runner_v1, runner_v2, scheduler, session
+    from actbus.engine import frontend, pushes, runner_v1, runner_v2, scheduler, session
 
     patched = [name for name, mod in (("v1", runner_v1), ("v2", runner_v2)) if mod.patch()]
     if not patched:
@@ -27,7 +27,7 @@ def register() -> None:
     if not frontend.patch():
         log.warning("actbus: vLLM's InputProcessor not found; per-request selections are off")
     scheduler.patch()
-    control.patch()
+    pushes.patch()
     session.patch_worker()
     _patch_engine_args()
 
@@ -41,8 +41,8 @@ def _patch_engine_args() -> None:
 
     @functools.wraps(orig)
     def create_engine_config(self, *args, **kwargs):
-        from actbus.capture import mode
-        from actbus.capture.session import validate
+        from actbus.engine import mode
+        from actbus.engine.session import validate
 
         requested = mode.Requested.of(self)  # before vLLM (or a plugin inside) changes it
         first = vars(EngineArgs).get("create_engine_config") is create_engine_config

@@ -1,10 +1,12 @@
-"""Engine-core side of live pushes: the control endpoint beside the scheduler.
+"""Live pushes in the engine: the push endpoint beside the scheduler, and dispatch.
 
 Wraps the scheduler's ``__init__`` so an engine core whose actbus config has
-``control`` (and monitors or live steering vectors) binds its endpoint
+``control`` (and monitors or live steering vectors) binds its push endpoint
 (``actbus.bus.control``) as it starts: a bad address or key fails the start. The
-scheduler's ``schedule`` (``actbus.capture.scheduler``) hands the endpoint's pending
-pushes to the workers with the next step that runs a forward.
+scheduler's ``schedule`` (``actbus.engine.scheduler``) hands the endpoint's pending
+pushes to the workers with the next step that runs a forward, and ``dispatch`` hands
+each worker's share to the feature it changes (monitor weights to the monitor tables,
+live vectors to the steerer) before that step's requests are admitted.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Any
 
 from actbus.bus.control import ControlServer
 from actbus.bus.endpoints import for_rank
-from actbus.bus.pushwire import Slot
-from actbus.capture.dataparallel import worker_rank
-from actbus.capture.session import capture_config, monitor_weights
+from actbus.bus.pushwire import Push, Slot
+from actbus.engine.dataparallel import worker_rank
+from actbus.engine.scheduler import PUSH_ATTR
+from actbus.engine.session import capture_config, monitor_weights
+from actbus.monitor.push import apply_monitor_pushes
+from actbus.steer.live import apply_vector_pushes
 
 
 def patch() -> bool:
@@ -67,3 +72,19 @@ def start_control(vllm_config: Any) -> ControlServer | None:
     server = ControlServer(control, slots, {n: 1 for n in weights}, live)
     atexit.register(server.close)
     return server
+
+
+def dispatch(parts: Any, scheduler_output: Any) -> None:
+    """Hand this step's pushes to the features on this rank (``parts``: the runner's
+    ``EngineParts``), before the step's forward is launched and before its requests
+    are admitted. Every rank gets the same ``SchedulerOutput``, so every rank that
+    holds tables (the harvest's on tensor-parallel rank 0, the gates' on every rank)
+    changes them at the same step."""
+    pushes: list[Push] | None = getattr(scheduler_output, PUSH_ATTR, None)
+    if not pushes:
+        return
+    step = parts.capture.step if parts.capture is not None else "?"
+    if parts.steer is not None:
+        apply_vector_pushes(parts.steer, [p for p in pushes if p.kind == "vector"], step)
+    if parts.monitor_tables is not None:
+        apply_monitor_pushes(parts.monitor_tables, [p for p in pushes if p.kind == "monitor"], step)

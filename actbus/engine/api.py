@@ -5,7 +5,7 @@ no message to the workers, no recompilation, no CUDA graph recapture. Requests
 admitted after the change use it; requests already running keep what they started
 with.
 
-    from actbus.steer.api import set_global, vectors
+    from actbus.engine.api import set_global, vectors
     from actbus.steer.config import VectorSource
 
     vectors(llm).register("joy", VectorSource("sae", "runs/sae-l3", feature=12))
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actbus.capture.frontend import frontend_for
+from actbus.engine.frontend import frontend_for
 from actbus.errors import ConfigError
 from actbus.steer.frontend import SteerFrontend
 from actbus.steer.vectors import VectorRegistry
