@@ -166,3 +166,54 @@ def test_the_readmes_output_directories_are_git_ignored() -> None:
     for path in ("out/saes", "runs/today", "wandb/offline-run-1"):
         r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, timeout=30)
         assert r.returncode == 0, f"{path} is not git-ignored (.gitignore)"
+
+
+# docs/development.md's module map: the rows of the tables under its "Modules" heading
+# name modules by their path from the repository root.
+_MODULE_CELL = re.compile(r"`((?:actbus|consumers|trainers)/[\w/]+\.py)`")
+
+
+def mapped_modules(text: str) -> set[str]:
+    """Module paths named in the first column of the tables under ``## Modules``."""
+    section = (
+        text.split("\n## Modules", 1)[-1].split("\n## ", 1)[0] if "\n## Modules" in text else ""
+    )
+    out: set[str] = set()
+    for line in section.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            cells = line.split("|")
+            if len(cells) > 2:
+                out.update(_MODULE_CELL.findall(cells[1]) + _MODULE_CELL.findall(cells[2]))
+    return out
+
+
+def package_modules(root: Path) -> set[str]:
+    """Every module of the three packages (package ``__init__`` files included only
+    when they hold more than a docstring)."""
+    out = set()
+    for pkg in ("actbus", "consumers", "trainers"):
+        for p in (root / pkg).rglob("*.py"):
+            if p.name == "__init__.py" and len(p.read_text().strip().splitlines()) <= 12:
+                continue
+            out.add(p.relative_to(root).as_posix())
+    return out
+
+
+def test_the_module_map_is_the_tree() -> None:
+    """docs/development.md names every module, and none that is gone."""
+    mapped = mapped_modules((ROOT / "docs" / "development.md").read_text())
+    actual = package_modules(ROOT)
+    assert not actual - mapped, f"add to docs/development.md's Modules: {sorted(actual - mapped)}"
+    assert not mapped - actual, f"gone from the tree: {sorted(mapped - actual)}"
+
+
+def test_the_module_map_check_finds_a_missing_module(tmp_path: Path) -> None:
+    for rel in ("actbus/engine/session.py", "actbus/wire.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text('"""x"""\n')
+    text = (
+        "# x\n\n## Modules\n\n| layer | module | holds |\n|---|---|---|\n"
+        "| 1 | `actbus/wire.py` | frames |\n\n## Tests\n| 0 | `actbus/old.py` | x |\n"
+    )
+    assert mapped_modules(text) == {"actbus/wire.py"}
+    assert package_modules(tmp_path) - mapped_modules(text) == {"actbus/engine/session.py"}
