@@ -22,8 +22,10 @@ LAYERS: dict[str, int] = {
     "actbus.flags": 0,
     "actbus.jsontext": 0,
     "actbus.wire": 1,
+    "actbus.rowstore": 1,  # the returned rows' and scores' per-request stores
     "actbus.bus": 2,
     "actbus.bus.": 2,
+    "actbus.collector": 2,  # what the returned rows' and scores' collectors share
     "actbus.config": 3,
     "actbus.steer": 3,  # the package's docstring
     "actbus.steer.config": 3,  # part of the engine's config

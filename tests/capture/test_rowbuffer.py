@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import torch
 
-from actbus.capture.rowbuffer import SlabPool, TapRows, retire
+from actbus.rowstore import SlabPool, TapRows, retire
 
 WIDTH = 3
 
