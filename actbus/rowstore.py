@@ -196,7 +196,10 @@ def retire(buffers: list[TapRows], pool: SlabPool) -> None:
 
 
 class TapRows:
-    """Rows ``start .. end`` are held and not handed out yet (DELTA outputs move
+    """One request's rows at one tap, viewed as ``[n, width]`` of ``dtype`` (no
+    ``extra`` columns: its slabs' are not kept).
+
+    Rows ``start .. end`` are held and not handed out yet (DELTA outputs move
     ``start``); rows before ``start`` were handed out, ``released`` of them let go."""
 
     __slots__ = (

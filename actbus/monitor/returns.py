@@ -354,8 +354,8 @@ class ScoreCollector(Collector):
                 continue
             st, lo, _ = h
             positions, token_ids = st.pos[lo : lo + n], st.tok[lo : lo + n]
-            values[s] = torch.from_numpy(st.val[lo : lo + n])
-            versions[s] = torch.from_numpy(st.ver[lo : lo + n])
+            values[s] = torch.from_numpy(st.cols["val"][lo : lo + n])
+            versions[s] = torch.from_numpy(st.cols["ver"][lo : lo + n])
             labels[s[0]] = t.labels
             if delta and n:
                 t.start[slot] += n
