@@ -25,8 +25,10 @@ LAYERS: dict[str, int] = {
     "actbus.wire": 1,
     "actbus.ops": 1,  # the custom ops every feature's graph code calls
     "actbus.steps": 1,  # what a step tells the features
+    "actbus.rowstore": 1,  # the returned rows' and scores' per-request stores
     "actbus.bus": 2,
     "actbus.bus.": 2,
+    "actbus.collector": 2,  # what the returned rows' and scores' collectors share
     "actbus.config": 3,
     "actbus.steer": 3,  # the package's docstring
     "actbus.steer.config": 3,  # part of the engine's config

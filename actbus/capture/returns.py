@@ -9,8 +9,8 @@ the same path, with the same exactness, as what any other subscriber gets.
 
 The front end's own work is kept off vLLM's output processing, with which it shares
 the GIL. The subscriber's thread (its life shared with the returned scores':
-``actbus.capture.collector``) copies each message's rows straight into per-request
-buffers sized from the request's token budget (``actbus.capture.rowbuffer``), with the
+``actbus.collector``) copies each message's rows straight into per-request
+buffers sized from the request's token budget (``actbus.rowstore``), with the
 message's row index unpacked once for all of its requests and taps. The buffers are
 regions of slabs shared by many requests, so a decode step's single rows (one per
 request) are written with one numpy scatter per slab: numpy copies without the GIL,
@@ -24,7 +24,7 @@ keeps its slab's rows alive.
 Every output covers positions ``0 .. prompt_len + n_generated - 2``, the tokens
 the model has been fed so far. A streamed (partial) output carries the rows that
 have arrived, a prefix of those; the final output waits (bounded: see
-``actbus.capture.collector``) until every row its tokens imply is there (for
+``actbus.collector``) until every row its tokens imply is there (for
 ``positions="last"``, until the request's end event), and says in ``complete``
 whether it got them all.
 """
@@ -34,23 +34,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch
-from actbus.capture.collector import (  # noqa: F401  (the timeouts: named here too)
+from actbus.capture.selection import Selection
+from actbus.collector import (  # noqa: F401  (the timeouts: named here too)
     FORGET_AFTER_S,
     FORGET_UNENDED_S,
     RETURN_TIMEOUT_S,
     Collector,
     Registry,
 )
-from actbus.capture.rowbuffer import Slab, SlabPool, TapRows, retire
 from actbus.capture.selection import Selection
 from actbus.config import DataParallel
+from actbus.rowstore import Slab, SlabPool, TapRows, as_items, retire
 from actbus.wire import DTYPES, RowIndex
 
 log = logging.getLogger("actbus.returns")
@@ -125,6 +125,7 @@ class ReturnCollector(Collector):
 
     where = "extra_args.actbus.return"
     thread_name = "actbus-return"
+    registry = Registry()
 
     def __init__(self, addresses: str | list[str]) -> None:
         """``addresses``: the publisher, or those of the front end's ranks."""
@@ -141,13 +142,6 @@ class ReturnCollector(Collector):
 
     def subscription(self) -> Subscription:
         return Subscription(policy="block", returned_only=True, name="actbus-return")
-
-    @classmethod
-    def for_config(cls, cfg: Any, dp: DataParallel | None = None) -> ReturnCollector:
-        """One per set of publishers in this process: those of the data-parallel
-        ranks this front end sends requests to (``dp``; default: rank 0 alone)."""
-        addrs = cls.refuse(cfg, dp, "subscribe to the bus instead")
-        return _REGISTRY.get(addrs, cls)
 
     # ------------------------------------------------------------- front end side
     def expect(
@@ -301,7 +295,7 @@ class ReturnCollector(Collector):
                     t.end, t.last = end + 1, position
                 else:
                     t.append_one(position, token_ids[lo], data[lo])
-            items = _as_items(data) if scatter else None
+            items = as_items(data) if scatter else None
             for slab, (src, dst) in scatter.items():  # numpy lets go of the GIL to copy
                 d = np.asarray(dst, dtype=np.intp)
                 # Rows in a run (the usual case) are read in place, not gathered first.
@@ -337,12 +331,6 @@ class ReturnCollector(Collector):
         retire(retired, self._slabs)
 
 
-def _as_items(rows: np.ndarray) -> np.ndarray:
-    """Rows of bytes as one item each (numpy scatters whole items with one copy each,
-    where bytes or words would go column by column)."""
-    return rows.view(f"V{rows.shape[1]}").reshape(len(rows))
-
-
 def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
     """Rows per tap that positions ``0 .. limit-1`` give under ``sel`` (None: ``last``,
     whose one row comes with the request's end), by the worker's own row mask."""
@@ -355,14 +343,14 @@ def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:
 _NO_IDS = torch.zeros(0, dtype=torch.int64)
 
 
-_REGISTRY = ReturnCollector.registry = Registry()
+_REGISTRY = ReturnCollector.registry
 _COLLECTORS = _REGISTRY.collectors
 _OWNER = _REGISTRY.owner
 """Request id (vLLM's own) -> the collector holding its rows, for the output processor's wrapper."""
 
 
 def collector_for(request_id: str) -> ReturnCollector | None:
-    return _OWNER.get(request_id)  # type: ignore[return-value]
+    return _REGISTRY.collector_for(request_id)
 
 
 def close_collectors(addresses: list[str]) -> int:

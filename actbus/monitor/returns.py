@@ -11,20 +11,20 @@ Every output covers positions ``0 .. prompt_len + n_generated - 2``: the tokens 
 to the model so far (the last generated token is scored once it is fed, so never).
 A streamed output carries the scores that have arrived, the same prefix of positions
 for every (monitor, layer); DELTA outputs carry each position once, CUMULATIVE ones
-all so far. The final output waits (bounded: ``actbus.capture.collector``) until every
+all so far. The final output waits (bounded: ``actbus.collector``) until every
 position's score is there (or the request's end came on that monitor's stream) and
 says in ``complete`` whether it got them all.
 
 The receiving thread shares the GIL with vLLM's output processing, so its work per
 message does not grow with Python calls per request: each (monitor, layer) stream
-keeps every pending request's scores in a region of shared arrays (``_Store``), found
-by the request's slot through per-slot numpy arrays (``_StreamRows``), and a message's
-scores, for all of its requests, are written with one numpy scatter. Regions are
-sized from the token budget and grow geometrically (rows a DELTA reader took are let
-go then; views handed out keep theirs: regions are never reused).
+keeps every pending request's scores in a region of slabs shared by many requests,
+found by the request's slot through per-slot numpy arrays (``actbus.rowstore.SlotRows``),
+and a message's scores, for all of its requests, are written with one numpy scatter.
+Regions are sized from the token budget and grow geometrically (rows a DELTA reader
+took are let go then; views handed out keep theirs: regions are never reused).
 
 Memory per request is its scores (``tokens x width x 4`` bytes per monitor and layer,
-and 24 bytes of position, token id and version per row). A store whose live requests
+and 24 bytes of position, token id and version per row). A slab whose live requests
 hold under a quarter of it moves them out, so one long request keeps only its own rows.
 A request whose caller went away is forgotten at once (``forget``, from the output
 processor's abort) or, failing that, ``FORGET_AFTER_S`` after its end.
@@ -35,20 +35,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from actbus.bus.protocol import Subscription
 from actbus.bus.subscriber import Batch
-from actbus.capture.collector import (  # noqa: F401  (the timeouts: named here too)
+from actbus.collector import (  # noqa: F401  (the timeouts: named here too)
     FORGET_AFTER_S,
     FORGET_UNENDED_S,
     RETURN_TIMEOUT_S,
     Collector,
     Registry,
 )
+from actbus.rowstore import SlotRows, as_items
 from actbus.wire import MONITOR_HOOK, RowIndex
 
 log = logging.getLogger("actbus.monitor.returns")
@@ -57,7 +58,6 @@ INITIAL_BYTES = 1 << 20
 """A series starts with room for its token budget, at most this much (wide SAE monitors)."""
 STORE_BYTES = 16 << 20
 """One stream's scores of many requests share an allocation of about this size."""
-MIN_ROWS = 16
 
 Stream = tuple[str, int]
 """(monitor name, layer): one series of scores."""
@@ -152,152 +152,28 @@ def _shortest(a: np.ndarray) -> list[list[float | None]]:
     ]
 
 
-class _Store:
-    """One allocation of one stream's scores, shared by many requests' regions. Regions
-    are handed out in order and never reused, so a view handed out stays valid; the
-    memory is freed once no region and no view refers to it."""
-
-    __slots__ = ("live", "pos", "tok", "used", "val", "ver")
-
-    def __init__(self, rows: int, width: int) -> None:
-        self.pos = np.empty(rows, np.int64)
-        self.tok = np.empty(rows, np.int64)
-        self.ver = np.empty(rows, np.int64)
-        self.val = np.empty((rows, width), np.float32)
-        self.used = 0
-        self.live = 0
-        """Rows of the regions of requests not collected yet."""
-
-
-class _StreamRows:
+class _StreamRows(SlotRows):
     """One (monitor, layer) stream's scores of every pending request, by the request's
-    slot: per-slot numpy arrays say where each one's rows are, so a message's rows,
-    for all of its requests, are written with one scatter per store.
-
-    A slot's rows ``start .. end`` of its region are held and not handed out yet
-    (DELTA outputs move ``start``); ``released`` rows handed out before were let go
-    when its region moved (it grew, or left a sparse store)."""
+    slot (``actbus.rowstore.SlotRows``): float32 rows of ``width`` scores (``val``),
+    with the version of the weights that made each (``ver``)."""
 
     def __init__(self, slots: int) -> None:
-        self.width: int | None = None
-        """Scores per row, from the first message."""
+        super().__init__(slots, STORE_BYTES, extra=("ver",), typed=("val", np.float32))
         self.expected_width = 0
         """What the front end's config says it will be: the width of an output made
         before any score came (so a request's pieces always concatenate)."""
         self.labels: tuple[int, ...] = ()
-        self.stores: dict[int, _Store] = {}
-        self.filling = -1
-        self._next = 0
-        self.wants = np.zeros(slots, bool)
-        self.sid = np.full(slots, -1, np.int64)
-        self.base = np.zeros(slots, np.int64)
-        self.cap = np.zeros(slots, np.int64)
-        self.start = np.zeros(slots, np.int64)
-        self.end = np.zeros(slots, np.int64)
-        self.released = np.zeros(slots, np.int64)
-        self.last = np.full(slots, -1, np.int64)
-        """The position of each slot's last row written."""
-        self.ended = np.zeros(slots, bool)
-        """The request's end came on this stream: all of its rows here have come."""
 
-    _FILL: ClassVar[dict[str, int]] = {"sid": -1, "last": -1}
+    @property
+    def width(self) -> int | None:
+        """Scores per row, from the first message."""
+        return None if self.row_bytes is None else self.row_bytes // 4
 
-    def grow_slots(self, slots: int) -> None:
-        for name in ("wants", "sid", "base", "cap", "start", "end", "released", "last", "ended"):
-            old = getattr(self, name)
-            new = np.full(slots, self._FILL.get(name, 0), old.dtype)
-            new[: len(old)] = old
-            setattr(self, name, new)
+    @width.setter
+    def width(self, width: int) -> None:
+        self.row_bytes = 4 * width
 
-    def place(self, slots: np.ndarray, caps: np.ndarray) -> None:
-        """Fresh regions of ``caps`` rows for ``slots`` (whose rows, if any, the caller
-        moves), contiguous in the store being filled."""
-        assert self.width is not None
-        total = int(caps.sum())
-        st = self.stores.get(self.filling)
-        if st is None or st.used + total > len(st.pos):
-            if st is not None and st.live == 0:
-                del self.stores[self.filling]
-            rows = max(STORE_BYTES // (24 + 4 * max(self.width, 1)), total)
-            self.filling, self._next = self._next, self._next + 1
-            st = self.stores[self.filling] = _Store(rows, self.width)
-        self.sid[slots] = self.filling
-        self.base[slots] = st.used + np.cumsum(caps) - caps
-        self.cap[slots] = caps
-        st.used += total
-        st.live += total
-
-    def move(self, slot: int, cap: int) -> None:
-        """The slot's rows not handed out yet into a fresh region of ``cap`` rows."""
-        old_sid, b = int(self.sid[slot]), int(self.base[slot])
-        s, e, old_cap = int(self.start[slot]), int(self.end[slot]), int(self.cap[slot])
-        old = self.stores[old_sid]
-        self.place(np.array([slot]), np.array([cap]))
-        new, nb, n = self.stores[int(self.sid[slot])], int(self.base[slot]), e - s
-        new.pos[nb : nb + n] = old.pos[b + s : b + e]
-        new.tok[nb : nb + n] = old.tok[b + s : b + e]
-        new.ver[nb : nb + n] = old.ver[b + s : b + e]
-        new.val[nb : nb + n] = old.val[b + s : b + e]
-        self.released[slot] += s
-        self.start[slot], self.end[slot] = 0, n
-        self._unref(old_sid, old_cap)
-
-    def _unref(self, sid: int, rows: int) -> None:
-        st = self.stores[sid]
-        st.live -= rows
-        if st.live == 0 and sid != self.filling:
-            del self.stores[sid]
-
-    def free(self, slot: int) -> None:
-        """The slot's request was collected or forgotten."""
-        sid = int(self.sid[slot])
-        if sid >= 0:
-            self._unref(sid, int(self.cap[slot]))
-            if self.filling == sid and self.stores[sid].live == 0:
-                del self.stores[sid]
-                self.filling = -1
-        self.wants[slot] = self.ended[slot] = False
-        self.sid[slot] = self.last[slot] = -1
-        self.base[slot] = self.cap[slot] = self.start[slot] = self.end[slot] = 0
-        self.released[slot] = 0
-
-    def compact(self) -> None:
-        """Stores other than the one being filled whose live regions hold under a
-        quarter of their rows move those out: one long request keeps no more than its
-        own rows alive (views handed out keep theirs)."""
-        for sid, st in list(self.stores.items()):
-            if sid != self.filling and 4 * st.live < len(st.pos):
-                for slot in np.flatnonzero(self.sid == sid).tolist():
-                    self.move(slot, int(self.cap[slot]))
-
-    def pending(self, slot: int, limit: int) -> tuple[_Store, int, int] | None:
-        """The slot's rows not handed out yet with position below ``limit``: their
-        store, first row there and count (None: no rows came yet)."""
-        sid = int(self.sid[slot])
-        if sid < 0:
-            return None
-        st = self.stores[sid]
-        b, s, e = int(self.base[slot]), int(self.start[slot]), int(self.end[slot])
-        lo, n = b + s, e - s
-        last = int(self.last[slot])
-        if n and last >= limit:
-            first = int(st.pos[lo])
-            if last - first == n - 1:  # every position in between (the usual case)
-                n = max(0, min(n, limit - first))
-            else:
-                n = int(np.searchsorted(st.pos[lo : b + e], limit))
-        return st, lo, n
-
-    def pending_below(self, slot: int, limit: int) -> int:
-        """Rows of ``slot`` not handed out yet with position below ``limit``."""
-        got = self.pending(slot, limit)
-        return got[2] if got is not None else 0
-
-    def held_below(self, slot: int, limit: int) -> int:
-        """Rows of ``slot`` with position below ``limit``, handed out or not."""
-        return int(self.released[slot] + self.start[slot]) + self.pending_below(slot, limit)
-
-    def write(
+    def write(  # type: ignore[override]
         self,
         slots: np.ndarray,
         lo: np.ndarray,
@@ -308,47 +184,13 @@ class _StreamRows:
         version: int,
         first_cap: np.ndarray,
     ) -> None:
-        """Rows ``lo[i] .. lo[i] + cnt[i]`` of a message to slot ``slots[i]``'s region
-        (``every``: those are all of the message's rows, in order): numpy work whose
-        size does not depend on the number of requests, but for regions made or grown."""
-        new = self.sid[slots] < 0
-        if new.any():
-            self.place(slots[new], first_cap[new])
-        end = self.end[slots]
-        over = end + cnt > self.cap[slots]
-        if over.any():
-            for slot, k in zip(slots[over].tolist(), cnt[over].tolist(), strict=True):
-                live = int(self.end[slot] - self.start[slot])
-                self.move(slot, max(2 * (live + k), MIN_ROWS))
-            end = self.end[slots]
-        dst = self.base[slots] + end
-        total = int(cnt.sum())
-        if total == len(slots):  # a decode step: one row each
-            src: np.ndarray | slice = slice(None) if every else lo
-        else:
-            before = np.cumsum(cnt) - cnt
-            ar = np.arange(total)
-            dst = np.repeat(dst - before, cnt) + ar
-            src = slice(None) if every else np.repeat(lo - before, cnt) + ar
-        sid = self.sid[slots]
-        first = int(sid[0])
-        if (sid == first).all():
-            groups: list[tuple[int, Any]] = [(first, None)]
-        else:  # rows in several stores (some regions moved): one scatter each
-            row_sid = sid if total == len(slots) else np.repeat(sid, cnt)
-            groups = [(int(g), row_sid == g) for g in np.unique(sid)]
-        for g, mask in groups:
-            st = self.stores[g]
-            d, s = dst, src
-            if mask is not None:
-                d = dst[mask]
-                s = np.flatnonzero(mask) if isinstance(src, slice) else src[mask]
-            st.pos[d] = rows.positions[s]
-            st.tok[d] = rows.token_ids[s]
-            st.ver[d] = version
-            st.val[d] = values[s]
-        self.end[slots] = end + cnt
-        self.last[slots] = rows.positions[lo + cnt - 1]
+        """Rows ``lo[i] .. lo[i] + cnt[i]`` of a message (``values``: its float32 scores,
+        made by weights ``version``) to slot ``slots[i]``'s region."""
+        items = as_items(np.ascontiguousarray(values, dtype=np.float32).view(np.uint8))
+        extra = {"ver": version}
+        super().write(
+            slots, lo, cnt, every, rows.positions, rows.token_ids, items, extra, first_cap
+        )
 
 
 @dataclass
@@ -377,6 +219,8 @@ class ScoreCollector(Collector):
     where = WHERE
     thread_name = "actbus-scores"
     what = "scores"
+    instead = "read scores with ScoreReader"
+    registry = Registry()
 
     def __init__(self, addresses: str | list[str]) -> None:
         self._slot: dict[tuple[str, int], int] = {}
@@ -393,13 +237,6 @@ class ScoreCollector(Collector):
         return Subscription(
             policy="block", hooks=(MONITOR_HOOK,), returned_only=True, name="actbus-scores"
         )
-
-    @classmethod
-    def for_config(cls, cfg: Any, dp: Any = None) -> ScoreCollector:
-        """The collector of the publishers of the data-parallel ranks ``dp`` serves
-        (default: rank 0); refuses what it cannot reach."""
-        addrs = cls.refuse(cfg, dp, "read scores with ScoreReader")
-        return _REGISTRY.get(addrs, cls)  # type: ignore[return-value]
 
     # ------------------------------------------------------------- front end side
     def expect(
@@ -450,15 +287,6 @@ class ScoreCollector(Collector):
         self._slots += 1
         return self._slots - 1
 
-    def forget(self, request_ids: list[str]) -> None:
-        """Drop these requests' scores: their caller went away."""
-        ids = set(request_ids)
-        with self._cond:
-            for key in [k for k in self._pending if k[0] in ids]:
-                self._drop(key)
-            for c in ids:
-                self._disown_if_done(c)
-
     def take(
         self,
         request_id: str,
@@ -470,7 +298,7 @@ class ScoreCollector(Collector):
         wait: bool = True,
     ) -> MonitorScores | None:
         """The scores for an output with ``num_generated`` tokens so far; a final one
-        waits for the missing ones (bounded, see ``actbus.capture.collector``) unless
+        waits for the missing ones (bounded, see ``actbus.collector``) unless
         ``wait`` is false (an abort)."""
         key = (request_id, index)
         with self._cond:
@@ -526,8 +354,8 @@ class ScoreCollector(Collector):
                 continue
             st, lo, _ = h
             positions, token_ids = st.pos[lo : lo + n], st.tok[lo : lo + n]
-            values[s] = torch.from_numpy(st.val[lo : lo + n])
-            versions[s] = torch.from_numpy(st.ver[lo : lo + n])
+            values[s] = torch.from_numpy(st.cols["val"][lo : lo + n])
+            versions[s] = torch.from_numpy(st.cols["ver"][lo : lo + n])
             labels[s[0]] = t.labels
             if delta and n:
                 t.start[slot] += n
@@ -614,20 +442,19 @@ class ScoreCollector(Collector):
         t.write(slots, lo, cnt, every, rows, values, int(mon.version), first)
 
 
-_REGISTRY = ScoreCollector.registry = Registry()
+_REGISTRY = ScoreCollector.registry
 _COLLECTORS = _REGISTRY.collectors
 _OWNER = _REGISTRY.owner
 """Request id (vLLM's own) -> the collector holding its scores, for the output wrapper."""
 
 
 def collector_for(request_id: str) -> ScoreCollector | None:
-    return _OWNER.get(request_id)  # type: ignore[return-value]
+    return _REGISTRY.collector_for(request_id)
 
 
 def forget(request_ids: list[str]) -> None:
     """Drop the scores of requests whose caller went away (an abort)."""
-    for col in {id(c): c for c in (_OWNER.get(r) for r in request_ids) if c}.values():
-        col.forget(request_ids)  # type: ignore[attr-defined]
+    _REGISTRY.forget(request_ids)
 
 
 def close_collectors(addresses: list[str]) -> int:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from actbus import rowstore
 from actbus.bus import Publisher
-from actbus.capture import rowbuffer
 from actbus.capture.returns import ReturnCollector
 from actbus.capture.selection import Selection
 from actbus.wire import Header, RequestEnd, RowIndex
@@ -127,7 +127,7 @@ def test_batched_and_per_request_writes_keep_every_row_in_order(tmp_path, monkey
     of order, leave the slab, and so does the last left in a slab whose other requests
     were collected. Every way gives each request every row once, in order."""
     monkeypatch.setattr(ReturnCollector, "batched", batched)
-    monkeypatch.setattr(rowbuffer, "SLAB_BYTES", 180 * 16)  # 5 requests' rows a slab
+    monkeypatch.setattr(rowstore, "SLAB_BYTES", 180 * 16)  # 5 requests' rows a slab
     address = f"ipc://{tmp_path}/bus.sock"
     pub = Publisher(address, info={"model": "m", "hidden_size": 4, "dtype": "float32"})
     col = ReturnCollector(address)

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import torch
 
+from actbus import collector
 from actbus.bus import Publisher
-from actbus.capture import collector
 from actbus.monitor.returns import ScoreCollector
 from actbus.wire import MONITOR_HOOK, Header, MonitorInfo, RequestEnd, RowIndex
 

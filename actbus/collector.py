@@ -5,8 +5,9 @@ of the data-parallel ranks it serves), read by a thread that files what arrives 
 request; vLLM's output processing takes it per output. This module holds their common
 life: subscribing and waiting for the publishers' welcome, the receiving thread,
 forgetting requests nobody collects, the bounded wait of a final output, closing, and
-the registries (collector per set of publishers, collector per request id: vLLM's own,
-unique where callers' ids repeat).
+the registry each kind keeps (collector per set of publishers, collector per request
+id: vLLM's own, unique where callers' ids repeat). What they collect is kept in
+``actbus.rowstore``.
 
 The final output's wait runs inside vLLM's output processing, which every other
 request's outputs wait on, so it is kept short: it happens only when a request's last
@@ -22,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from actbus.bus.addresses import connectable
 from actbus.bus.endpoints import Endpoints
@@ -32,6 +33,7 @@ from actbus.bus.subscriber import Batch
 from actbus.errors import ConfigError
 
 log = logging.getLogger("actbus.collector")
+C = TypeVar("C", bound="Collector")
 RETURN_TIMEOUT_S = 30.0
 """The longest a final output waits for its request's last rows,"""
 STALL_S = 5.0
@@ -61,7 +63,14 @@ class Registry:
             return self.collectors[key]
 
     def collector_for(self, request_id: str) -> Any:
+        """The collector holding this request id's data (None: no collector does)."""
         return self.owner.get(request_id)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop the data of requests whose caller went away (an abort)."""
+        owners = (self.owner.get(r) for r in request_ids)
+        for col in {id(c): c for c in owners if c is not None}.values():
+            col.forget(request_ids)
 
     def close(self, addresses: list[str]) -> int:
         """Close the collectors that read any of these publishers, whose engine stopped:
@@ -92,7 +101,10 @@ class Collector:
     thread_name: ClassVar[str] = "actbus-collector"
     what: ClassVar[str] = "rows"
     """What it collects, in log lines."""
+    instead: ClassVar[str] = "subscribe to the bus instead"
+    """What a caller whose publishers it cannot reach can do instead, in errors."""
     registry: ClassVar[Registry]
+    """This kind's collectors: each concrete kind sets its own."""
 
     def __init__(self, addresses: str | list[str]) -> None:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
@@ -139,11 +151,27 @@ class Collector:
             )
         return [connectable(cfg.publish_address(r)) for r in (dp.served if dp else (0,))]
 
+    @classmethod
+    def for_config(cls: type[C], cfg: Any, dp: Any = None) -> C:
+        """One per set of publishers in this process: those of the data-parallel ranks
+        this front end sends requests to (``dp``; default: rank 0 alone); refuses what
+        it cannot reach."""
+        return cls.registry.get(cls.refuse(cfg, dp, cls.instead), cls)  # type: ignore[return-value]
+
     # ------------------------------------------------------------- front end side
     def pending(self) -> int:
         """Samples registered and not collected or forgotten yet."""
         with self._cond:
             return len(self._pending)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop these requests' data: their caller went away."""
+        ids = set(request_ids)
+        with self._cond:
+            for key in [k for k in self._pending if k[0] in ids]:
+                self._drop(key)
+            for c in ids:
+                self._disown_if_done(c)
 
     def _own(self, request_id: str) -> None:
         self.registry.owner[request_id] = self

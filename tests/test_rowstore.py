@@ -1,6 +1,7 @@
 """A request's returned rows at one tap: kept in position order, handed out as views
 that later growth, sorting and DELTA hand-outs never change; in slabs shared by many
-requests while they fit, freed once nothing refers to them."""
+requests while they fit, freed once nothing refers to them (``TapRows``, and the
+rows found by slot, ``SlotRows``; the scores' own are in tests/monitor)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import weakref
 import numpy as np
 import torch
 
-from actbus.capture.rowbuffer import SlabPool, TapRows, retire
+from actbus.rowstore import SlabPool, TapRows, retire
 
 WIDTH = 3
 
@@ -170,3 +171,39 @@ def test_the_next_slab_is_faulted_in_ahead_and_rows_written_meanwhile_are_kept()
     assert nxt is spare and at == 0 and pool._spare[row] is not spare
     pool.release()
     assert not pool._spare
+
+
+def test_slot_rows_of_any_row_kind_keep_their_views_and_free_their_slabs():
+    """The scores' way (rows found by slot) over the same slabs, here with rows of
+    bf16 activations: one scatter writes every slot's rows, a view handed out keeps
+    its slab once every slot is freed, and the slab goes with the last view."""
+    from actbus.rowstore import SlotRows, as_items
+
+    s = SlotRows(2, slab_bytes=1 << 20, extra=("ver",))
+    s.row_bytes = 2 * WIDTH
+    pos, tok, rows = _piece([0, 1, 2, 0, 1])
+    slots = np.array([0, 1])
+    s.write(
+        slots,
+        np.array([0, 3]),
+        np.array([3, 2]),
+        True,
+        pos,
+        tok,
+        as_items(rows),
+        {"ver": 7},
+        np.array([4, 4]),
+    )
+    st, lo, n = s.pending(0, 10)
+    held = torch.from_numpy(st.rows[lo : lo + n]).view(torch.bfloat16)
+    assert n == 3 and held[:, 0].tolist() == [0, 1, 2] and st.ver[lo : lo + n].tolist() == [7] * 3
+    assert s.pending_below(1, 10) == 2 and s.held_below(1, 1) == 1
+    memory = weakref.ref(st.memory)
+    s.free(0)
+    s.free(1)
+    del st
+    gc.collect()
+    assert not s.stores and memory() is not None and held[:, 0].tolist() == [0, 1, 2]
+    del held
+    gc.collect()
+    assert memory() is None
