@@ -48,8 +48,6 @@ from actbus.collector import (  # noqa: F401  (the timeouts: named here too)
     Collector,
     Registry,
 )
-from actbus.capture.selection import Selection
-from actbus.config import DataParallel
 from actbus.rowstore import Slab, SlabPool, TapRows, as_items, retire
 from actbus.wire import DTYPES, RowIndex
 
