@@ -18,10 +18,12 @@ LAYERS: dict[str, int] = {
     "actbus": 0,  # the package's own __init__: a docstring and the version
     "actbus.errors": 0,
     "actbus.streams": 0,
+    "actbus.fields": 0,
     "actbus.logcap": 0,
     "actbus.flags": 0,
     "actbus.jsontext": 0,
     "actbus.wire": 1,
+    "actbus.checkpoints": 1,  # the probe and SAE files: steering, monitors, trainers, precheck
     "actbus.bus": 2,
     "actbus.bus.": 2,
     "actbus.config": 3,

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from actbus.capture.scheduler import StepRequests
-from actbus.steer.config import FLOAT32_MAX, monitor_runs_before
+from actbus.fields import FLOAT32_MAX
+from actbus.steer.config import monitor_runs_before
 from actbus.steer.graph import GateTables, SteerTables
 from actbus.steer.live import LIVE_PREFIX, LiveVectors
 
