@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actbus.checkpoints import PROBE_CFG, PROBE_WEIGHTS, SAE_CFG, SAE_WEIGHTS, tensor_shapes
 from actbus.config import CaptureConfig
 from actbus.engine.archs import check_architecture
 from actbus.errors import ConfigError
-from actbus.monitor.weights import SAE_CFG
-from actbus.steer.vectors import PROBE_CFG, PROBE_WEIGHTS, SAE_WEIGHTS
 
 PRECHECKED_ENV = "ACTBUS_PRECHECKED"
 """Set by ``actbus serve`` for its server once this module ran: the engine does not warn
@@ -148,7 +147,7 @@ def _checkpoints(cfg: CaptureConfig) -> list[tuple[str, str, str]]:
 def _check_vector(src: Any, where: str, hidden: int) -> None:
     path = Path(src.path).expanduser()
     if src.kind == "file":
-        shapes = _shapes(path, where)
+        shapes = tensor_shapes(path, where)
         key = src.key
         if key is None and len(shapes) == 1:
             key = next(iter(shapes))
@@ -156,7 +155,7 @@ def _check_vector(src: Any, where: str, hidden: int) -> None:
             return  # which tensor: loading it says
         width = math.prod(shapes[key])
     elif src.kind == "sae":
-        shape = _shapes(path / SAE_WEIGHTS, f"{where}.sae").get("W_dec")  # [d_sae, d_in]
+        shape = tensor_shapes(path / SAE_WEIGHTS, f"{where}.sae").get("W_dec")  # [d_sae, d_in]
         if shape is None or len(shape) != 2:
             return
         if src.feature is not None and src.feature >= shape[0]:
@@ -165,7 +164,7 @@ def _check_vector(src: Any, where: str, hidden: int) -> None:
             )
         width = shape[1]
     else:
-        shape = _shapes(path / PROBE_WEIGHTS, f"{where}.probe").get("linear.weight")
+        shape = tensor_shapes(path / PROBE_WEIGHTS, f"{where}.probe").get("linear.weight")
         if shape is None or len(shape) != 2:
             return
         width = shape[1]
@@ -177,14 +176,14 @@ def _check_monitor(d: Any, where: str, hidden: int) -> None:
     if d.kind == "weight":
         width = len(d.weight)
     elif d.kind == "probe":
-        shape = _shapes(Path(d.path).expanduser() / PROBE_WEIGHTS, f"{where}.probe").get(
+        shape = tensor_shapes(Path(d.path).expanduser() / PROBE_WEIGHTS, f"{where}.probe").get(
             "linear.weight"
         )
         if shape is None or len(shape) != 2:
             return
         width = shape[1]
     else:
-        shape = _shapes(Path(d.path).expanduser() / SAE_WEIGHTS, f"{where}.sae").get("W_enc")
+        shape = tensor_shapes(Path(d.path).expanduser() / SAE_WEIGHTS, f"{where}.sae").get("W_enc")
         if shape is None or len(shape) != 2:  # [d_in, d_sae]
             return
         width = shape[0]
@@ -192,19 +191,6 @@ def _check_monitor(d: Any, where: str, hidden: int) -> None:
         raise ConfigError(
             f"{where}: the weights are {width} wide; this model's residual stream has {hidden}"
         )
-
-
-def _shapes(path: Path, where: str) -> dict[str, list[int]]:
-    """Each tensor's shape in a safetensors file, from its header alone."""
-    if not path.is_file():
-        raise ConfigError(f"{where}: {path} is not a file")
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-    except Exception as e:
-        raise ConfigError(f"{where}: {path} is not a safetensors file ({e})") from None
 
 
 def _config_path(model: str) -> Path | None:

@@ -15,6 +15,9 @@ POSITION_MODES = ("all", "prompt", "generated", "last_prompt", "last")
 HOOKS = ("pre_attn", "post_attn", "mlp_out", "post_block")
 """Per decoder layer: the residual stream entering it, after attention is added,
 what the MLP block adds, and the stream leaving it (``post_attn + mlp_out``)."""
+STEER_HOOKS = ("pre_attn", "post_attn", "post_block")
+"""Where a vector can be added: the stream entering a layer, after attention is added,
+and leaving it (``mlp_out`` is not a point of the stream)."""
 MAX_INT32 = (1 << 31) - 1
 """The wire's integers (positions, token ids, row offsets) are int32 (``actbus.wire``)."""
 
@@ -25,17 +28,22 @@ def parse_layers(
     *,
     num_layers: int | None = None,
     tapped: tuple[int, ...] | None = None,
+    steerable: tuple[int, ...] | None = None,
     model: str | None = None,
+    or_all: bool = True,
 ) -> tuple[int, ...]:
     """A non-empty list of 0-based layer indices (one int stands for itself), sorted,
     without repeats. With ``num_layers``, each must exist in the model (named by
-    ``model``); with ``tapped``, each must be one the engine taps. ``"all"`` is the
-    caller's to resolve."""
+    ``model``); with ``tapped``, each must be one the engine taps; with ``steerable``,
+    one it can steer. ``"all"`` is the caller's to resolve (``or_all``: whether it
+    does, so that the error offers it)."""
     if isinstance(raw, int) and not isinstance(raw, bool):
         raw = [raw]
     if not isinstance(raw, (list, tuple)) or not raw:
         raise ConfigError(
             f"{where}: expected a non-empty list of layer indices or 'all', got {raw!r}"
+            if or_all
+            else f"{where}: expected a layer index or a non-empty list of them, got {raw!r}"
         )
     owner = f"model {model}" if model else "the model"
     for i, v in enumerate(raw):
@@ -51,23 +59,44 @@ def parse_layers(
                 f"{where}[{i}]: layer {v} is not tapped by this engine (it taps {list(tapped)}); "
                 "add it to the engine's actbus.layers"
             )
+        if steerable is not None and v not in steerable:
+            raise ConfigError(
+                f"{where}[{i}]: layer {v} cannot be steered on this engine (steerable: "
+                f"{list(steerable)}); add it to the engine's actbus.steer.layers"
+            )
     return tuple(sorted(set(raw)))
 
 
-def parse_hooks(raw: Any, where: str, *, tapped: tuple[str, ...] | None = None) -> tuple[str, ...]:
+def parse_hooks(
+    raw: Any,
+    where: str,
+    *,
+    tapped: tuple[str, ...] | None = None,
+    steerable: tuple[str, ...] | None = None,
+) -> tuple[str, ...]:
     """A non-empty list of hook names (one name stands for itself), without repeats, in
-    the order given, or with ``tapped`` in the engine's order, each one it taps."""
+    the order given, or with ``tapped`` in the engine's order, each one it taps. With
+    ``steerable``, each must be a steering point (``STEER_HOOKS``) the engine steers."""
     if isinstance(raw, str):
         raw = [raw]
     if not isinstance(raw, (list, tuple)) or not raw:
-        raise ConfigError(f"{where}: expected a non-empty list of hook names, got {raw!r}")
+        raise ConfigError(f"{where}: expected a hook name or a non-empty list of them, got {raw!r}")
     for i, h in enumerate(raw):
-        if h not in HOOKS:
+        if steerable is None and h not in HOOKS:
             raise ConfigError(f"{where}[{i}]: unknown hook {h!r}; supported: {', '.join(HOOKS)}")
+        if steerable is not None and h not in STEER_HOOKS:
+            raise ConfigError(
+                f"{where}[{i}]: {h!r} is not a steering point; use one of {', '.join(STEER_HOOKS)}"
+            )
         if tapped is not None and h not in tapped:
             raise ConfigError(
                 f"{where}[{i}]: hook {h!r} is not tapped by this engine (it taps "
                 f"{list(tapped)}); add it to the engine's actbus.hooks"
+            )
+        if steerable is not None and h not in steerable:
+            raise ConfigError(
+                f"{where}[{i}]: hook {h!r} cannot be steered on this engine (steerable: "
+                f"{list(steerable)}); add it to the engine's actbus.steer.hooks"
             )
     if tapped is not None:
         return tuple(h for h in tapped if h in raw)

@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "actbus": 0,  # the package's own __init__: a docstring and the version
     "actbus.errors": 0,
     "actbus.streams": 0,
+    "actbus.fields": 0,
     "actbus.logcap": 0,
     "actbus.flags": 0,
     "actbus.jsontext": 0,
@@ -26,6 +27,7 @@ LAYERS: dict[str, int] = {
     "actbus.ops": 1,  # the custom ops every feature's graph code calls
     "actbus.steps": 1,  # what a step tells the features
     "actbus.rowstore": 1,  # the returned rows' and scores' per-request stores
+    "actbus.checkpoints": 1,  # the probe and SAE files: steering, monitors, trainers, precheck
     "actbus.bus": 2,
     "actbus.bus.": 2,
     "actbus.collector": 2,  # what the returned rows' and scores' collectors share

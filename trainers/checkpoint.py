@@ -25,6 +25,9 @@ A probe directory holds ``probe.safetensors`` (the linear head and the input
 standardisation) and ``probe.json`` (its config, which head predicts which request
 tag, and how to read the outputs); ``load_probe`` rebuilds it.
 
+The file names and formats are ``actbus.checkpoints``', the one reader of them (for
+steering sources and monitors); this module writes them, and rebuilds the modules.
+
 A checkpoint is never written with a NaN or an infinity in it, nor with an SAE scale
 that cannot be folded (zero or infinite): ``CheckpointError`` names the tensor instead,
 and the previous checkpoint of that directory stays as it was.
@@ -41,22 +44,24 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from actbus.checkpoints import (
+    PROBE_CFG,
+    PROBE_WEIGHTS,
+    SAE_CFG,
+    SAE_STATE,
+    SAE_WEIGHTS,
+)
 from trainers.config import ProbeConfig, SAEConfig
 from trainers.linear_probe import LinearProbe
 from trainers.sae import SparseAutoencoder
-
-CFG = "cfg.json"
-WEIGHTS = "sae_weights.safetensors"
-STATE = "actbus_state.safetensors"
-PROBE_CFG = "probe.json"
-PROBE_WEIGHTS = "probe.safetensors"
 
 SAE_LENS_FORMAT = "6.54.12"
 """The SAELens version whose config format ``cfg.json`` follows (loaded and checked
 against it); written as ``metadata.sae_lens_version`` so SAELens reads the file as a
 6.x config and keeps the metadata."""
 
-# The inference architecture SAELens loads each kind as.
+# The inference architecture SAELens loads each kind as (each one of
+# actbus.checkpoints.SAE_ARCHITECTURES, those the engine reads).
 _ARCH = {"topk": "topk", "batchtopk": "jumprelu", "relu": "standard", "jumprelu": "jumprelu"}
 # actbus hook -> TransformerLens hook point of decoder layer L.
 TL_HOOKS = {
@@ -183,11 +188,11 @@ def save_sae(
     if sae.cfg.kind == "jumprelu":
         state["log_threshold"] = sae.log_threshold.detach()
     weights = folded_weights(sae)
-    _check_finite(weights, path / WEIGHTS)
-    _check_finite(state, path / STATE)
-    _save(weights, path / WEIGHTS)
-    _save(state, path / STATE)
-    _write_json(path / CFG, _cfg_json(sae, source, extra or {}))
+    _check_finite(weights, path / SAE_WEIGHTS)
+    _check_finite(state, path / SAE_STATE)
+    _save(weights, path / SAE_WEIGHTS)
+    _save(state, path / SAE_STATE)
+    _write_json(path / SAE_CFG, _cfg_json(sae, source, extra or {}))
     return path
 
 
@@ -221,15 +226,15 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 def load_sae(path: str | Path, device: str = "cpu") -> SparseAutoencoder:
     """A fresh module from a directory ``save_sae`` wrote (the scale unfolded again)."""
     path = Path(path)
-    raw = _read_json(path / CFG, "an SAE checkpoint")
+    raw = _read_json(path / SAE_CFG, "an SAE checkpoint")
     # Checkpoints written before the scale was folded kept actbus's fields at the top.
     meta = raw.get("metadata", {}).get("actbus") or raw.get("actbus")
     if meta is None:
-        raise ValueError(f"{path / CFG}: no actbus metadata; not written by actbus's save_sae")
+        raise ValueError(f"{path / SAE_CFG}: no actbus metadata; not written by actbus's save_sae")
     cfg = SAEConfig.from_dict(meta)
     sae = SparseAutoencoder(cfg)
-    w = load_file(str(path / WEIGHTS))
-    s = load_file(str(path / STATE)) if (path / STATE).exists() else {}
+    w = load_file(str(path / SAE_WEIGHTS))
+    s = load_file(str(path / SAE_STATE)) if (path / SAE_STATE).exists() else {}
     scale = float(s["norm_scale"]) if "norm_scale" in s else float(meta["norm_scale"])
     unfold = bool(meta.get("scale_folded"))
     with torch.no_grad():

@@ -21,7 +21,7 @@ A body is at most ``MAX_BODY_BYTES``, refused from its ``Content-Length`` or as 
 arrives, and parsed within bounds (``actbus.jsontext``); the work of a call (loading a
 file, resolving entries) runs on a worker thread, not on the event loop every other
 request waits on. Path sources are read only inside ``actbus.steer.vector_dirs``
-(``actbus.steer.vectors.Confine``).
+(``actbus.checkpoints.Confine``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actbus.errors import ConfigError
-from actbus.steer.config import check_finite, check_name
+from actbus.fields import check_finite, check_name, source_kind
 from actbus.streams import HOOKS, parse_layers
 
 SOURCE_KINDS = ("probe", "sae", "weight")
@@ -67,10 +67,7 @@ class MonitorDef:
                 f"{{'sae': DIR, 'features': [3], 'layers': [1]}} or "
                 f"{{'weight': [...], 'bias': 0.0, 'layers': [0]}}, got {raw!r:.80}"
             )
-        kinds = [k for k in SOURCE_KINDS if k in raw]
-        if len(kinds) != 1:
-            raise ConfigError(f"{where}: give exactly one of {', '.join(SOURCE_KINDS)}")
-        kind = kinds[0]
+        kind = source_kind(raw, SOURCE_KINDS, where)
         for k in raw:
             if k not in MONITOR_KEYS[kind]:
                 raise ConfigError(
@@ -79,7 +76,9 @@ class MonitorDef:
                 )
         if "layers" not in raw:
             raise ConfigError(f"{where}.layers: required (the layers it is evaluated at)")
-        kw: dict[str, Any] = {"layers": parse_layers(raw["layers"], f"{where}.layers")}
+        kw: dict[str, Any] = {
+            "layers": parse_layers(raw["layers"], f"{where}.layers", or_all=False)
+        }
         hook = raw.get("hook", "post_block")
         if hook not in HOOKS:
             raise ConfigError(

@@ -1,8 +1,8 @@
 """A monitor's weights, from raw values or from the checkpoints actbus's trainers write.
 
 Every monitor becomes the same form: ``cols`` linear scores ``pre = W x + b`` of the
-raw stream, then an activation per monitor. Checkpoints are read in the file formats
-of ``trainers/checkpoint.py`` without importing trainers:
+raw stream, then an activation per monitor. Checkpoints are read through
+``actbus.checkpoints``, the one reader of the formats ``trainers/checkpoint.py`` writes:
 
 - a probe head ``h`` reads ``linear((x - mean) * inv_std)[h]``: on the raw stream that is
   ``w = W[h] * inv_std`` and ``b = bias[h] - w . mean``; a logistic probe's reading is a
@@ -16,19 +16,18 @@ of ``trainers/checkpoint.py`` without importing trainers:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from actbus.checkpoints import read_probe, read_sae_encoder
 from actbus.errors import ConfigError
 from actbus.monitor.config import MonitorDef
-from actbus.steer.vectors import PROBE_CFG, PROBE_WEIGHTS, SAE_WEIGHTS, _tensor
 
-SAE_CFG = "cfg.json"
 ACTIVATIONS = ("linear", "sigmoid", "relu", "jumprelu", "topk")
-_SAE_ARCH = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk"}
+_ACTIVATION = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk"}
+"""A monitor's activation for each SAE architecture (``actbus.checkpoints``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,29 +92,11 @@ def load_weights(d: MonitorDef, hidden: int, where: str) -> MonitorWeights:
 
 
 def _probe(d: MonitorDef, where: str) -> MonitorWeights:
-    path = Path(d.path or "").expanduser()
-    cfg_path = path / PROBE_CFG
-    if not cfg_path.is_file():
-        raise ConfigError(f"{where}.probe: {path} has no {PROBE_CFG}; is it a probe checkpoint?")
-    meta = json.loads(cfg_path.read_text())
-    heads: dict[str, int] = meta.get("heads", {})
-    head = d.head
-    if head is None:
-        if len(heads) != 1:
-            raise ConfigError(f"{where}.head: the probe has heads {sorted(heads)}; name one")
-        head = next(iter(heads))
-    if head not in heads:
-        raise ConfigError(f"{where}.head: the probe has no head {head!r}; it has {sorted(heads)}")
-    files = path / PROBE_WEIGHTS
-    weight = _tensor(files, "linear.weight", f"{where}.probe").astype(np.float64)
-    bias = _tensor(files, "linear.bias", f"{where}.probe").astype(np.float64)
-    mean = _tensor(files, "mean", f"{where}.probe").astype(np.float64)
-    inv_std = _tensor(files, "inv_std", f"{where}.probe").astype(np.float64)
-    h = heads[head]
-    w = weight[h] * inv_std
-    b = bias[h] - float(w @ mean)
-    logistic = (meta.get("actbus") or {}).get("kind", "logistic") == "logistic"
-    sigmoid = logistic if d.sigmoid is None else d.sigmoid
+    probe = read_probe(Path(d.path or "").expanduser(), f"{where}.probe")
+    h = probe.row(d.head, f"{where}.head")
+    w = probe.weight[h].astype(np.float64) * probe.inv_std.astype(np.float64)
+    b = float(probe.bias[h]) - float(w @ probe.mean.astype(np.float64))
+    sigmoid = probe.kind == "logistic" if d.sigmoid is None else d.sigmoid
     return MonitorWeights(
         w.astype(np.float32)[None, :],
         np.array([b], dtype=np.float32),
@@ -126,46 +107,27 @@ def _probe(d: MonitorDef, where: str) -> MonitorWeights:
 
 
 def _sae(d: MonitorDef, where: str) -> MonitorWeights:
-    path = Path(d.path or "").expanduser()
-    cfg_path = path / SAE_CFG
-    if not cfg_path.is_file():
-        raise ConfigError(f"{where}.sae: {path} has no {SAE_CFG}; is it an SAE checkpoint?")
-    cfg = json.loads(cfg_path.read_text())
-    arch = _SAE_ARCH.get(cfg.get("architecture"))
-    if arch is None:
-        raise ConfigError(
-            f"{where}.sae: architecture {cfg.get('architecture')!r} is not one a monitor "
-            f"reads (valid: {', '.join(_SAE_ARCH)})"
-        )
-    if cfg.get("normalize_activations", "none") != "none":
-        raise ConfigError(f"{where}.sae: normalize_activations must be 'none' (actbus folds it)")
-    files = path / SAE_WEIGHTS
-    w_enc = _tensor(files, "W_enc", f"{where}.sae").astype(np.float64)  # [d_in, d_sae]
-    b_enc = _tensor(files, "b_enc", f"{where}.sae").astype(np.float64)
-    b_dec = _tensor(files, "b_dec", f"{where}.sae").astype(np.float64)
-    d_sae = w_enc.shape[1]
+    sae = read_sae_encoder(Path(d.path or "").expanduser(), f"{where}.sae")
+    d_sae = sae.d_sae
     for i, f in enumerate(d.features):
         if f >= d_sae:
             raise ConfigError(
                 f"{where}.features[{i}]: latent {f} is out of range; the SAE has {d_sae} latents"
             )
-    if not cfg.get("apply_b_dec_to_input", True):
-        b_dec = np.zeros_like(b_dec)
-    theta = (
-        _tensor(files, "threshold", f"{where}.sae").astype(np.float64)
-        if arch == "jumprelu"
-        else np.zeros(d_sae)
-    )
+    arch = _ACTIVATION[sae.architecture]
+    w_enc = sae.W_enc.astype(np.float64)  # [d_in, d_sae]
+    b_dec = sae.b_dec.astype(np.float64)
+    theta = sae.threshold.astype(np.float64) if sae.threshold is not None else np.zeros(d_sae)
     cols = np.arange(d_sae) if arch == "topk" else np.asarray(d.features, dtype=np.int64)
     w = w_enc[:, cols].T
-    b = b_enc[cols] - b_dec @ w_enc[:, cols]
+    b = sae.b_enc.astype(np.float64)[cols] - b_dec @ w_enc[:, cols]
     published = tuple(d.features) if arch == "topk" else tuple(range(len(cols)))
     return MonitorWeights(
         np.ascontiguousarray(w, dtype=np.float32),
         b.astype(np.float32),
         arch,
         theta[cols].astype(np.float32),
-        k=int(cfg.get("k", 0) or 0) if arch == "topk" else 0,
+        k=sae.k,
         published=published,
         labels=tuple(d.features),
     )

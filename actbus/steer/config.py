@@ -16,7 +16,6 @@ the vector is multiplied, per token, by a gate read off a monitor's score (``Gat
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +23,9 @@ from typing import Any
 import numpy as np
 
 from actbus.errors import ConfigError
-from actbus.streams import parse_positions, show_int
+from actbus.fields import FLOAT32_MAX, check_finite, check_name, source_kind
+from actbus.streams import STEER_HOOKS, parse_hooks, parse_layers, parse_positions
 
-STEER_HOOKS = ("pre_attn", "post_attn", "post_block")
-"""Where a vector can be added: the stream entering a layer, after attention is added,
-and leaving it (``mlp_out`` is not a point of the stream)."""
 TIERS = ("base", "prefill", "decode")
 ENTRY_KEYS = ("vector", "layers", "hooks", "scale", "norm_match", "tier", "positions", "gate")
 GATE_KEYS = ("monitor", "layer", "feature", "threshold", "sharpness", "source")
@@ -156,10 +153,7 @@ class VectorSource:
                 f"{where}: expected a mapping such as {{'file': 'v.safetensors', 'key': 'v'}}, "
                 f"{{'sae': DIR, 'feature': 12}} or {{'probe': DIR}}, got {raw!r:.80}"
             )
-        kinds = [k for k in SOURCE_KINDS if k in raw]
-        if len(kinds) != 1:
-            raise ConfigError(f"{where}: give exactly one of {', '.join(SOURCE_KINDS)}")
-        kind = kinds[0]
+        kind = source_kind(raw, SOURCE_KINDS, where)
         allowed = {"file": ("key",), "sae": ("feature",), "probe": ("head",)}[kind]
         for k in raw:
             if k != kind and k not in allowed:
@@ -231,10 +225,10 @@ class SteerConfig:
         kw: dict[str, Any] = {}
         layers = raw.get("layers", "all")
         if layers != "all":
-            kw["layers"] = check_layers(layers, f"{where}.layers")
+            kw["layers"] = parse_layers(layers, f"{where}.layers")
             kw["all_layers"] = False
         if "hooks" in raw:
-            kw["hooks"] = check_hooks(raw["hooks"], f"{where}.hooks", STEER_HOOKS)
+            kw["hooks"] = parse_hooks(raw["hooks"], f"{where}.hooks", steerable=STEER_HOOKS)
         for name, lo, hi in (
             ("per_token", 1, 64),
             ("max_vectors", 0, 1 << 20),
@@ -280,7 +274,7 @@ class SteerConfig:
     def resolve_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.all_layers:
             return tuple(range(num_layers))
-        return check_layers(self.layers, "actbus.steer.layers", num_layers=num_layers)
+        return parse_layers(self.layers, "actbus.steer.layers", num_layers=num_layers)
 
 
 def _live(raw: Any, where: str) -> dict[str, VectorSource | None]:
@@ -297,81 +291,6 @@ def _live(raw: Any, where: str) -> dict[str, VectorSource | None]:
         check_name(n, where): None if s is None else VectorSource.from_dict(s, f"{where}.{n}")
         for n, s in raw.items()
     }
-
-
-def check_name(name: Any, where: str) -> str:
-    if not isinstance(name, str) or not name or len(name) > 200:
-        raise ConfigError(f"{where}: a vector name must be a non-empty string, got {name!r:.60}")
-    return name
-
-
-def check_layers(
-    raw: Any,
-    where: str,
-    *,
-    num_layers: int | None = None,
-    steerable: tuple[int, ...] | None = None,
-) -> tuple[int, ...]:
-    """A non-empty list of layer indices (or one), each in the model and steerable."""
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = [raw]
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise ConfigError(
-            f"{where}: expected a layer index or a non-empty list of them, got {raw!r}"
-        )
-    for i, v in enumerate(raw):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"{where}[{i}]: expected a 0-based layer index (int >= 0), got {v!r}")
-        if num_layers is not None and v >= num_layers:
-            raise ConfigError(
-                f"{where}[{i}]: layer {v} is out of range; the model has {num_layers} decoder "
-                f"layers (valid: 0..{num_layers - 1})"
-            )
-        if steerable is not None and v not in steerable:
-            raise ConfigError(
-                f"{where}[{i}]: layer {v} cannot be steered on this engine (steerable: "
-                f"{list(steerable)}); add it to the engine's actbus.steer.layers"
-            )
-    return tuple(sorted(set(raw)))
-
-
-def check_hooks(raw: Any, where: str, steerable: tuple[str, ...]) -> tuple[str, ...]:
-    if isinstance(raw, str):
-        raw = [raw]
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise ConfigError(f"{where}: expected a hook name or a non-empty list of them, got {raw!r}")
-    for i, h in enumerate(raw):
-        if h not in STEER_HOOKS:
-            raise ConfigError(
-                f"{where}[{i}]: {h!r} is not a steering point; use one of {', '.join(STEER_HOOKS)}"
-            )
-        if h not in steerable:
-            raise ConfigError(
-                f"{where}[{i}]: hook {h!r} cannot be steered on this engine (steerable: "
-                f"{list(steerable)}); add it to the engine's actbus.steer.hooks"
-            )
-    return tuple(dict.fromkeys(raw))
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-"""Scales, thresholds, sharpness, weights and vector components become float32 on the
-device: a float64 number past this (1e39, 1e300) would be inf there."""
-
-
-def check_finite(x: Any, where: str, what: str) -> float:
-    """A number that is finite as float32, the type it becomes (an int too large for a
-    float, or a float past ``FLOAT32_MAX``, is refused like NaN and Inf)."""
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool)
-    try:
-        ok = ok and math.isfinite(x) and abs(float(x)) <= FLOAT32_MAX
-    except OverflowError:  # an int past float64
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f"{where}: expected {what} (a number finite as float32: |x| <= {FLOAT32_MAX:.7g}), "
-            f"got {show_int(x)}"
-        )
-    return float(x)
 
 
 def check_floats(raw: list | tuple, where: str) -> np.ndarray:
@@ -436,8 +355,10 @@ def parse_steer(
                 f"{w}.vector: expected a registered vector's name or a list of floats, "
                 f"got {vec!r:.60}"
             )
-        ls = check_layers(e["layers"], f"{w}.layers", num_layers=num_layers, steerable=layers)
-        hs = check_hooks(e.get("hooks", "post_block"), f"{w}.hooks", hooks)
+        ls = parse_layers(
+            e["layers"], f"{w}.layers", num_layers=num_layers, steerable=layers, or_all=False
+        )
+        hs = parse_hooks(e.get("hooks", "post_block"), f"{w}.hooks", steerable=hooks)
         scale = check_finite(e.get("scale", 1.0), f"{w}.scale", "a scale")
         norm_match = e.get("norm_match", False)
         if not isinstance(norm_match, bool):

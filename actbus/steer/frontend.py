@@ -30,16 +30,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from actbus.checkpoints import Confine
 from actbus.errors import ConfigError
-from actbus.steer.config import (
-    FLOAT32_MAX,
-    SteerConfig,
-    SteerSpec,
-    monitor_runs_before,
-    parse_steer,
-)
+from actbus.fields import FLOAT32_MAX
+from actbus.steer.config import SteerConfig, SteerSpec, monitor_runs_before, parse_steer
 from actbus.steer.live import LIVE_PREFIX
-from actbus.steer.vectors import Confine, Vector, VectorRegistry
+from actbus.steer.vectors import Vector, VectorRegistry
 
 if TYPE_CHECKING:
     from actbus.monitor.config import MonitorConfig

@@ -6,27 +6,23 @@ holds vectors of requests in flight. Registering, replacing or removing a name i
 change of this registry alone: nothing reaches the compiled model, and a request
 already running keeps the vector it started with.
 
-SAE and probe checkpoints are read in the file formats ``actbus run sae`` and
-``actbus run probe`` write (``trainers/checkpoint.py``), without importing trainers.
+SAE and probe checkpoints are read through ``actbus.checkpoints``, the one reader of
+the formats ``actbus run sae`` and ``actbus run probe`` write.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from actbus.checkpoints import Confine, read_probe, read_sae_decoder, read_tensor
 from actbus.errors import ConfigError
-from actbus.steer.config import VectorSource, check_floats, check_name
-
-SAE_WEIGHTS = "sae_weights.safetensors"
-PROBE_WEIGHTS = "probe.safetensors"
-PROBE_CFG = "probe.json"
+from actbus.fields import check_name
+from actbus.steer.config import VectorSource, check_floats
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,72 +47,8 @@ class Vector:
         return cls(v, digest, float(np.linalg.norm(v.astype(np.float64))))
 
 
-MAX_TENSOR_BYTES = 256 << 20
-"""The largest tensor a path source may name (an SAE's decoder of 65k latents x 1024
-is 256 MiB in float32): a bigger one is refused from its header, before it is read."""
 MAX_NAMED = 4096
 """Named vectors one engine holds at most (``actbus.steer.max_named`` sets it)."""
-
-
-class Confine:
-    """The directories path sources may be read from (``actbus.steer.vector_dirs``):
-    a path counts once every link in it is followed. Outside them nothing is opened,
-    and the refusal is the same whether or not the file exists."""
-
-    def __init__(self, dirs: tuple[str, ...]) -> None:
-        self.dirs = tuple(Path(os.path.realpath(d)) for d in dirs)
-
-    def __call__(self, path: Path, where: str) -> Path:
-        real = Path(os.path.realpath(path))
-        if not any(real == d or d in real.parents for d in self.dirs):
-            raise ConfigError(
-                f"{where}: not under the server's vector directories; paths must lie in one "
-                "of actbus.steer.vector_dirs (links followed)"
-                if self.dirs
-                else f"{where}: this server reads no vector files for HTTP callers; list the "
-                "directories they may use in actbus.steer.vector_dirs"
-            )
-        return real
-
-
-def _open(path: Path, where: str, confine: Confine | None) -> Path:
-    return confine(path, where) if confine is not None else path
-
-
-def _tensor(path: Path, key: str | None, where: str, confine: Confine | None = None) -> np.ndarray:
-    from safetensors import safe_open
-
-    path = _open(path, where, confine)
-    if not path.is_file():
-        raise ConfigError(f"{where}: {path} is not a file")
-    try:
-        f_ = safe_open(str(path), framework="pt")
-    except Exception as e:  # not a safetensors file: say so, not how it failed inside
-        raise ConfigError(
-            f"{where}: {path} is not a safetensors file ({type(e).__name__})"
-        ) from None
-    with f_ as f:
-        keys = list(f.keys())
-        if key is None:
-            if len(keys) != 1:
-                raise ConfigError(
-                    f"{where}.key: {path} holds {len(keys)} tensors; name the tensor to use"
-                    + (f" (it holds {keys[:20]})" if confine is None else "")
-                )
-            key = keys[0]
-        if key not in keys:
-            raise ConfigError(
-                f"{where}.key: {path} has no tensor {key!r:.100}"
-                + (f"; it holds {keys[:20]}" if confine is None else "")
-            )
-        sl = f.get_slice(key)
-        size = int(np.prod(sl.get_shape(), dtype=np.int64)) * 4  # read as float32
-        if size > MAX_TENSOR_BYTES:
-            raise ConfigError(
-                f"{where}.key: tensor {key!r:.100} is {size} bytes as float32, more than the "
-                f"{MAX_TENSOR_BYTES} a vector source may read"
-            )
-        return f.get_tensor(key).float().numpy()
 
 
 def _unit(v: np.ndarray, where: str) -> np.ndarray:
@@ -132,41 +64,19 @@ def load_source(src: VectorSource, where: str, confine: Confine | None = None) -
     directories, ``~`` is not expanded, and errors do not list a file's tensors."""
     path = Path(src.path) if confine is not None else Path(src.path).expanduser()
     if src.kind == "file":
-        return _tensor(path, src.key, where, confine)
+        return read_tensor(path, src.key, where, confine)
     if src.kind == "sae":
-        w_dec = _tensor(path / SAE_WEIGHTS, "W_dec", f"{where}.sae", confine)  # [d_sae, d_in]
+        w_dec = read_sae_decoder(path, f"{where}.sae", confine)  # [d_sae, d_in]
         if src.feature is None or src.feature >= w_dec.shape[0]:
             raise ConfigError(
                 f"{where}.feature: {src.feature} is out of range; the SAE has {w_dec.shape[0]} "
                 "latents"
             )
         return _unit(w_dec[src.feature], f"{where}.feature")
-    cfg_path = _open(path / PROBE_CFG, f"{where}.probe", confine)
-    if not cfg_path.is_file():
-        raise ConfigError(f"{where}.probe: {path} has no {PROBE_CFG}; is it a probe checkpoint?")
-    if cfg_path.stat().st_size > 1 << 20:
-        raise ConfigError(f"{where}.probe: {cfg_path} is over 1 MiB; not a probe's config")
-    try:
-        heads = json.loads(cfg_path.read_text()).get("heads", {})
-        if not isinstance(heads, dict) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in heads.values()
-        ):
-            raise ValueError("heads")
-    except (ValueError, AttributeError, RecursionError):
-        raise ConfigError(f"{where}.probe: {cfg_path} is not a probe's config") from None
-    head = src.head
-    if head is None:
-        if len(heads) != 1:
-            raise ConfigError(f"{where}.head: the probe has heads {sorted(heads)}; name one")
-        head = next(iter(heads))
-    if head not in heads:
-        raise ConfigError(f"{where}.head: the probe has no head {head!r}; it has {sorted(heads)}")
-    weight = _tensor(path / PROBE_WEIGHTS, "linear.weight", f"{where}.probe", confine)
-    inv_std = _tensor(path / PROBE_WEIGHTS, "inv_std", f"{where}.probe", confine)
-    if heads[head] >= len(weight):
-        raise ConfigError(f"{where}.head: the probe's head {head!r} has no row in its weights")
+    probe = read_probe(path, f"{where}.probe", confine)
+    row = probe.row(src.head, f"{where}.head")
     # The probe reads (x - mean) * inv_std: on raw activations its direction is w * inv_std.
-    return _unit(weight[heads[head]] * inv_std, f"{where}.head")
+    return _unit(probe.weight[row] * probe.inv_std, f"{where}.head")
 
 
 class VectorRegistry:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actbus.steer.config import FLOAT32_MAX, monitor_runs_before
+from actbus.fields import FLOAT32_MAX
+from actbus.steer.config import monitor_runs_before
 from actbus.steer.graph import GateTables, SteerTables
 from actbus.steer.live import LIVE_PREFIX, LiveVectors
 from actbus.steps import StepRequests

@@ -91,7 +91,7 @@ def test_http_sources_stay_in_the_vector_dirs_and_registrations_are_capped(tmp_p
     directories, links followed; outside, the refusal is the same whether the file
     exists or not, and names no tensor. A tensor too big is refused from its header;
     a registry holds at most ``max_named`` names (replacing one is always allowed)."""
-    from actbus.steer import vectors as vec_mod
+    from actbus import checkpoints
     from actbus.steer.vectors import Confine
 
     inside, outside = tmp_path / "vectors", tmp_path / "private"
@@ -133,15 +133,15 @@ def test_http_sources_stay_in_the_vector_dirs_and_registrations_are_capped(tmp_p
     with pytest.raises(ConfigError, match=r"vectors.c: has 100000 values; this model's"):
         VectorRegistry(H).register("c", [1.0] * 100_000)
     save_file({"big": torch.zeros(1024, 1024)}, str(inside / "big.safetensors"))
-    old = vec_mod.MAX_TENSOR_BYTES
-    vec_mod.MAX_TENSOR_BYTES = 1 << 20
+    old = checkpoints.MAX_TENSOR_BYTES
+    checkpoints.MAX_TENSOR_BYTES = 1 << 20
     try:
         with pytest.raises(ConfigError, match=r"key: tensor 'big' is 4194304 bytes as float32"):
             reg.register(
                 "b", VectorSource("file", str(inside / "big.safetensors")), confine=confine
             )
     finally:
-        vec_mod.MAX_TENSOR_BYTES = old
+        checkpoints.MAX_TENSOR_BYTES = old
 
 
 def test_vectors_from_files_and_checkpoints(tmp_path):
