@@ -139,8 +139,8 @@ def test_store_train_from_disk_and_replay(server, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = ActivationRun(out / "run")
     rows = run.manifest["rows"]
-    assert set(rows) == {"1/post_block", "3/post_block"} and rows["1/post_block"] > 1000
-    assert rows["1/post_block"] == rows["3/post_block"] and run.verify() == []
+    assert set(rows) == {"L1.post_block", "L3.post_block"} and rows["L1.post_block"] > 1000
+    assert rows["L1.post_block"] == rows["L3.post_block"] and run.verify() == []
     assert run.dtype == "float32" and run.reduction.kind == "bf16"
     assert ActivationRun(out / "copy").manifest["rows"] == rows
     summary = json.loads((out / "sae.json").read_text())
@@ -364,7 +364,7 @@ def test_readme_store_and_replay(server, tiny_models, readme_dir):
     out = _bash(script + "wait\n", readme_dir, "store")
     run = ActivationRun(readme_dir / "runs" / "today")
     rows = run.manifest["rows"]
-    assert set(rows) == {"1/post_block", "3/post_block"} and rows["1/post_block"] > 0, rows
+    assert set(rows) == {"L1.post_block", "L3.post_block"} and rows["L1.post_block"] > 0, rows
     assert run.verify() == [] and f"{rows} []" in out  # what the block printed
     assert ActivationRun(readme_dir / "runs" / "copy").manifest["rows"] == rows
     # A completion's rows carry the response id plus "-0", its prompt's index (as

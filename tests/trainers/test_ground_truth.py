@@ -67,7 +67,7 @@ def _recover(tmp_path, cfg: SAEConfig, messages: int) -> float:
     stats = module.trainer.datamodule.stats()
     print(f"\n{cfg.kind}: best-cosine {cos:.4f} in {time.monotonic() - t0:.1f}s; data {stats}")
     # Every published token reached the trainer (block policy): nothing lost on the way.
-    assert stats["tokens/L0/post_block"] == messages * 512
+    assert stats["tokens/L0.post_block"] == messages * 512
     assert stats["bus/missed"] == 0
     # A fresh SAE is nowhere near: the bar means something.
     assert best_cos(SAETrainer([cfg]).sae(cfg.name).W_dec, atoms) < 0.6
