@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from actbus.streams import parse_point_key, point_key
-from consumers.monitor import Monitor
+from consumers.sampler import DashboardSampler
 from consumers.scores import ScoreStatsConfig
 from consumers.wandb_offline import has_credentials, offline_mode
 
@@ -154,7 +154,7 @@ def flatten_monitors(m: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-class WandbDashboard(Monitor):
+class WandbDashboard(DashboardSampler):
     """Logs each snapshot as one W&B row (histograms as ``wandb.Histogram``)."""
 
     name = "wandb"

@@ -36,7 +36,7 @@ __all__ = [
 
 MAX_WINDOW = 1024
 """Credit in messages a subscriber may ask for: the publisher's per-peer ZeroMQ queue
-holds this many data messages plus room for control messages (``publisher.py``)."""
+holds this many data messages plus room for session messages (``publisher.py``)."""
 MAX_WINDOW_BYTES = 1 << 40
 """Credit in bytes the wire accepts; each publisher caps it lower (``max_window_mb``)."""
 MAX_NAME = 200

@@ -33,7 +33,7 @@ from actbus.capture.internals import StepGuard
 from actbus.capture.requests import caller_request_id
 from actbus.capture.scheduler import StepRequests
 from actbus.capture.selection import Selection
-from actbus.capture.stages import StageCollector, StageForwarder, stage_address
+from actbus.capture.stages import StageForwarder, StageInbox, stage_address
 from actbus.capture.taps import TapSet
 from actbus.config import CaptureConfig
 from actbus.errors import VllmVersionError
@@ -213,7 +213,7 @@ class CaptureWorker:
             max_subscribers=cfg.max_subscribers,
         )
         if stage[1] > 1:
-            self._stages = StageCollector(self.publisher, stage_address(address))
+            self._stages = StageInbox(self.publisher, stage_address(address))
         atexit.register(self.close)
         _serving_log.info(
             "actbus: capturing layers %s hooks %s of %s (hidden size %d), publishing on %s",

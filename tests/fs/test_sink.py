@@ -11,7 +11,7 @@ import torch
 from actbus.bus import Batch
 from actbus.wire import Header, RowIndex
 from consumers.fs import ActivationRun, FsSink, StorageError, WriterConfig, parse_reduction
-from consumers.fs.selection import StoreFilter
+from consumers.fs.filters import StoreFilter
 from consumers.fs.torch_dataset import TokenDataset
 
 INFO = {"model": "m", "hidden_size": 8, "dtype": "float32", "layers": [1], "hooks": ["post_block"]}
@@ -156,8 +156,8 @@ def test_unwritable_out_is_named(tmp_path):
 def test_mark_after_eviction_counted_even_when_later_rows_are_held_again():
     """A request evicted, then held again by its later rows, then marked: only the
     later rows are kept, and the mark is counted (and logged) as after eviction."""
+    from consumers.fs.filters import MarkedWindow
     from consumers.fs.rows import TapRows
-    from consumers.fs.selection import MarkedWindow
 
     w = MarkedWindow(1, 1 << 30, {})
     w.offer(TapRows.from_batch(_batch(0, "x", [0, 1])))
