@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actbus.streams import point_key
 from tests.support.procs import wait_for
 
 pytestmark = pytest.mark.engine
@@ -243,7 +244,7 @@ def test_return_activations_in_process(tmp_path):
         n = len(req["positions"])
         assert n == 1 if i == 0 else n > 10
         for layer in LAYERS:
-            assert req[f"L{layer}/post_block"].shape == (n, 128)
+            assert req[point_key(layer, "post_block")].shape == (n, 128)
         assert req["token_ids"].shape == (n,)
 
 
@@ -323,7 +324,7 @@ def test_readme_serve_and_train(server, tiny_models, readme_dir):
     script = script.replace(f"\nsend {REQUESTS}\n", f"\n{wait}send {REQUESTS}\n")
     out = _bash(script + _STOP_JOBS, readme_dir, "serve")
     assert out.count("docs-block: job") == 4 and out.count("exited 0") == 4, out[-3000:]
-    sae = readme_dir / "out" / "saes" / "L3-post_block-topk-k8-x4"
+    sae = readme_dir / "out" / "saes" / "L3.post_block-topk-k8-x4"
     assert (sae / "cfg.json").exists(), sorted(p.name for p in (readme_dir / "out").rglob("*"))
     (probe,) = (readme_dir / "out" / "probes").glob("*/probe.json")
     source = json.loads(probe.read_text())["source"]

@@ -183,9 +183,9 @@ class Subscription:
         )
 
     def wants(self, layer: int, hook: str) -> bool:
-        """Monitor scores (``MONITOR_HOOK``) go only to subscribers that name that
-        hook: ``hooks=None`` means every activation hook, so consumers of activations
-        never receive rows of another width."""
+        """Monitor scores (the monitors' score hook, ``MONITOR_HOOK``) go only to
+        subscribers that name that hook: ``hooks=None`` means every activation hook, so
+        consumers of activations never receive rows of another width."""
         if hook == MONITOR_HOOK and (self.hooks is None or hook not in self.hooks):
             return False
         return (self.layers is None or layer in self.layers) and (

@@ -87,7 +87,7 @@ def check_taps(
     for what, wanted, key in (("layer", layers, "layers"), ("hook", hooks, "hooks")):
         tapped = info.get(key)
         if monitors and isinstance(tapped, list) and hooks is not None and MONITOR_HOOK in hooks:
-            # Monitor scores come from the monitors' own layers, and their own hook.
+            # Monitor scores come from the monitors' own layers, on the monitors' score hook.
             extra = (
                 [MONITOR_HOOK]
                 if key == "hooks"

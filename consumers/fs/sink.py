@@ -118,7 +118,7 @@ class FsSink(Consumer):
         )
         g.add_argument("--reduce-seed", type=int, default=0, help="seed of proj:K's matrix")
         g.add_argument(
-            "--pca-warmup", type=int, default=4096, help="rows per layer/hook the PCA is fitted on"
+            "--pca-warmup", type=int, default=4096, help="rows per stream the PCA is fitted on"
         )
         g.add_argument(
             "--tag-columns",

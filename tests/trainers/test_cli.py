@@ -331,13 +331,13 @@ def test_several_saes_from_one_subscription(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["data"]["bus/received"] == 2 * messages  # one subscriber got both layers
     for layer in (0, 3):
-        assert s["data"][f"tokens/L{layer}/post_block"] == messages * 256
+        assert s["data"][f"tokens/L{layer}.post_block"] == messages * 256
     saved = sorted(p.name for p in (tmp_path / "out").iterdir() if (p / "cfg.json").exists())
     assert saved == [
-        "L0-post_block-topk-k4-x2",
-        "L0-post_block-topk-k8-x2",
-        "L3-post_block-topk-k4-x2",
-        "L3-post_block-topk-k8-x2",
+        "L0.post_block-topk-k4-x2",
+        "L0.post_block-topk-k8-x2",
+        "L3.post_block-topk-k4-x2",
+        "L3.post_block-topk-k8-x2",
     ]
     assert load_sae(tmp_path / "out" / saved[3]).cfg.layer == 3
     assert set(s["fvu_history"]) == set(saved)

@@ -130,7 +130,7 @@ def test_probe_recovers_planted_label_from_request_tags(tmp_path, monkeypatch):
     assert acc >= 0.95 and auroc >= 0.95
     # The weights point along the planted direction (not some spurious feature).
     _, direction = planted()
-    w = module.probes[probe.name].linear.weight[0] * module.probes[probe.name].inv_std
+    w = module.probe(probe.name).linear.weight[0] * module.probe(probe.name).inv_std
     # (not exactly it: logistic regression weights are the noise-whitened direction)
     assert float(torch.nn.functional.cosine_similarity(w.detach(), direction, dim=0)) > 0.8
     # The offline W&B run holds the held-out metric and the training loss.
