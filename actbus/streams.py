@@ -6,6 +6,7 @@ subscriber's command line all name layers and hooks; they are checked here, once
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from actbus.errors import ConfigError
@@ -145,3 +146,39 @@ def show_int(v: Any) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
         return f"an integer of {v.bit_length()} bits"
     return f"{v!r:.40}"
+
+
+_POINT_KEY = re.compile(
+    r"L(?P<new>\d{1,10})\.(?P<new_hook>[a-z_]+)"  # L3.post_block: the one spelling written
+    r"|L?(?P<slash>\d{1,10})/(?P<slash_hook>[a-z_]+)"  # 3/post_block, L3/post_block (old stats)
+    r"|layer-(?P<dir>\d{1,10})[/-](?P<dir_hook>[a-z_]+)"  # layer-03/post_block (old fs sink)
+)
+
+
+def point_key(layer: int, hook: str) -> str:
+    """The one name of a (layer, hook) stream wherever a user sees it (mode line, stats,
+    dashboards, fs-sink directories and manifest, trainer names): ``L3.post_block``.
+    Filename-safe and one token."""
+    return f"L{layer}.{hook}"
+
+
+def parse_point_key(s: str) -> tuple[int, str]:
+    """``(layer, hook)`` of a stream's name: ``L3.post_block``, or a spelling older runs,
+    checkpoints and stats used (``3/post_block``, ``L3/post_block``,
+    ``layer-03/post_block``, ``layer-03-post_block``), so they keep loading."""
+    m = _POINT_KEY.fullmatch(s) if isinstance(s, str) else None
+    if m is None:
+        raise ConfigError(
+            f"stream name {s!r:.80} is not a (layer, hook) name; write it as "
+            f"L<layer>.<hook>, e.g. L3.post_block (hooks: {', '.join(HOOKS)})"
+        )
+    digits = m["new"] or m["slash"] or m["dir"]
+    hook = m["new_hook"] or m["slash_hook"] or m["dir_hook"]
+    layer = int(digits)
+    if hook not in HOOKS:
+        raise ConfigError(
+            f"stream name {s!r:.80}: unknown hook {hook!r}; supported: {', '.join(HOOKS)}"
+        )
+    if layer > MAX_INT32:
+        raise ConfigError(f"stream name {s!r:.80}: layer {show_int(layer)} is past int32")
+    return layer, hook

@@ -77,11 +77,12 @@ nested lists and maps included."""
 MAX_TAG_DEPTH = 16
 
 MONITOR_HOOK = "monitor"
-"""The hook name of monitor scores: a data message of float32 ``[rows, width]`` scores
+"""The monitors' score hook: the hook name of a data message of float32 ``[rows, width]`` scores
 whose header's ``monitor`` field names the monitor, its weights' version and its point
 (``layer`` is the point's layer). Only subscribers that name this hook get them."""
 KNOWN_HOOKS = frozenset(HOOKS) | {MONITOR_HOOK}
-"""The hook names a header may carry: the hook points capture taps, and monitor scores."""
+"""The hook names a header may carry: the hook points capture taps, and the monitors'
+score hook."""
 MAX_MONITOR_NAME_CHARS = 200
 
 

@@ -25,7 +25,7 @@ The consumers start once the engine is up and its warm-up done, and the generati
 starts once all of them subscribed; the engine's shutdown sends END, and the trainer
 trains on what it holds, saves and exits. Reported per arm: generated tok/s and the
 ratio to plain; tokens served (rows at the layer: prompt + generated - 1 per request);
-tokens trained (the trainer's ``--summary``: ``data/tokens/L16/post_block``) and their
+tokens trained (the trainer's ``--summary``: ``data/tokens/L16.post_block``) and their
 share of those served; drops (the trainer's ``bus/missed``, the publisher's count for
 it); the trainer's tokens/s (tokens trained over the time from its first step to its
 last); the GPU memory split (the engine's share and the trainer's peak from

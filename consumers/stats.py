@@ -27,16 +27,13 @@ from typing import Any
 import numpy as np
 
 from actbus.bus import Batch
+from actbus.streams import point_key
 
 _NO_ROWS = np.zeros(0)
 _NO_ROWS.setflags(write=False)
 
 OTHER_TAG = "(other)"
 """Tag values past ``StatsConfig.max_tag_values`` are counted under this name."""
-
-
-def tap_key(layer: int, hook: str) -> str:
-    return f"{layer}/{hook}"
 
 
 @dataclass(frozen=True)
@@ -127,7 +124,7 @@ class ActivationStats:
             self.messages += 1
             self.bytes += h.nbytes
             self._count_step(h.step)
-            groups.setdefault(tap_key(h.layer, h.hook), []).append(i)
+            groups.setdefault(point_key(h.layer, h.hook), []).append(i)
         for key, idx in groups.items():
             for i, norms in zip(idx, self._digest(key, [batches[i] for i in idx]), strict=True):
                 out[i] = norms
@@ -365,7 +362,7 @@ class RecentRequests:
                     keys.append(k)
                     where.append((i, j))
             seg_code.extend(map(code_of.__getitem__, ks))
-            msg_tap.append(taps.setdefault(tap_key(b.header.layer, b.header.hook), len(taps)))
+            msg_tap.append(taps.setdefault(point_key(b.header.layer, b.header.hook), len(taps)))
             msg_reqs.append(len(ks))
             o = rows.offsets
             seg_rows.append(o[1:] - o[:-1])

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from consumers.monitor import Monitor
+from actbus.streams import parse_point_key, point_key
+from consumers.sampler import DashboardSampler
 from consumers.scores import ScoreStatsConfig
 from consumers.wandb_offline import has_credentials, offline_mode
 
@@ -85,7 +86,7 @@ def flatten(snap: dict[str, Any]) -> dict[str, Any]:
     row["sampled/last_step"] = acts["last_step"]
     row["acts/nonfinite_rows"] = acts.get("nonfinite_rows", 0)
     for t in acts["taps"].values():
-        base = f"acts/L{t['layer']}.{_name(t['hook'])}"
+        base = f"acts/{point_key(t['layer'], _name(t['hook']))}"
         for k in (
             "rows",
             "nonfinite_rows",
@@ -111,8 +112,7 @@ def flatten(snap: dict[str, Any]) -> dict[str, Any]:
             row[f"publishers/{name}/{k}"] = v[k]
     for label, per in (acts.get("tags") or {}).items():
         for key, v in per.items():
-            layer, hook = key.split("/", 1)
-            base = f"tags/{_name(label)}/L{layer}.{_name(hook)}"
+            base = f"tags/{_name(label)}/{point_key(*parse_point_key(key))}"
             row[f"{base}/rows"] = v["rows"]
             row[f"{base}/norm_mean"] = v["norm_mean"]
     row.update(flatten_monitors(snap.get("monitors") or {}))
@@ -154,7 +154,7 @@ def flatten_monitors(m: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-class WandbDashboard(Monitor):
+class WandbDashboard(DashboardSampler):
     """Logs each snapshot as one W&B row (histograms as ``wandb.Histogram``)."""
 
     name = "wandb"

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from actbus.cli import consumer_command
+from actbus.streams import point_key
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -127,7 +128,7 @@ def _serve_and_report(model: Path, address: str, out: Path, sink, args) -> int:
     print(f"  model {m['model']}, hidden size {m['hidden_size']}, dtype {m['dtype']}")
     for layer in LAYERS:
         n_shards = len(run.shards(layer, "post_block"))
-        rows = m["rows"][f"{layer}/post_block"]
+        rows = m["rows"][point_key(layer, "post_block")]
         print(f"  layer {layer} post_block: {rows} rows in {n_shards} shard(s)")
     rid = outs[0].request_id
     acts = run.request(rid, LAYERS[0])
@@ -148,7 +149,10 @@ def _serve_and_report(model: Path, address: str, out: Path, sink, args) -> int:
         "\nRead it back:  from consumers.fs import ActivationRun; "
         f"ActivationRun({str(out)!r}).request({rid!r}, {LAYERS[0]})"
     )
-    ok = all(m["rows"][f"{layer}/post_block"] == expected for layer in LAYERS) and err < 1e-3
+    ok = (
+        all(m["rows"][point_key(layer, "post_block")] == expected for layer in LAYERS)
+        and err < 1e-3
+    )
     return 0 if ok else 1
 
 

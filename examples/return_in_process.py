@@ -39,6 +39,8 @@ def main() -> int:
     import torch
     from vllm import LLM, SamplingParams
 
+    from actbus.streams import point_key
+
     address = f"ipc://{tempfile.mkdtemp(prefix='actbus-journey-')}/bus.sock"
     common.step(1, 3, f"vllm.LLM with capture on layers {list(model.layers)}")
     t0 = time.monotonic()
@@ -71,7 +73,9 @@ def main() -> int:
         acts = o.outputs[0].activations
         fed = len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1
         want = 1 if i == 0 else fed
-        shapes = {f"L{layer}/{hook}": tuple(t.shape) for (layer, hook), t in acts.tensors.items()}
+        shapes = {
+            point_key(layer, hook): tuple(t.shape) for (layer, hook), t in acts.tensors.items()
+        }
         if i < 3:
             print(f"      request {o.request_id}: {fed} fed, {shapes}, complete={acts.complete}")
         ok = ok and acts.complete and all(t.shape[0] == want for t in acts.tensors.values())
@@ -83,7 +87,7 @@ def main() -> int:
                 "request_id": o.request_id,
                 "positions": acts.positions,
                 "token_ids": acts.token_ids,
-                **{f"L{layer}/{hook}": t for (layer, hook), t in acts.tensors.items()},
+                **{point_key(layer, hook): t for (layer, hook), t in acts.tensors.items()},
             }
         )
     torch.save(saved, out / "activations.pt")

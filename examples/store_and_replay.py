@@ -139,6 +139,7 @@ def _generate(llm, items: list, max_tokens: int) -> int:
 
 def _wait_rows(run_dir: Path, layers: tuple[int, ...], rows: int, sink) -> None:
     """Until the sink has committed every row the requests fed, at every layer."""
+    from actbus.streams import point_key
     from consumers.fs import ActivationRun
 
     deadline = time.monotonic() + 120
@@ -147,7 +148,7 @@ def _wait_rows(run_dir: Path, layers: tuple[int, ...], rows: int, sink) -> None:
             got = ActivationRun(run_dir).manifest["rows"]
         except FileNotFoundError:
             got = {}
-        if all(got.get(f"{layer}/post_block", 0) >= rows for layer in layers):
+        if all(got.get(point_key(layer, "post_block"), 0) >= rows for layer in layers):
             return
         if sink.poll() is not None:
             break

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actbus.streams import point_key
 from tests.support.procs import wait_for
 
 pytestmark = pytest.mark.engine
@@ -139,8 +140,8 @@ def test_store_train_from_disk_and_replay(server, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = ActivationRun(out / "run")
     rows = run.manifest["rows"]
-    assert set(rows) == {"1/post_block", "3/post_block"} and rows["1/post_block"] > 1000
-    assert rows["1/post_block"] == rows["3/post_block"] and run.verify() == []
+    assert set(rows) == {"L1.post_block", "L3.post_block"} and rows["L1.post_block"] > 1000
+    assert rows["L1.post_block"] == rows["L3.post_block"] and run.verify() == []
     assert run.dtype == "float32" and run.reduction.kind == "bf16"
     assert ActivationRun(out / "copy").manifest["rows"] == rows
     summary = json.loads((out / "sae.json").read_text())
@@ -243,7 +244,7 @@ def test_return_activations_in_process(tmp_path):
         n = len(req["positions"])
         assert n == 1 if i == 0 else n > 10
         for layer in LAYERS:
-            assert req[f"L{layer}/post_block"].shape == (n, 128)
+            assert req[point_key(layer, "post_block")].shape == (n, 128)
         assert req["token_ids"].shape == (n,)
 
 
@@ -323,7 +324,7 @@ def test_readme_serve_and_train(server, tiny_models, readme_dir):
     script = script.replace(f"\nsend {REQUESTS}\n", f"\n{wait}send {REQUESTS}\n")
     out = _bash(script + _STOP_JOBS, readme_dir, "serve")
     assert out.count("docs-block: job") == 4 and out.count("exited 0") == 4, out[-3000:]
-    sae = readme_dir / "out" / "saes" / "L3-post_block-topk-k8-x4"
+    sae = readme_dir / "out" / "saes" / "L3.post_block-topk-k8-x4"
     assert (sae / "cfg.json").exists(), sorted(p.name for p in (readme_dir / "out").rglob("*"))
     (probe,) = (readme_dir / "out" / "probes").glob("*/probe.json")
     source = json.loads(probe.read_text())["source"]
@@ -364,7 +365,7 @@ def test_readme_store_and_replay(server, tiny_models, readme_dir):
     out = _bash(script + "wait\n", readme_dir, "store")
     run = ActivationRun(readme_dir / "runs" / "today")
     rows = run.manifest["rows"]
-    assert set(rows) == {"1/post_block", "3/post_block"} and rows["1/post_block"] > 0, rows
+    assert set(rows) == {"L1.post_block", "L3.post_block"} and rows["L1.post_block"] > 0, rows
     assert run.verify() == [] and f"{rows} []" in out  # what the block printed
     assert ActivationRun(readme_dir / "runs" / "copy").manifest["rows"] == rows
     # A completion's rows carry the response id plus "-0", its prompt's index (as

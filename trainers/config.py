@@ -13,16 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actbus.flags import flag
+from actbus.streams import point_key
 
 SAE_KINDS = ("topk", "batchtopk", "relu", "jumprelu")
 PROBE_KINDS = ("logistic", "linear")
 B_DEC_INITS = ("geometric_median", "mean", "zeros")
 DECODERS = ("sparse", "dense")
-
-
-def stream_key(layer: int, hook: str) -> str:
-    """The name of one (layer, hook) stream in a batch dict."""
-    return f"L{layer}/{hook}"
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -97,11 +93,11 @@ class SAEConfig:
         _check(self.layer >= 0, f"layer: expected >= 0, got {self.layer}")
         if not self.name:
             x = self.d_sae // self.d_in
-            self.name = f"L{self.layer}-{self.hook}-{self.kind}-k{self.k}-x{x}"
+            self.name = f"{point_key(self.layer, self.hook)}-{self.kind}-k{self.k}-x{x}"
 
     @property
     def stream(self) -> str:
-        return stream_key(self.layer, self.hook)
+        return point_key(self.layer, self.hook)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -142,11 +138,11 @@ class ProbeConfig:
         _check(0.0 < self.heldout < 1.0, f"heldout: expected in (0, 1), got {self.heldout}")
         _check(self.lr > 0, f"lr: expected > 0, got {self.lr}")
         if not self.name:
-            self.name = f"L{self.layer}-{self.hook}-probe-{self.kind}"
+            self.name = f"{point_key(self.layer, self.hook)}-probe-{self.kind}"
 
     @property
     def stream(self) -> str:
-        return stream_key(self.layer, self.hook)
+        return point_key(self.layer, self.hook)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

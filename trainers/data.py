@@ -3,7 +3,7 @@
 A source thread (``BusSource``: a subscriber; ``RunSource``: a run the sink wrote)
 puts rows into a ``TokenHub``: one shuffle buffer per (layer, hook) stream. The
 trainer's ``TokenStream`` takes batches out: the first after a warm-up, then one
-whenever every stream has a batch's worth. A batch is ``{stream_key: {"activation",
+whenever every stream has a batch's worth. A batch is ``{point_key: {"activation",
 "position", "request_id", "split", "label"}}`` (see ``TrainingRows``), so several
 SAEs or probes on different layers train from one subscription.
 
@@ -36,8 +36,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from actbus.streams import point_key
 from trainers.buffer import ShuffleBuffer, TrainingRows, parse_labels, split_value
-from trainers.config import DataConfig, stream_key
+from trainers.config import DataConfig
 
 log = logging.getLogger("actbus.trainers")
 WARMUP_LOG_S = 5.0
@@ -70,7 +71,7 @@ class TokenHub:
 
     def __init__(self, cfg: DataConfig) -> None:
         self.cfg = cfg
-        self.keys = [stream_key(layer, hook) for layer, hook in cfg.streams]
+        self.keys = [point_key(layer, hook) for layer, hook in cfg.streams]
         self._buffers: dict[str, ShuffleBuffer] = {}
         self._cond = threading.Condition()
         self._finished = False
@@ -380,7 +381,7 @@ class BusSource(threading.Thread):
                 )
                 rows = rows.take(keep.nonzero().squeeze(1))
         if len(rows):
-            self.hub.put(stream_key(h.layer, h.hook), rows, self.stop_event)
+            self.hub.put(point_key(h.layer, h.hook), rows, self.stop_event)
 
     def _note(self, sub) -> None:
         from actbus.bus.fanin import FanIn
@@ -443,7 +444,7 @@ class RunSource(threading.Thread):
         try:
             datasets = {}
             for layer, hook in cfg.streams:
-                datasets[stream_key(layer, hook)] = TokenDataset(
+                datasets[point_key(layer, hook)] = TokenDataset(
                     cfg.run_dir,
                     layer,
                     hook,

@@ -45,9 +45,11 @@ class ProbeTrainer(pl.LightningModule):
                 raise ValueError(f"probe {c.name}: labels {missing} are not read from the stream")
         self.probes = nn.ModuleDict({module_key(c.name): LinearProbe(c) for c in configs})
         self.metrics = nn.ModuleDict()
+        self._metric_names: dict[str, str] = {}  # module key -> NAME/TAG, as logged
         for c in configs:
             for t in c.labels:
                 key = module_key(f"{c.name}/{t}")
+                self._metric_names[key] = f"{c.name}/{t}"
                 if c.kind == "logistic":
                     self.metrics[key] = torchmetrics.MetricCollection(
                         {
@@ -163,7 +165,7 @@ class ProbeTrainer(pl.LightningModule):
                 if name == "auroc" and len(self._classes.get(key, ())) < 2:
                     continue  # undefined with one class in the window (torchmetrics says 0)
                 if torch.isfinite(v):
-                    out[f"{key}/heldout_{name}"] = float(v)
+                    out[f"{self._metric_names[key]}/heldout_{name}"] = float(v)
             coll.reset()
         self._updated.clear()
         self._classes.clear()

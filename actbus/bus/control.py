@@ -289,7 +289,7 @@ class ControlServer:
                 )  # fmt: skip
             except Exception as e:  # never let one peer's message end the endpoint
                 self._refused_log.log(
-                    log, logging.ERROR, "actbus: control message failed: %s",
+                    log, logging.ERROR, "actbus: a message to the control endpoint failed: %s",
                     capped_text(f"{type(e).__name__}: {e}"),
                 )  # fmt: skip
                 reply = {"ok": False, "field": "message", "error": f"{type(e).__name__}: {e}"}

@@ -53,7 +53,7 @@ FILE_CHECK_S = 1.0
 _SUMMED = ("received", "bytes_received", "missed", "rejected", "welcomes", "lost")
 FDS_PER_PUBLISHER = 6
 """File descriptors one publisher's subscriber holds (measured on Linux): the data and
-the keepalive sockets' mailboxes and connections, and the handshake monitor's pair."""
+the keepalive sockets' mailboxes and connections, and the socket-event (handshake) pair."""
 FDS_RESERVE = 64
 """File descriptors left for the rest of the process (files, logs, the consumer's own)."""
 
@@ -105,7 +105,7 @@ class FanIn:
         self._keepalive = subscriber_kw.get("keepalive", True)
         self._curve = subscriber_kw.get("client_secret_key") is not None
         self._ctx = zmq.Context()
-        # Every subscriber's data, keepalive and monitor sockets, in this one context.
+        # Every subscriber's data, keepalive and socket-event sockets, in this one context.
         self._ctx.set(zmq.MAX_SOCKETS, 4 * MAX_ENDPOINTS + 64)
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None

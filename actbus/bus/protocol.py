@@ -36,7 +36,7 @@ __all__ = [
 
 MAX_WINDOW = 1024
 """Credit in messages a subscriber may ask for: the publisher's per-peer ZeroMQ queue
-holds this many data messages plus room for control messages (``publisher.py``)."""
+holds this many data messages plus room for session messages (``publisher.py``)."""
 MAX_WINDOW_BYTES = 1 << 40
 """Credit in bytes the wire accepts; each publisher caps it lower (``max_window_mb``)."""
 MAX_NAME = 200
@@ -183,9 +183,9 @@ class Subscription:
         )
 
     def wants(self, layer: int, hook: str) -> bool:
-        """Monitor scores (``MONITOR_HOOK``) go only to subscribers that name that
-        hook: ``hooks=None`` means every activation hook, so consumers of activations
-        never receive rows of another width."""
+        """Monitor scores (the monitors' score hook, ``MONITOR_HOOK``) go only to
+        subscribers that name that hook: ``hooks=None`` means every activation hook, so
+        consumers of activations never receive rows of another width."""
         if hook == MONITOR_HOOK and (self.hooks is None or hook not in self.hooks):
             return False
         return (self.layers is None or layer in self.layers) and (

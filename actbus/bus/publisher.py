@@ -1,4 +1,4 @@
-"""The publisher: one ROUTER socket, its thread, control messages and liveness.
+"""The publisher: one ROUTER socket, its thread, session messages and liveness.
 
 The engine thread hands each captured message to ``publish``, which only queues it
 (within a byte budget) and returns; a background thread owns the socket and does
@@ -16,8 +16,8 @@ a killed process is noticed within that), and a subscriber silent for
 consumer is busy through a keepalive socket of its own (``KEEPALIVE`` names the
 subscriber it speaks for). Either way a dead one is no longer waited for.
 
-Every control message that breaks the schema is counted in ``rejected`` and
-dropped; frames above ``MAX_CONTROL_BYTES`` are refused by libzmq before they are
+Every session message that breaks the schema is counted in ``rejected`` and
+dropped; frames above ``MAX_SESSION_BYTES`` are refused by libzmq before they are
 allocated (the sender's connection is closed; counted in ``connections_closed``).
 
 Every peer is untrusted, and what one can cost is bounded: its credit (a HELLO
@@ -26,7 +26,7 @@ acknowledgements (never beyond what was sent), its ZeroMQ queue (``PEER_QUEUE``
 messages: a peer whose queue fills is not reading, and is dropped and counted as
 ``not_reading``, never buffered), its request filter (size-bounded, compiled
 once), the number of subscribers (``max_subscribers``), its STATS requests (one
-answer per ``STATS_INTERVAL_S``), the control messages handled per loop turn, and
+answer per ``STATS_INTERVAL_S``), the session messages handled per loop turn, and
 the log lines it causes (``logcap.LogRate``). Stats name subscribers, never
 their identities.
 """
@@ -80,13 +80,13 @@ log = logging.getLogger("actbus.publisher")
 CLOSE_LINGER_MS = 1000
 _NOWAIT = int(zmq.NOBLOCK)
 _SNDMORE_NOWAIT = int(zmq.SNDMORE) | _NOWAIT
-# Largest control frame accepted; control messages are small maps (a HELLO's
+# Largest session frame accepted; session messages are small maps (a HELLO's
 # request filter is at most protocol.MAX_MATCH_BYTES).
-MAX_CONTROL_BYTES = 64 << 10
-# Control messages handled per loop turn, and the time they may take, so a flood
+MAX_SESSION_BYTES = 64 << 10
+# Session messages handled per loop turn, and the time they may take, so a flood
 # cannot starve sending.
-CONTROL_BATCH = 256
-CONTROL_TURN_S = 0.02
+SESSION_BATCH = 256
+SESSION_TURN_S = 0.02
 DEPARTED_KEPT = 32
 # Messages ZeroMQ may hold for one peer (its send high-water mark): credit bounds
 # the data in flight to MAX_WINDOW, the rest is room for heartbeats, marks and
@@ -94,7 +94,7 @@ DEPARTED_KEPT = 32
 # its own process); a full one means the peer stopped reading: it is dropped.
 PEER_QUEUE = MAX_WINDOW + 1024
 PEER_INBOX = 64
-"""Control messages one peer may have waiting unread in the publisher's socket."""
+"""Session messages one peer may have waiting unread in the publisher's socket."""
 DEFAULT_MAX_WINDOW_MB = 256.0
 DEFAULT_MAX_SUBSCRIBERS = 256
 # A subscriber's STATS requests answered at most this often; the counters are
@@ -145,7 +145,7 @@ class Publisher:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.SNDHWM, PEER_QUEUE)  # full: that peer is dropped
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_SESSION_BYTES)
         # What one peer may have waiting unread here: past it libzmq stops reading
         # that peer (its sends block), so a flood costs at most this x 64 KiB.
         self._sock.setsockopt(zmq.RCVHWM, PEER_INBOX)
@@ -157,7 +157,7 @@ class Publisher:
             self._auth.close()
             self._ctx.term()
             raise OSError(f"actbus.publish={address!r}: cannot bind: {e}") from e
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._socket_events = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket_file = _socket_file(address)
         self._queue: deque[Item] = deque()
         self._queued_bytes = 0
@@ -379,7 +379,7 @@ class Publisher:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._socket_events, zmq.POLLIN)
         next_beat = time.monotonic()
         more = False
         try:
@@ -397,11 +397,11 @@ class Publisher:
                 if self._wake_r in events:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
-                if self._monitor in events:
-                    self._read_monitor()
+                if self._socket_events in events:
+                    self._read_socket_events()
                 more = False
                 if self._sock in events:
-                    more = self._read_control()
+                    more = self._read_session()
                 more = self._take_items() or more
                 more = self._unpin_backlog(held_back=self._held_back) or more
                 if self._stats_owed and time.monotonic() >= self._stats_due:
@@ -414,7 +414,7 @@ class Publisher:
             log.exception("actbus publisher thread failed; capture data is no longer sent")
         finally:
             self._router.close()  # deletes every spill
-            self._monitor.close(linger=0)
+            self._socket_events.close(linger=0)
             self._sock.close(linger=CLOSE_LINGER_MS)  # END reaches live subscribers
             self._auth.close()  # only now: without it, a CURVE socket admits anyone
             self._ctx.term()
@@ -429,20 +429,20 @@ class Publisher:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
 
-    def _read_monitor(self) -> None:
+    def _read_socket_events(self) -> None:
         while True:
             try:
-                msg = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+                msg = parse_monitor_message(self._socket_events.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             if msg["event"] == zmq.EVENT_DISCONNECTED:
                 self._counters["connections_closed"] += 1
 
-    def _read_control(self) -> bool:
-        """Handle up to ``CONTROL_BATCH`` messages, for up to ``CONTROL_TURN_S``;
+    def _read_session(self) -> bool:
+        """Handle up to ``SESSION_BATCH`` messages, for up to ``SESSION_TURN_S``;
         True if more may be waiting."""
-        stop = time.monotonic() + CONTROL_TURN_S
-        for _ in range(CONTROL_BATCH):
+        stop = time.monotonic() + SESSION_TURN_S
+        for _ in range(SESSION_BATCH):
             if time.monotonic() > stop:
                 return True
             try:
@@ -453,16 +453,16 @@ class Publisher:
                 self._reject(f"{len(frames) - 1} frames after the identity, expected 2")
                 continue
             try:
-                self._control(*frames)
+                self._on_session(*frames)
             except Exception as e:  # one bad message must never end the bus
                 self._reject(f"{type(e).__name__}: {e}")
         return True
 
     def _reject(self, why: str) -> None:
         self._counters["rejected"] += 1
-        self._peer_log.log(log, logging.DEBUG, "rejected a control message: %s", capped_text(why))
+        self._peer_log.log(log, logging.DEBUG, "rejected a session message: %s", capped_text(why))
 
-    def _control(self, ident: bytes, tag: bytes, body: bytes) -> None:
+    def _on_session(self, ident: bytes, tag: bytes, body: bytes) -> None:
         msg = unpack_map(body)
         now = time.monotonic()
         sub = self._subs.get(ident)
@@ -473,7 +473,7 @@ class Publisher:
             if not isinstance(acked, int) or isinstance(acked, bool) or acked < 0:
                 raise WireError(f"CREDIT acked must be an int >= 0, got {acked!r:.50}")
             if sub is None:
-                self._send_control(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
+                self._send_session(ident, REJECT, {"reason": "unknown subscriber; send HELLO"})
                 return
             proof = msg.get("proof")
             if proof is not None and not isinstance(proof, bytes):
@@ -499,7 +499,7 @@ class Publisher:
         elif tag == MARK:
             self._mark(sub, msg)
         else:
-            raise WireError(f"unknown control tag {tag[:8]!r}")
+            raise WireError(f"unknown session tag {tag[:8]!r}")
 
     def _mark(self, sub: Route | None, msg: dict[str, Any]) -> None:
         """Pass a subscriber's mark on to every subscriber (a sink keeping marked requests)."""
@@ -568,14 +568,14 @@ class Publisher:
             sub = Subscription.from_wire(msg)
         except WireError as e:
             self._reject(f"HELLO refused: {e}")
-            self._send_control(ident, REJECT, {"reason": str(e)})
+            self._send_session(ident, REJECT, {"reason": str(e)})
             return
         why = self._refusal(sub, new=ident not in self._subs)
         if why is not None:
             self._reject(f"HELLO refused: {why}")
             self._counters["subscribers_refused"] += 1
             self._peer_log.log(log, logging.WARNING, "subscriber refused: %s", why)
-            self._send_control(ident, REJECT, {"reason": why})
+            self._send_session(ident, REJECT, {"reason": why})
             return
         with self._cond:
             s, new = self._router.subscribe(ident, sub, now)
@@ -596,7 +596,7 @@ class Publisher:
             "step": self.last_step,
             "next_seq": s.next_unsent,
         }
-        if self._send_control(ident, WELCOME, welcome):  # else it was dropped
+        if self._send_session(ident, WELCOME, welcome):  # else it was dropped
             s.flush()
 
     # -------------------------------------------------------------------- routing
@@ -604,7 +604,7 @@ class Publisher:
         """Route queued messages; True if it stopped with work left that needs no event.
         ``_held_back`` says whether it stopped at a message that must wait (credit)."""
         self._held_back = False
-        for _ in range(CONTROL_BATCH):
+        for _ in range(SESSION_BATCH):
             with self._cond:
                 if not self._queue:
                     return False
@@ -620,7 +620,7 @@ class Publisher:
                     continue
             if not self._router.can_take(item):
                 self._held_back = True
-                return False  # credit (a control message) or a departure unblocks
+                return False  # credit (a session message) or a departure unblocks
             self._pop_item()
             self._router.route_all(item)
         return True
@@ -637,14 +637,14 @@ class Publisher:
         copied into ordinary memory, and its pinned block goes back to the cache for
         the next step. What was sent at once (a subscriber keeping up) is never copied:
         only a turn that stopped at a message that must wait (``held_back``) copies.
-        Bounded to ``CONTROL_TURN_S`` a turn; True if it stopped with copies left.
+        Bounded to ``SESSION_TURN_S`` a turn; True if it stopped with copies left.
         """
         pinned = self._pinned
         while pinned and pinned[0].left_queue:  # sent (or dropped): staging is torch's again
             pinned.popleft()
         if not held_back:
             return False
-        stop = time.monotonic() + CONTROL_TURN_S
+        stop = time.monotonic() + SESSION_TURN_S
         # The rest are still queued: only this thread takes from the queue.
         while pinned:  # in publish order, the order the side stream copies them
             item = pinned[0]
@@ -708,29 +708,29 @@ class Publisher:
                 "you": s.stats(self.last_step),
                 **shared,
             }
-            self._send_control(s.ident, HEARTBEAT, beat)
+            self._send_session(s.ident, HEARTBEAT, beat)
 
     def _broadcast(self, tag: bytes, body: dict[str, Any]) -> None:
         packed = pack_map(body)
         for s in list(self._subs.values()):
             self._send_frames(s.ident, tag, packed)
 
-    def _send_control(self, ident: bytes, tag: bytes, body: dict[str, Any]) -> bool:
+    def _send_session(self, ident: bytes, tag: bytes, body: dict[str, Any]) -> bool:
         return self._send_frames(ident, tag, pack_map(body))
 
     def _send_frames(self, ident: bytes, tag: bytes, body: bytes) -> bool:
-        """One control message; never waits. False: not sent (a subscriber it was
+        """One session message; never waits. False: not sent (a subscriber it was
         for is removed)."""
         try:
             self._sock.send_multipart([ident, tag, body], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
-            self._failed(ident, e, control=True)
+            self._failed(ident, e, session=True)
             return False
 
-    def _failed(self, ident: bytes, err: zmq.ZMQError, control: bool = False) -> None:
+    def _failed(self, ident: bytes, err: zmq.ZMQError, session: bool = False) -> None:
         """A send to ``ident`` failed: if it is a subscriber, it is dropped and counted
-        (a closed connection found by a control message, as a subscriber leaves, quietly)."""
+        (a closed connection found by a session message, as a subscriber leaves, quietly)."""
         s = self._subs.get(ident)
         if s is None:
             return  # a peer that never subscribed: nothing waits for it
@@ -740,7 +740,7 @@ class Publisher:
             what, reason = f"stopped reading ({PEER_QUEUE} messages queued)", "not_reading"
         else:
             what, reason = f"could not be sent to ({capped_text(str(err))})", "send_error"
-        if not (control and reason == "disconnected"):
+        if not (session and reason == "disconnected"):
             self._peer_log.log(
                 log, logging.WARNING, "subscriber %s %s; no longer waited for", _who(s), what
             )

@@ -325,9 +325,9 @@ class ClientAuth:
     """The subscriber's side: CURVE client keys, and handshake failures made visible.
 
     Without it, a refused handshake looks like a publisher that never answers.
-    The socket's monitor reports each handshake; ``failure`` turns the definitive
-    ones (key refused, one side without CURVE, a server key that does not match)
-    into a message naming the fix. Works with or without keys.
+    The socket's events (zmq's socket monitor) report each handshake; ``failure``
+    turns the definitive ones (key refused, one side without CURVE, a server key that
+    does not match) into a message naming the fix. Works with or without keys.
     """
 
     def __init__(
@@ -354,7 +354,7 @@ class ClientAuth:
         self._client = (
             load_secret_key(client_secret_key, fields[1]) if client_secret_key is not None else None
         )
-        self._mon: zmq.Socket | None = None
+        self._socket_events: zmq.Socket | None = None
         self._sock: zmq.Socket | None = None
         self._no_detail = 0
         self._next_check = 0.0
@@ -380,10 +380,10 @@ class ClientAuth:
         if self._client is not None and self._server_public is not None:
             sock.curve_publickey, sock.curve_secretkey = self._client
             sock.curve_serverkey = self._server_public
-        if not watch or self._mon is not None:
+        if not watch or self._socket_events is not None:
             return
         self._sock = sock
-        self._mon = sock.get_monitor_socket(
+        self._socket_events = sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -403,12 +403,12 @@ class ClientAuth:
             why, self._held = self._held, None
             return why
         now = time.monotonic()
-        if self._mon is None or now < self._next_check:
+        if self._socket_events is None or now < self._next_check:
             return None
         self._next_check = now + 0.05  # cheap enough for every recv, bounded anyway
         while True:
             try:
-                ev = recv_monitor_message(self._mon, zmq.NOBLOCK)
+                ev = recv_monitor_message(self._socket_events, zmq.NOBLOCK)
             except zmq.Again:
                 return None
             why = self._explain(int(ev["event"]), int(ev["value"]))
@@ -465,8 +465,8 @@ class ClientAuth:
 
     def close(self) -> None:
         """Stop watching; call before the socket's context ends."""
-        if self._mon is not None:
+        if self._socket_events is not None:
             if self._sock is not None and not self._sock.closed:
                 self._sock.disable_monitor()
-            self._mon.close(linger=0)
-            self._mon = None
+            self._socket_events.close(linger=0)
+            self._socket_events = None

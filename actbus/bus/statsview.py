@@ -2,7 +2,7 @@
 
 The client is an ordinary subscriber whose subscription wants nothing (no layers),
 so it receives no data and, holding nothing, never holds the stream back; it asks
-for the counters with a STATS control message and renders the reply with rich.
+for the counters with a STATS session message and renders the reply with rich.
 Under fan-in (``--connect A,B``, a range, ``@FILE``) it asks every publisher and shows
 each one's counters under its address, run and data-parallel rank; one that does
 not answer is named, and the others are still shown.

@@ -87,7 +87,7 @@ def check_taps(
     for what, wanted, key in (("layer", layers, "layers"), ("hook", hooks, "hooks")):
         tapped = info.get(key)
         if monitors and isinstance(tapped, list) and hooks is not None and MONITOR_HOOK in hooks:
-            # Monitor scores come from the monitors' own layers, and their own hook.
+            # Monitor scores come from the monitors' own layers, on the monitors' score hook.
             extra = (
                 [MONITOR_HOOK]
                 if key == "hooks"
@@ -150,7 +150,7 @@ class Batch:
 
 @dataclass
 class Event:
-    """A control event surfaced to the consumer loop (heartbeat or end of stream)."""
+    """A session event surfaced to the consumer loop (heartbeat or end of stream)."""
 
     kind: str  # "heartbeat" | "end" | "welcome" | "stats" | "mark"
     body: dict[str, Any]
@@ -235,7 +235,7 @@ class Subscriber:
 
     # ----------------------------------------------------------------- public API
     def recv(self, timeout: float | None = None) -> Batch | Event | None:
-        """The next batch or control event, or None if ``timeout`` passes first."""
+        """The next batch or session event, or None if ``timeout`` passes first."""
         self._last_recv_call = time.monotonic()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -392,7 +392,7 @@ class Subscriber:
         return float(welcome.get("heartbeat_s", 0.5)) if welcome else 0.5
 
     def _send(self, frames: list[bytes]) -> None:
-        """Control messages never block: with no publisher they would pile up forever."""
+        """Session messages never block: with no publisher they would pile up forever."""
         with contextlib.suppress(zmq.Again):
             self._sock.send_multipart(frames, zmq.NOBLOCK)
 
@@ -486,7 +486,7 @@ class Subscriber:
         try:
             if len(frames) != 2:
                 raise WireError(f"unexpected message shape ({len(frames)} frames)")
-            return self._control(tag, unpack_map(frames[1].buffer))
+            return self._on_session(tag, unpack_map(frames[1].buffer))
         except SubscriptionRejected:
             raise
         except Exception as e:
@@ -510,7 +510,7 @@ class Subscriber:
                 capped_text(str(err)),
             )
 
-    def _control(self, tag: bytes, body: dict[str, Any]) -> Event | None:
+    def _on_session(self, tag: bytes, body: dict[str, Any]) -> Event | None:
         if tag == HEARTBEAT:
             step, seq = int(body.get("step", -1)), int(body.get("seq", 0))
             view = body.get("you") or {}

@@ -38,12 +38,12 @@ SEND_TIMEOUT_S = 60.0
 
 
 def stage_address(publish: str) -> str:
-    """Where the first stage collects the other stages' messages (this host only)."""
+    """Where the first stage receives the other stages' messages (this host only)."""
     digest = hashlib.sha1(publish.encode()).hexdigest()[:16]
     return f"ipc://{Path(tempfile.gettempdir()) / f'actbus-stages-{digest}.sock'}"
 
 
-class StageCollector:
+class StageInbox:
     """First stage: feeds messages from the other stages into its publisher."""
 
     def __init__(self, publisher: Publisher, address: str) -> None:

@@ -31,7 +31,7 @@ import torch
 from actbus.bus.outlet import Admission, Outlet, TapOffer
 from actbus.bus.publisher import Publisher
 from actbus.capture.selection import Selection
-from actbus.capture.stages import StageCollector, StageForwarder, stage_address
+from actbus.capture.stages import StageForwarder, StageInbox, stage_address
 from actbus.capture.taps import TapSet
 from actbus.config import CaptureConfig
 from actbus.errors import VllmVersionError
@@ -194,7 +194,7 @@ class CaptureWorker:
             max_subscribers=cfg.max_subscribers,
         )
         if stage[1] > 1:
-            self._stages = StageCollector(self.publisher, stage_address(address))
+            self._stages = StageInbox(self.publisher, stage_address(address))
         atexit.register(self.close)
         _serving_log.info(
             "actbus: capturing layers %s hooks %s of %s (hidden size %d), publishing on %s",

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from actbus.streams import point_key
+
 # Under vLLM's logger, so these lines follow VLLM_LOGGING_LEVEL and vLLM's format.
 log = logging.getLogger("vllm.actbus")
 
@@ -63,7 +65,7 @@ def modes(vllm_config: Any) -> tuple[str, str]:
 
 def mode_line(*, runner: str, vllm_config: Any, version: str, taps: list, device: Any) -> str:
     compile_mode, graphs = modes(vllm_config)
-    keys = ", ".join(f"{layer}/{hook}" for layer, hook in taps)
+    keys = ", ".join(point_key(layer, hook) for layer, hook in taps)
     return (
         f"actbus: engine runs Model Runner {runner.upper()}, compile mode {compile_mode}, "
         f"CUDA graphs {graphs}, vLLM {version}, device {device}; "

@@ -74,7 +74,7 @@ class ScoreReader:
         return self.sub.stats
 
     def recv(self, timeout: float | None = None) -> ScoreStep | Event | None:
-        """The next message's scores, a control event, or None if ``timeout`` passes."""
+        """The next message's scores, a session event, or None if ``timeout`` passes."""
         out = self.sub.recv(timeout=timeout)
         if not isinstance(out, Batch):
             return out

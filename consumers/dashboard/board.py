@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from actbus.streams import parse_point_key, point_key
 from consumers.stats import RecentRequests
 
 
@@ -72,5 +73,5 @@ def _default_tap(taps: list[str]) -> str | None:
     """The residual stream leaving the deepest tapped layer, if tapped; else the last tap."""
     if not taps:
         return None
-    deepest = max(int(t.split("/", 1)[0]) for t in taps)
-    return f"{deepest}/post_block" if f"{deepest}/post_block" in taps else taps[-1]
+    deepest = point_key(max(parse_point_key(t)[0] for t in taps), "post_block")
+    return deepest if deepest in taps else taps[-1]

@@ -1,14 +1,14 @@
-"""The web dashboard's consumer: a ``Monitor`` whose reports go to a ``Board``."""
+"""The web dashboard's consumer: a ``DashboardSampler`` whose reports go to a ``Board``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from consumers.dashboard.board import Board
-from consumers.monitor import Monitor
+from consumers.sampler import DashboardSampler
 
 
-class WebDashboard(Monitor):
+class WebDashboard(DashboardSampler):
     name = "dashboard"
 
     def __init__(self, address: str, board: Board, **kw: Any) -> None:

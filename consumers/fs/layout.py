@@ -1,8 +1,14 @@
 """On-disk layout of an activation run, shared by the sink, the readers and replay.
 
     RUN/manifest.json
-    RUN/layer-03/post_block/shard-000000.arrow
-    RUN/reductions/layer-03-post_block.safetensors   (a PCA basis, when used)
+    RUN/L3.post_block/shard-000000.arrow
+    RUN/reductions/L3.post_block.safetensors   (a PCA basis, when used)
+
+A stream's directory is named by ``actbus.streams.point_key``, as everywhere a user
+sees a (layer, hook). Runs written before that name (``RUN/layer-03/post_block``,
+``RUN/reductions/layer-03-post_block.safetensors``) keep loading: readers follow the
+manifest's paths, a sink appending to such a run keeps its directories, and the
+manifest's ``rows`` and ``bases`` keys are read in either spelling.
 
 Shards are Arrow IPC files, one row per captured token. The activation column is
 a ``fixed_size_list`` of ``[width]`` values (not the ``fixed_shape_tensor``
@@ -34,6 +40,7 @@ import pyarrow as pa
 import torch
 
 from actbus.logcap import capped
+from actbus.streams import parse_point_key, point_key
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
@@ -78,17 +85,48 @@ class UnsafePath(ValueError):
     """Rows whose layer or hook would make a path outside the run directory."""
 
 
+SHARD_GLOBS = ("L*.*/shard-*.arrow", "layer-*/*/shard-*.arrow")
+"""Where shard files lie: ``RUN/L3.post_block/``, in older runs ``RUN/layer-03/post_block/``."""
+
+
 def shard_dir(run: Path, layer: int, hook: str) -> Path:
-    """``RUN/layer-LL/HOOK``: refused (``UnsafePath``) unless the layer is an int >= 0,
-    the hook a plain name, and the directory, with symlinks resolved, inside ``run``."""
+    """``RUN/L3.post_block`` (``RUN/layer-03/post_block`` where an older run has it, so
+    appending to it keeps one directory per stream): refused (``UnsafePath``) unless the
+    layer is an int >= 0, the hook a plain name, and the directory, with symlinks
+    resolved, inside ``run``."""
     check_tap(run, layer, hook)
-    return inside(run, run / f"layer-{layer:02d}" / hook)
+    old = run / f"layer-{layer:02d}" / hook
+    return inside(run, old if old.is_dir() else run / point_key(layer, hook))
 
 
 def basis_path(run: Path, layer: int, hook: str) -> Path:
     """Where a tap's PCA basis is stored (checked as ``shard_dir`` is)."""
     check_tap(run, layer, hook)
-    return inside(run, run / "reductions" / f"layer-{layer:02d}-{hook}.safetensors")
+    return inside(run, run / "reductions" / f"{point_key(layer, hook)}.safetensors")
+
+
+def shard_files(run: Path, suffix: str = "") -> list[tuple[Path, tuple[int, str]]]:
+    """Shard files on disk (``suffix``: ``.tmp`` for half-written ones), sorted, each
+    with the (layer, hook) its directory names; other files are not the sink's."""
+    found = []
+    for pattern in SHARD_GLOBS:
+        for p in run.glob(pattern + suffix):
+            try:
+                found.append((p, parse_point_key(p.parent.relative_to(run).as_posix())))
+            except ValueError:
+                continue
+    return sorted(found)
+
+
+def normalise_keys(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with its ``rows`` and ``bases`` keyed by ``point_key`` (an older
+    run's ``3/post_block`` keys read as ``L3.post_block``)."""
+    for field in ("rows", "bases"):
+        if isinstance(manifest.get(field), dict):
+            manifest[field] = {
+                point_key(*parse_point_key(k)): v for k, v in manifest[field].items()
+            }
+    return manifest
 
 
 def check_tap(run: Path, layer: object, hook: object) -> None:
@@ -158,7 +196,7 @@ def read_manifest(run: Path) -> dict[str, Any] | None:
     p = run / MANIFEST
     if not p.exists():
         return None
-    return json.loads(p.read_text())
+    return normalise_keys(json.loads(p.read_text()))
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -26,7 +26,7 @@ from actbus.bus import Batch
 from actbus.bus.protocol import Subscription
 from actbus.consumer import Consumer
 from actbus.logcap import capped_text
-from consumers.fs.selection import StoreFilter
+from consumers.fs.filters import StoreFilter
 
 log = logging.getLogger("actbus.fs_sink")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import torch
 
+from actbus.streams import point_key
 from consumers.fs import layout
 from consumers.fs.reductions import Decoder, Reduction
 
@@ -153,7 +154,7 @@ class ActivationRun:
         if not paths:  # else an empty dataset, and a filter fails with "No match for FieldRef"
             raise FileNotFoundError(
                 f"{self.path}: no committed shards for layer {layer} hook {hook!r}; the run "
-                f"has (layer/hook) {sorted(self.manifest.get('rows', {}))}"
+                f"has streams {sorted(self.manifest.get('rows', {}))}"
             )
         if self.ipc == "file":
             return ds.dataset([str(p) for p in paths], format="ipc")
@@ -177,7 +178,7 @@ class ActivationRun:
                 pc.equal(table.column("hook"), tap["hook"]),
             )
             rows = torch.from_numpy(np.flatnonzero(mask.to_numpy(zero_copy_only=False)))
-            basis = self.manifest["bases"][f"{tap['layer']}/{tap['hook']}"]["path"]
+            basis = self.manifest["bases"][point_key(tap["layer"], tap["hook"])]["path"]
             out[rows] = self.decoder.decode(table.filter(mask), self.hidden_size, basis)
         return out
 
@@ -245,7 +246,7 @@ class ActivationRun:
                 problems.append(f"{s['path']}: checksum differs from the manifest")
             elif self.read(p).num_rows != s["rows"]:
                 problems.append(f"{s['path']}: row count differs from the manifest")
-        for p in self.path.glob("layer-*/*/shard-*.arrow"):
+        for p, _ in layout.shard_files(self.path):
             if p not in listed:
                 problems.append(f"{p.relative_to(self.path)}: on disk, not in the manifest")
         return problems

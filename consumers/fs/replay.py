@@ -106,7 +106,7 @@ def _index(
     if not parts:
         raise ValueError(
             f"{run.path}: no committed shards to replay for --layers {layers} --hooks {hooks}; "
-            f"the run has (layer/hook) {sorted(run.manifest.get('rows', {}))}"
+            f"the run has streams {sorted(run.manifest.get('rows', {}))}"
         )
     table = pa.concat_tables(parts)
     order = pc.sort_indices(

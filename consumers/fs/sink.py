@@ -5,7 +5,7 @@ reaches ``--shard-rows`` or ``--shard-mb``, when ``--flush-s`` has passed since 
 first row, and at the end (see
 ``writer.py`` for crash safety). Before that, rows pass the store filter (layers,
 hooks, positions) and, with ``--keep marked``, the window of unmarked requests
-(``selection.py``); the reduction (``reductions.py``) is applied as rows are
+(``filters.py``); the reduction (``reductions.py``) is applied as rows are
 buffered.
 
 Whatever arrives, the sink creates, replaces and lists files inside ``--out``
@@ -39,15 +39,15 @@ from actbus.flags import int_list
 from actbus.logcap import capped, capped_text
 from actbus.wire import MAX_INT32, MAX_REASON_CHARS, MAX_REQUEST_ID_CHARS
 from consumers.fs import layout
-from consumers.fs.per_publisher import PerPublisherSink
-from consumers.fs.reductions import parse_reduction
-from consumers.fs.rows import TapRows
-from consumers.fs.selection import (
+from consumers.fs.filters import (
     MarkedWindow,
     StoreFilter,
     parse_keep_match,
     parse_position_range,
 )
+from consumers.fs.per_publisher import PerPublisherSink
+from consumers.fs.reductions import parse_reduction
+from consumers.fs.rows import TapRows
 from consumers.fs.writer import ShardWriter, WriterConfig
 
 UNSAFE = "messages_refused_unsafe_path"
@@ -118,7 +118,7 @@ class FsSink(Consumer):
         )
         g.add_argument("--reduce-seed", type=int, default=0, help="seed of proj:K's matrix")
         g.add_argument(
-            "--pca-warmup", type=int, default=4096, help="rows per layer/hook the PCA is fitted on"
+            "--pca-warmup", type=int, default=4096, help="rows per stream the PCA is fitted on"
         )
         g.add_argument(
             "--tag-columns",

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from actbus.streams import point_key
 from consumers.fs import layout
 from consumers.fs.reductions import Encoder, Reduction, fit_pca, load_basis, save_basis
 from consumers.fs.rows import TapRows
@@ -123,10 +124,11 @@ class ShardWriter:
                 "own directory"
             ) from None
         # Left by a crash mid-write; only the sink's own (--out may hold other files).
-        own = ("layer-*/*/shard-*.arrow.tmp", "reductions/*.tmp", layout.MANIFEST + ".tmp")
-        for pattern in own:
-            for stale in self.out.glob(pattern):
-                stale.unlink()
+        own = [p for p, _ in layout.shard_files(self.out, ".tmp")]
+        own += self.out.glob("reductions/*.tmp")
+        own += self.out.glob(layout.MANIFEST + ".tmp")
+        for stale in own:
+            stale.unlink()
         self.counts: Counter[str] = Counter()
         try:
             self.manifest = self._load_manifest()
@@ -247,7 +249,7 @@ class ShardWriter:
         listed = {s["path"] for s in self.manifest["shards"]}
         names = [s["path"].rsplit("/", 1)[-1] for s in self.manifest["shards"]]
         changed = False
-        for p in sorted(self.out.glob("layer-*/*/shard-*.arrow")):
+        for p, (layer, hook) in layout.shard_files(self.out):
             names.append(p.name)
             rel = str(p.relative_to(self.out))
             if rel in listed:
@@ -255,8 +257,7 @@ class ShardWriter:
             try:
                 layout.inside(self.out, p)  # never adopt a file a symlink leads out to
                 table = layout.read_shard(p, self.cfg.ipc)
-                layer = int(p.parent.parent.name.removeprefix("layer-"))
-                entry = self._entry(p, layer, p.parent.name, table)
+                entry = self._entry(p, layer, hook, table)
             except (OSError, pa.ArrowException, ValueError) as e:
                 self.counts["orphans_unreadable"] += 1
                 log.error("%s: not in the manifest and unreadable (%s); left as is", p, e)
@@ -297,7 +298,7 @@ class ShardWriter:
         if tap is None:
             hidden = rows.tensor.shape[1]
             basis = None
-            entry = self.manifest["bases"].get(f"{key[0]}/{key[1]}")
+            entry = self.manifest["bases"].get(point_key(*key))
             if self.cfg.reduction.kind == "pca" and entry is not None:
                 basis = load_basis(self.out / entry["path"])  # a restart keeps its basis
             tap = self._taps[key] = _Tap(Encoder(self.cfg.reduction, rows.dtype, hidden, basis))
@@ -313,7 +314,7 @@ class ShardWriter:
         except OSError as e:
             raise self._fail(f"cannot write the PCA basis {path}", e) from e
         tap.encoder.basis = (mean, basis)
-        self.manifest["bases"][f"{key[0]}/{key[1]}"] = {
+        self.manifest["bases"][point_key(*key)] = {
             "path": str(path.relative_to(self.out)),
             "checksum": layout.checksum(path),
             "fitted_rows": int(x.shape[0]),
@@ -322,7 +323,7 @@ class ShardWriter:
 
     def _schema(self, tap: _Tap, key: tuple[int, str]) -> pa.Schema:
         if tap.schema is None:
-            basis = self.manifest["bases"].get(f"{key[0]}/{key[1]}", {}).get("path", "")
+            basis = self.manifest["bases"].get(point_key(*key), {}).get("path", "")
             fields = list(layout.META_FIELDS)
             fields += [pa.field(layout.tag_column(k), pa.string()) for k in self.cfg.tag_columns]
             fields += tap.encoder.fields(basis)
@@ -549,7 +550,7 @@ class ShardWriter:
     def _record(self, entry: dict[str, Any]) -> None:
         m = self.manifest
         m["shards"].append(entry)
-        rk = f"{entry['layer']}/{entry['hook']}"
+        rk = point_key(entry["layer"], entry["hook"])
         m["rows"][rk] = m["rows"].get(rk, 0) + entry["rows"]
         m["total_rows"] += entry["rows"]
         m["layers"] = sorted(set(m["layers"]) | {entry["layer"]})

@@ -108,7 +108,7 @@ def test_schema_mismatch_is_refused_clearly(publisher, address):
         Subscriber(address, Subscription(policy="newest")).wait_welcome(10)
 
 
-def test_malformed_control_messages_are_counted_not_fatal(publisher, address):
+def test_malformed_session_messages_are_counted_not_fatal(publisher, address):
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(address)

@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from actbus.bus import Batch, Publisher, Subscriber, Subscription
-from actbus.bus.publisher import MAX_CONTROL_BYTES, STATS_INTERVAL_S
+from actbus.bus.publisher import MAX_SESSION_BYTES, STATS_INTERVAL_S
 from actbus.wire import (
     BYE,
     CREDIT,
@@ -42,7 +42,7 @@ from tests.support.procs import wait_for
 
 N_BAD = 10_000
 NEVER = b"\xc1"  # the one byte msgpack never uses: a body starting with it never decodes
-CONTROL_TAGS = [HELLO, CREDIT, KEEPALIVE, STATS, BYE]
+SESSION_TAGS = [HELLO, CREDIT, KEEPALIVE, STATS, BYE]
 HELLO_BODY = msgpack.packb({"schema": SCHEMA_VERSION, "policy": "block", "name": "x" * 40})
 
 
@@ -50,10 +50,10 @@ def _noise(rng: np.random.Generator, lo: int = 0, hi: int = 64) -> bytes:
     return rng.integers(0, 256, int(rng.integers(lo, hi)), dtype=np.uint8).tobytes()
 
 
-def _bad_control(rng: np.random.Generator) -> list[bytes]:
-    """One control message (frames after the identity) that breaks the schema."""
+def _bad_session(rng: np.random.Generator) -> list[bytes]:
+    """One session message (frames after the identity) that breaks the schema."""
     kind = int(rng.integers(0, 9))
-    tag = CONTROL_TAGS[int(rng.integers(0, len(CONTROL_TAGS)))]
+    tag = SESSION_TAGS[int(rng.integers(0, len(SESSION_TAGS)))]
     if kind == 0:  # wrong frame count
         return [_noise(rng, 1) for _ in range([1, 3, 4][int(rng.integers(0, 3))])]
     if kind == 1:  # unknown tag, valid body
@@ -107,7 +107,7 @@ def test_fuzz_the_publisher(tmp_path):
         fuzz.connect(address)
         rng = np.random.default_rng(4)
         for i in range(N_BAD):
-            fuzz.send_multipart(_bad_control(rng))
+            fuzz.send_multipart(_bad_session(rng))
             if i % (N_BAD // n_good) == 0:  # good traffic in between
                 pub.publish(*message(i // (N_BAD // n_good)))
         wait_for(lambda: pub.stats()["rejected"] == N_BAD, 20, "every bad message counted")
@@ -126,7 +126,7 @@ def test_fuzz_the_publisher(tmp_path):
             big.setsockopt(zmq.LINGER, 0)
             big.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection, one count
             big.connect(address)
-            big.send_multipart([HELLO, bytes(MAX_CONTROL_BYTES + 1 + i * (8 << 20))])
+            big.send_multipart([HELLO, bytes(MAX_SESSION_BYTES + 1 + i * (8 << 20))])
             wait_for(
                 lambda i=i: pub.stats()["connections_closed"] == base + i + 1,
                 10,
@@ -174,7 +174,7 @@ def _bad_from_publisher(rng: np.random.Generator, good: list[bytes]) -> list[byt
         d = msgpack.unpackb(header)
         d["shape"] = [int(rng.integers(3, 99)), 16]
         return [DATA, seq, msgpack.packb(d), tensor]
-    if kind == 7:  # control message with an undecodable body
+    if kind == 7:  # session message with an undecodable body
         tag = [HEARTBEAT, WELCOME, STATS, END][int(rng.integers(0, 4))]
         return [tag, NEVER + _noise(rng)]
     if kind == 8:  # heartbeat with fields of the wrong type
@@ -249,7 +249,7 @@ def _hello(**fields) -> list[bytes]:
 
 
 def _bombs() -> list[list[bytes]]:
-    """Control messages made to cost the decoder: each must be refused, cheaply."""
+    """Session messages made to cost the decoder: each must be refused, cheaply."""
     wide = {f"k{i}": i for i in range(4000)}  # a valid map of thousands of keys
     return [
         [HELLO, b"\x91" * 50_000 + b"\xc0"],  # nested 50,000 deep
@@ -380,7 +380,7 @@ def test_hostile_peers_beside_a_block_subscriber(tmp_path):
             guess = 0
             while not stop.wait(0.02) and popen.poll() is None:
                 for _ in range(200):
-                    fuzz.send_multipart(_bad_control(rng))
+                    fuzz.send_multipart(_bad_session(rng))
                 for frames in _bombs():
                     fuzz.send_multipart(frames)
                 n_bad += 200 + len(_bombs())

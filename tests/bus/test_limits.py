@@ -60,7 +60,7 @@ def _hello(**fields) -> list[bytes]:
 
 
 def _reply(sock: zmq.Socket, timeout: float = 10.0) -> tuple[bytes, dict]:
-    """The next control message but a heartbeat (data messages skipped too)."""
+    """The next session message but a heartbeat (data messages skipped too)."""
     deadline = time.monotonic() + timeout
     while sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
         frames = sock.recv_multipart()

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from consumers.fs import ActivationRun
-from tests.support.collector import Collector
 from tests.support.engine import (
     CAPTURE_LAYERS,
     HOOKS,
@@ -30,6 +29,7 @@ from tests.support.engine import (
 )
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.procs import ROOT, manifest, start_sink, stop, wait_for, wait_rows
+from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
 
@@ -90,7 +90,7 @@ def _oracle_batch(vocab: int):
 @dataclass
 class OracleRun:
     reqs: list[Req]
-    col: Collector
+    col: RowRecorder
     model_path: Path
     preemptions: int
 
@@ -106,7 +106,7 @@ def oracle_run(engine) -> OracleRun:
     assert len(text) >= 6, f"probe output too short to pick a stop string from: {text!r}"
     stop_str = text[len(text) // 2 : len(text) // 2 + 3]
     before = preemptions(llm) if engine.arch == SCHED_ARCH else 0
-    col = Collector(engine.address)
+    col = RowRecorder(engine.address)
     try:
         outs = llm.generate(prompts, [_params(k, vocab, stop_str) for k in kinds], use_tqdm=False)
         reqs = [
@@ -210,7 +210,7 @@ def test_fs_sink_stores_what_was_published(sched_engine, tmp_path):
 
     out = tmp_path / "run"
     sink = start_sink(sched_engine.address, out)
-    col = Collector(sched_engine.address)
+    col = RowRecorder(sched_engine.address)
     try:
         wait_for(lambda: manifest(out), 60, "the sink to subscribe")
         outs = sched_engine.llm.generate(

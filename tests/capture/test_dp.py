@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from actbus.bus.endpoints import connect_spec
-from tests.support.collector import Collector
 from tests.support.engine import CAPTURE_LAYERS, HOOKS, MAX_BATCHED_TOKENS
 from tests.support.oracle import hf_activations, max_rel_error
+from tests.support.recorder import RowRecorder
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 LENGTHS = [5, 23, 70, 130, 9, 41, 97, 160]  # several split by chunked prefill
@@ -47,7 +47,7 @@ class Req:
 @dataclass
 class DPRun:
     reqs: list[Req]
-    col: Collector
+    col: RowRecorder
     addresses: list[str]
     model_path: Path
     ended: dict[str, bool]
@@ -57,7 +57,7 @@ class DPRun:
 
 async def _serve(
     model: Path, template: str, spec: str, control: str
-) -> tuple[list[Req], Collector, dict, dict]:
+) -> tuple[list[Req], RowRecorder, dict, dict]:
     import random
 
     from vllm import SamplingParams
@@ -94,7 +94,7 @@ async def _serve(
         )
     )
     print(f"\n[engine dp=2] started in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-    col = Collector(spec)
+    col = RowRecorder(spec)
     rng = random.Random(77)
     vocab = engine.get_tokenizer().vocab_size
 

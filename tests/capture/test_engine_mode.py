@@ -47,7 +47,7 @@ def test_warning_names_the_plugin_that_forced_eager(tiny_models, tmp_path):
     assert "VLLM_PLUGINS" in warning
     # The worker's mode line: how it runs, as the config says (eager forced: no compile).
     assert "actbus: engine runs Model Runner V1, compile mode NONE, CUDA graphs NONE" in log
-    assert "1 taps installed: 1/post_block" in log
+    assert "1 taps installed: L1.post_block" in log
 
 
 def test_version_guard_fails_engine_start(tiny_models, tmp_path):

@@ -90,5 +90,5 @@ def test_mode_line_says_how_the_engine_runs(tiny_models):
     compile_mode, graphs = mode.modes(cfg)
     assert line == (
         f"actbus: engine runs Model Runner V1, compile mode {compile_mode}, CUDA graphs "
-        f"{graphs}, vLLM 9.9, device cpu; 1 taps installed: 1/post_block"
+        f"{graphs}, vLLM 9.9, device cpu; 1 taps installed: L1.post_block"
     )

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from actbus.bus import Batch, Subscription
-from tests.support.collector import Collector
 from tests.support.oracle import hf_activations, max_rel_error
+from tests.support.recorder import RowRecorder
 from tests.support.steer_oracle import HFSteer, hf_steered_greedy
 
 pytestmark = pytest.mark.engine
@@ -76,8 +76,8 @@ def parallel_engine(tiny_models, tmp_path_factory):
     llm.llm_engine.engine_core.shutdown()
 
 
-class _StepLog(Collector):
-    """A collector that also keeps, per step, which rows each layer carried."""
+class _StepLog(RowRecorder):
+    """A recorder that also keeps, per step, which rows each layer carried."""
 
     def __init__(self, address: str) -> None:
         self.steps: dict[int, dict[tuple[int, str], list]] = defaultdict(dict)

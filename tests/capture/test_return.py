@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from tests.support.collector import Collector
 from tests.support.engine import CAPTURE_LAYERS, HOOKS
 from tests.support.monitors import ScoreLog, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.prompts import expected_positions, shared_prefix_prompts
+from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
 
@@ -64,7 +64,7 @@ def test_offline_outputs_carry_their_activations(sched_engine):
         for i, s in enumerate(selections)
     ]
     # A bus subscriber beside it sees the same rows: returning takes nothing from it.
-    col = Collector(sched_engine.address)
+    col = RowRecorder(sched_engine.address)
     try:
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False

@@ -14,10 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from tests.support.collector import Collector
 from tests.support.engine import CAPTURE_LAYERS, HOOKS
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.prompts import expected_positions, shared_prefix_prompts
+from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
 
@@ -49,7 +49,7 @@ def test_positions_layers_hooks_and_tags_per_request(sched_engine):
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, extra_args={"actbus": s})
         for s in selections
     ]
-    col = Collector(sched_engine.address)
+    col = RowRecorder(sched_engine.address)
     try:
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
@@ -119,7 +119,7 @@ def test_bad_selection_fails_that_request_alone(sched_engine):
     eng = llm.llm_engine
     vocab = llm.get_tokenizer().vocab_size
     prompts = shared_prefix_prompts(vocab, 3, seed=9)
-    col = Collector(sched_engine.address)
+    col = RowRecorder(sched_engine.address)
     try:
         for i, p in enumerate(prompts):
             eng.add_request(
@@ -167,7 +167,7 @@ def test_abort_marks_partial_data(sched_engine):
     eng = llm.llm_engine
     vocab = llm.get_tokenizer().vocab_size
     p = shared_prefix_prompts(vocab, 1, seed=11)[0]
-    col = Collector(sched_engine.address)
+    col = RowRecorder(sched_engine.address)
     try:
         eng.add_request(
             "doomed",
@@ -206,7 +206,7 @@ def test_parallel_sampling_children_are_attributed(sched_engine):
     llm = sched_engine.llm
     vocab = llm.get_tokenizer().vocab_size
     p = shared_prefix_prompts(vocab, 1, seed=13)[0]
-    col = Collector(sched_engine.address)
+    col = RowRecorder(sched_engine.address)
     try:
         out = llm.generate(
             [TokensPrompt(prompt_token_ids=p)],

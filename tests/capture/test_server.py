@@ -30,10 +30,10 @@ from actbus.bus import Event, Subscriber, Subscription
 from actbus.bus.statsview import request as stats_of
 from actbus.cli import consumer_command
 from tests.capture.hostile_http import OUTSIDE, Case, corpus, number_cases
-from tests.support.collector import Collector
 from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.procs import ROOT
+from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the tiny model has none
@@ -156,7 +156,7 @@ def test_two_concurrent_clients_get_their_rows(server):
     import openai
 
     base, address, model_path = server.base, server.address, server.model
-    col = Collector(address)
+    col = RowRecorder(address)
     results: dict[int, list] = {}
     errors: list[BaseException] = []
 
@@ -211,7 +211,7 @@ def test_bad_selection_is_http_400_and_others_are_served(server):
 
     base, address, model_path = server.base, server.address, server.model
     c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=120, max_retries=0)
-    col = Collector(address)
+    col = RowRecorder(address)
     done: list = []
 
     def good() -> None:

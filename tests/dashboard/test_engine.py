@@ -231,7 +231,7 @@ def test_dashboards_show_the_engine_live(sched_engine, tmp_path):
             assert as_int(second["last_step"]) > as_int(first["last_step"])
             assert as_int(second["published"]) > as_int(first["published"])
             assert as_int(second["steps_counted"]) > as_int(first["steps_counted"])
-            assert set(second["taps"]) == {f"{lay}/{h}" for lay in CAPTURE_LAYERS for h in HOOKS}
+            assert set(second["taps"]) == {f"L{lay}.{h}" for lay in CAPTURE_LAYERS for h in HOOKS}
             assert all(float(v.replace(",", "")) > 0 for v in second["norm_means"])
             assert second["requests"] > 0 and second["request_bars"] > 0
             ARTIFACTS.mkdir(exist_ok=True)

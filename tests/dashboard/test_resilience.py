@@ -50,20 +50,20 @@ def test_nonfinite_rows_are_counted_and_left_out_of_every_figure():
         rows[0].header.rows.offsets[1:] = [3, y.shape[0]]
         recent.add(rows, bad.add(rows))
     want, got = seen.snapshot(), bad.snapshot()
-    assert got["nonfinite_rows"] == 8 and got["taps"]["0/post_block"]["nonfinite_rows"] == 8
+    assert got["nonfinite_rows"] == 8 and got["taps"]["L0.post_block"]["nonfinite_rows"] == 8
     assert want["nonfinite_rows"] == 0
     for key in ("norm_mean", "norm_std", "norm_max", "act_mean", "act_var", "mean_drift"):
-        assert got["taps"]["0/post_block"][key] == pytest.approx(
-            want["taps"]["0/post_block"][key]
+        assert got["taps"]["L0.post_block"][key] == pytest.approx(
+            want["taps"]["L0.post_block"][key]
         ), key
-    assert got["taps"]["0/post_block"]["norm_hist"] == want["taps"]["0/post_block"]["norm_hist"]
+    assert got["taps"]["L0.post_block"]["norm_hist"] == want["taps"]["L0.post_block"]["norm_hist"]
     for label, per in want["tags"].items():  # bad rows count in no tag
-        assert got["tags"][label]["0/post_block"]["rows"] == per["0/post_block"]["rows"]
-        assert got["tags"][label]["0/post_block"]["norm_mean"] == pytest.approx(
-            per["0/post_block"]["norm_mean"]
+        assert got["tags"][label]["L0.post_block"]["rows"] == per["L0.post_block"]["rows"]
+        assert got["tags"][label]["L0.post_block"]["norm_mean"] == pytest.approx(
+            per["L0.post_block"]["norm_mean"]
         )
     json.dumps(got, allow_nan=False)  # every figure finite
-    norms = recent.snapshot("0/post_block")[0]["norms"]
+    norms = recent.snapshot("L0.post_block")[0]["norms"]
     assert sum(not np.isfinite(v) for v in norms) == 2  # per token: shown as gaps (null)
 
 
@@ -114,22 +114,22 @@ def test_nan_rows_never_stop_the_dashboard_and_the_page_says_when_its_feed_stopp
     try:
 
         def counted():
-            snap = dash.snapshot("3/post_block")
-            tap = snap.get("acts", {}).get("taps", {}).get("3/post_block", {})
+            snap = dash.snapshot("L3.post_block")
+            tap = snap.get("acts", {}).get("taps", {}).get("L3.post_block", {})
             return snap if tap.get("nonfinite_rows", 0) >= 6 and "norm_hist" in tap else None
 
         snap = wait_for(counted, 60, "non-finite rows counted on layer 3")
         assert snap["feed"] == "live" and snap["acts"]["nonfinite_rows"] >= 6
-        assert snap["acts"]["taps"]["0/post_block"]["nonfinite_rows"] == 0
-        assert np.isfinite(snap["acts"]["taps"]["3/post_block"]["norm_mean"])
-        with urllib.request.urlopen(f"{dash.url}events?tap=3/post_block", timeout=30) as r:
+        assert snap["acts"]["taps"]["L0.post_block"]["nonfinite_rows"] == 0
+        assert np.isfinite(snap["acts"]["taps"]["L3.post_block"]["norm_mean"])
+        with urllib.request.urlopen(f"{dash.url}events?tap=L3.post_block", timeout=30) as r:
             for raw in r:  # the first snapshot event parses as a browser would parse it
                 if raw.startswith(b"data: "):
                     event = _strict(raw[6:].decode())
                     break
-        assert event["acts"]["taps"]["3/post_block"]["nonfinite_rows"] >= 6
+        assert event["acts"]["taps"]["L3.post_block"]["nonfinite_rows"] >= 6
         if chromium_missing() is None:
-            browser = Browser(dash.url + "?tap=3/post_block", tmp_path / "chromium")
+            browser = Browser(dash.url + "?tap=L3.post_block", tmp_path / "chromium")
             shown = wait_for(
                 lambda: browser.eval("document.querySelector('#me-nonfinite')?.textContent"),
                 60,

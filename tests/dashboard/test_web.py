@@ -45,7 +45,7 @@ def test_norms_drift_and_outliers_follow_the_data():
     s = ActivationStats(StatsConfig(reference_rows=64, ema=0.5, bins=8, outlier_batches=16))
     for step in range(16):  # the reference: N(0, 1) in 32 dims
         s.add([batch(step, torch.randn(8, 32, generator=g))])
-    snap = s.snapshot()["taps"]["0/post_block"]
+    snap = s.snapshot()["taps"]["L0.post_block"]
     assert snap["norm_mean"] == pytest.approx(np.sqrt(32), rel=0.1)
     assert abs(snap["mean_drift"]) < 0.5 and abs(snap["var_drift"]) < 0.5
     assert snap["outlier_frac"] == 0.0
@@ -54,7 +54,7 @@ def test_norms_drift_and_outliers_follow_the_data():
         x = 3 + 2 * torch.randn(8, 32, generator=g)
         x[:, 5] = 200
         s.add([batch(step, x)])
-    snap = s.snapshot()["taps"]["0/post_block"]
+    snap = s.snapshot()["taps"]["L0.post_block"]
     assert snap["mean_drift"] > 2  # |shift| = 3*sqrt(31)+200 vs a reference spread ~ sqrt(32)
     assert snap["var_drift"] > 2  # variance about 4x (dim 5 has none)
     assert snap["outlier_frac"] == pytest.approx(1 / 32, abs=0.02)
@@ -72,11 +72,11 @@ def test_steps_are_counted_once_across_taps_and_tags_are_bounded():
     snap = s.snapshot()
     assert snap["steps_counted"] == 4 and snap["messages"] == 7 and snap["last_step"] == 30
     assert set(snap["tags"]) == {"lang=en", "lang=fr", OTHER_TAG}
-    assert snap["tags"]["lang=en"]["0/post_block"] == {
+    assert snap["tags"]["lang=en"]["L0.post_block"] == {
         "rows": 8,
         "norm_mean": pytest.approx(8**0.5),
     }
-    assert snap["tags"][OTHER_TAG]["0/post_block"]["rows"] == 2 == snap["tag_overflow_rows"]
+    assert snap["tags"][OTHER_TAG]["L0.post_block"]["rows"] == 2 == snap["tag_overflow_rows"]
     with pytest.raises(ValueError, match=r"StatsConfig.bins: must be >= 1"):
         StatsConfig(bins=0)
 
@@ -89,11 +89,11 @@ def test_recent_requests_keep_per_token_norms_per_tap():
     r.add(
         [batch(1, x[:2], layer=3, rids=("c",), positions=[5, 6], ended=ended)], [np.array([1.0, 2])]
     )
-    snap = r.snapshot("0/post_block")
+    snap = r.snapshot("L0.post_block")
     assert [q["request_id"] for q in snap] == ["c", "b"] and r.forgotten == 1
     assert snap[1]["positions"] == [3, 4, 5] and snap[1]["norms"] == [8.0, 10.0, 12.0]
     assert snap[1]["token_ids"] == [10, 11, 12] and snap[0]["positions"] == []
-    assert r.snapshot("3/post_block")[0]["norms"] == [1.0, 2.0]
+    assert r.snapshot("L3.post_block")[0]["norms"] == [1.0, 2.0]
 
 
 def test_one_digest_of_many_batches_equals_a_digest_per_batch():
@@ -117,13 +117,13 @@ def test_one_digest_of_many_batches_equals_a_digest_per_batch():
     each, alls = one_by_one.snapshot(), at_once.snapshot()
     for key in ("messages", "rows", "steps_counted", "last_step", "tokens"):
         assert each[key] == alls[key]
-    assert set(each["taps"]) == {"0/post_block", "3/post_block"}
+    assert set(each["taps"]) == {"L0.post_block", "L3.post_block"}
     for tap, fig in each["taps"].items():
         got = alls["taps"][tap]
         for k in ("act_mean", "act_var", "mean_drift", "var_drift", "outlier_frac", "norm_mean"):
             assert got[k] == pytest.approx(fig[k], rel=1e-9, abs=1e-12), (tap, k)
         assert got["norm_hist"] == fig["norm_hist"] and got["batches"] == fig["batches"]
-    assert each["taps"]["0/post_block"]["outlier_frac"] > 0
+    assert each["taps"]["L0.post_block"]["outlier_frac"] > 0
 
 
 def test_recent_requests_group_rows_by_request_and_tap_in_one_update():
@@ -139,17 +139,17 @@ def test_recent_requests_group_rows_by_request_and_tap_in_one_update():
     msgs.append(batch(9, torch.ones(1, 4), rids=("a",), positions=[17]))
     norms.append(np.array([99.0]))
     r.add(msgs, norms)
-    snap = r.snapshot("0/post_block")
+    snap = r.snapshot("L0.post_block")
     assert [q["request_id"] for q in snap] == ["a", "d", "c"] and r.forgotten == 1
     by = {q["request_id"]: q for q in snap}
     assert by["d"]["positions"] == [14, 15, 16, 17] and by["d"]["norms"] == [4.0, 5.0, 6.0, 7.0]
     # capped at 5 rows per tap: a's sixth row on and the re-computation are not kept
     assert by["a"]["positions"] == [10, 11, 12, 13, 14]
-    assert by["c"]["taps"] == ["0/post_block", "3/post_block"]
-    assert r.snapshot("3/post_block")[1]["norms"] == [4.3, 5.3, 6.3, 7.3]
+    assert by["c"]["taps"] == ["L0.post_block", "L3.post_block"]
+    assert r.snapshot("L3.post_block")[1]["norms"] == [4.3, 5.3, 6.3, 7.3]
     roomy = RecentRequests(keep=3)
     roomy.add(msgs, norms)
-    a = roomy.snapshot("0/post_block")[0]
+    a = roomy.snapshot("L0.post_block")[0]
     assert a["positions"] == list(range(10, 18)) and a["norms"][-1] == 99.0
 
 
@@ -264,7 +264,7 @@ def test_dashboard_streams_live_snapshots_on_loopback_only(tmp_path):
             with pytest.raises(OSError), socket.create_connection((lan, port), timeout=2):
                 pass
         wait_for(lambda: dash.snapshot().get("acts", {}).get("taps"), 30, "activation stats")
-        assert dash.snapshot()["tap"] == "3/post_block"  # default: the deepest post_block
+        assert dash.snapshot()["tap"] == "L3.post_block"  # default: the deepest post_block
         # It yields the CPU to the engine: niceness 10 (field 19 of /proc/PID/stat) and,
         # on every thread (the server's, the consumer's, ZeroMQ's), SCHED_IDLE.
         stat = Path(f"/proc/{dash.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -273,16 +273,16 @@ def test_dashboard_streams_live_snapshots_on_loopback_only(tmp_path):
         assert len(threads) >= 3
         assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_IDLE}
         assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {10}
-        assert dash.snapshot("0/post_block")["tap"] == "0/post_block"
-        events = sse_events(f"{dash.url}events?tap=3/post_block", 3, timeout=30)
+        assert dash.snapshot("L0.post_block")["tap"] == "L0.post_block"
+        events = sse_events(f"{dash.url}events?tap=L3.post_block", 3, timeout=30)
         steps = [e["bus"]["last_step"] for e in events]
         assert steps == sorted(steps) and steps[-1] > steps[0], steps
         assert [e["version"] for e in events] == sorted({e["version"] for e in events})
         last = events[-1]
-        assert last["tap"] == "3/post_block" and last["sample_every"] == 4
+        assert last["tap"] == "L3.post_block" and last["sample_every"] == 4
         assert last["model"] == "synthetic" and last["bus_ok"]
-        assert set(last["acts"]["taps"]) == {"0/post_block", "3/post_block"}
-        assert last["acts"]["taps"]["3/post_block"]["norm_mean"] == pytest.approx(
+        assert set(last["acts"]["taps"]) == {"L0.post_block", "L3.post_block"}
+        assert last["acts"]["taps"]["L3.post_block"]["norm_mean"] == pytest.approx(
             4 * np.sqrt(32), rel=0.2
         )
         assert {q["request_id"] for q in last["requests"]} == {"a", "b"}

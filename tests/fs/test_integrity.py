@@ -47,7 +47,10 @@ def test_the_sink_never_writes_outside_its_run_whatever_the_rows_say(tmp_path, c
     elsewhere.mkdir()
     sink = FsSink(out, shard_rows=2)
     sink.on_welcome(INFO)
-    (out / "layer-02").symlink_to(elsewhere)  # a link planted inside the run
+    (out / "L2.post_block").symlink_to(elsewhere)  # a link planted inside the run
+    old_layout = tmp_path / "old"
+    (old_layout / "post_block").mkdir(parents=True)
+    (out / "layer-03").symlink_to(old_layout)  # one where an older run's layout would be
     before = tree(tmp_path)
     sink.on_batch(_batch(0, "good", 2))
     with caplog.at_level(logging.ERROR, logger="actbus.fs_sink"):
@@ -57,6 +60,7 @@ def test_the_sink_never_writes_outside_its_run_whatever_the_rows_say(tmp_path, c
             _batch(3, "neg", 2, layer=-1),
             _batch(4, "deep", 2, hook="post_block/../../../y"),
             _batch(5, "link", 2, layer=2),
+            _batch(7, "old_link", 2, layer=3),
         ):
             sink.on_batch(bad)
     sink.on_batch(_batch(6, "good", 2))
@@ -65,11 +69,12 @@ def test_the_sink_never_writes_outside_its_run_whatever_the_rows_say(tmp_path, c
     created = sorted(set(after) - set(before))
     assert all(p.startswith("work/run/") for p in created), created
     assert not list(elsewhere.iterdir()) and not (tmp_path / "abs").exists()
+    assert not list((old_layout / "post_block").iterdir())
     changed = [p for p in before if not p.startswith("work/run") and after.get(p) != before[p]]
     assert changed == [], changed
     run = ActivationRun(out)
-    assert run.manifest["counters"]["messages_refused_unsafe_path"] == 5
-    assert run.manifest["counters"]["rows_refused_unsafe_path"] == 10
+    assert run.manifest["counters"]["messages_refused_unsafe_path"] == 6
+    assert run.manifest["counters"]["rows_refused_unsafe_path"] == 12
     assert run.manifest["hooks"] == ["post_block"] and run.manifest["layers"] == [1]
     steps = run.dataset(1).to_table(columns=["step"]).column("step").to_pylist()
     assert sorted(steps) == [0, 0, 6, 6]  # the good rows before and after

@@ -11,7 +11,7 @@ import torch
 from actbus.bus import Batch
 from actbus.wire import Header, RowIndex
 from consumers.fs import ActivationRun, FsSink, StorageError, WriterConfig, parse_reduction
-from consumers.fs.selection import StoreFilter
+from consumers.fs.filters import StoreFilter
 from consumers.fs.torch_dataset import TokenDataset
 
 INFO = {"model": "m", "hidden_size": 8, "dtype": "float32", "layers": [1], "hooks": ["post_block"]}
@@ -41,7 +41,7 @@ def test_round_trip_exact_and_ordered_by_position(tmp_path, dtype):
         [_batch(0, "b", [0, 1], dtype).tensor, _batch(1, "b", [2, 3], dtype).tensor]
     )
     assert torch.equal(x, expected)
-    assert run.manifest["rows"] == {"1/post_block": 5} and len(run.shards()) >= 2
+    assert run.manifest["rows"] == {"L1.post_block": 5} and len(run.shards()) >= 2
     assert not list((tmp_path / "run").rglob("*.tmp"))
 
 
@@ -52,7 +52,7 @@ def test_restart_continues_without_overwriting(tmp_path):
     sink.on_batch(_batch(0, "a", [0, 1]))
     sink.close()
     # A crash after a shard's rename but before the manifest update: a stray shard.
-    stray = out / "layer-01" / "post_block" / "shard-000007.arrow"
+    stray = out / "L1.post_block" / "shard-000007.arrow"
     stray.write_bytes(b"not listed")
     sink = FsSink(out)
     sink.on_welcome(INFO)
@@ -107,7 +107,7 @@ def test_restart_keeps_the_run_settings_and_the_pca_basis(tmp_path):
     for s in range(3):
         sink.on_batch(_batch(s, "a", [2 * s, 2 * s + 1]))
     sink.close()
-    basis = (out / ActivationRun(out).manifest["bases"]["1/post_block"]["path"]).read_bytes()
+    basis = (out / ActivationRun(out).manifest["bases"]["L1.post_block"]["path"]).read_bytes()
     with pytest.raises(RuntimeError, match=r"written with reduction=.*pass the same flags"):
         FsSink(str(out), WriterConfig(reduction=parse_reduction("int8")))
     sink = FsSink(str(out), cfg)  # same flags: continues, with the stored basis
@@ -116,7 +116,7 @@ def test_restart_keeps_the_run_settings_and_the_pca_basis(tmp_path):
         sink.on_batch(_batch(s, "a", [2 * s, 2 * s + 1]))
     sink.close()
     run = ActivationRun(out)
-    assert (out / run.manifest["bases"]["1/post_block"]["path"]).read_bytes() == basis
+    assert (out / run.manifest["bases"]["L1.post_block"]["path"]).read_bytes() == basis
     positions, x = run.request_rows("a", 1)
     assert positions.tolist() == list(range(16)) and x.shape == (16, 8)
     assert run.verify() == []
@@ -156,8 +156,8 @@ def test_unwritable_out_is_named(tmp_path):
 def test_mark_after_eviction_counted_even_when_later_rows_are_held_again():
     """A request evicted, then held again by its later rows, then marked: only the
     later rows are kept, and the mark is counted (and logged) as after eviction."""
+    from consumers.fs.filters import MarkedWindow
     from consumers.fs.rows import TapRows
-    from consumers.fs.selection import MarkedWindow
 
     w = MarkedWindow(1, 1 << 30, {})
     w.offer(TapRows.from_batch(_batch(0, "x", [0, 1])))
@@ -193,7 +193,7 @@ def test_request_of_a_layer_not_stored_is_named(tmp_path):
     sink.on_welcome(INFO)
     sink.on_batch(_batch(0, "a", [0, 1]))
     sink.close()
-    named = r"no committed shards for layer 5 .*'1/post_block'"
+    named = r"no committed shards for layer 5 .*'L1.post_block'"
     with pytest.raises(FileNotFoundError, match=named):
         ActivationRun(tmp_path / "run").request("a", layer=5)
 
@@ -214,7 +214,7 @@ def test_replay_of_hooks_not_stored_is_named(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 1 and "--hooks ('mlp_out',)" in r.stderr, r.stderr
-    assert "the run has (layer/hook) ['1/post_block']" in r.stderr, r.stderr
+    assert "the run has streams ['L1.post_block']" in r.stderr, r.stderr
 
 
 def test_rotation_by_size(tmp_path):
@@ -237,7 +237,7 @@ def test_restart_removes_its_own_tmp_files_only(tmp_path):
     sink.on_welcome(INFO)
     sink.on_batch(_batch(0, "a", [0, 1]))
     sink.close()
-    half = out / "layer-01" / "post_block" / "shard-000003.arrow.tmp"  # a crash mid-write
+    half = out / "L1.post_block" / "shard-000003.arrow.tmp"  # a crash mid-write
     half.write_bytes(b"half")
     (out / "manifest.json.tmp").write_bytes(b"half")
     theirs = out / "notes" / "draft.tmp"  # not the sink's

@@ -144,7 +144,7 @@ def test_every_reduction_round_trip_with_error_bounds(tmp_path):
             errors[spec] = float((ratio - 1).abs().mean())
             continue
         elif spec == "pca:8":
-            assert run.manifest["bases"]["0/post_block"]["fitted_rows"] >= 64
+            assert run.manifest["bases"]["L0.post_block"]["fitted_rows"] >= 64
             rel = (got - x).norm() / x.norm()
             assert rel < 0.05  # rank-4 data, 8 components: only the noise is lost
         elif spec == "topk:8":
@@ -269,7 +269,7 @@ def test_layers_and_hooks_selected_at_the_publisher(tmp_path):
     assert wait_exit(proc, out) == 0, log_of(out)
     assert routed == 5  # the other 15 messages never crossed the bus to the sink
     run = ActivationRun(out)
-    assert run.manifest["rows"] == {"2/mlp_out": 40} and run.verify() == []
+    assert run.manifest["rows"] == {"L2.mlp_out": 40} and run.verify() == []
 
 
 def test_replay_of_a_non_run_is_named(tmp_path):

@@ -68,8 +68,8 @@ def main() -> int:
     import torch
 
     from actbus.tiny_models import build_tiny_model
-    from tests.support.collector import Collector
     from tests.support.oracle import hf_activations, max_rel_error
+    from tests.support.recorder import RowRecorder
 
     # head_dim 64: what GPU attention kernels support in every dtype.
     path = build_tiny_model(
@@ -98,7 +98,7 @@ def main() -> int:
         additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": HOOKS}},
     )
     start_s = time.monotonic() - t0
-    col = Collector(address)
+    col = RowRecorder(address)
     info = col.sub.welcome or {}
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(64)]

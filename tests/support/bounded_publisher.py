@@ -5,7 +5,7 @@ python -m tests.support.bounded_publisher ADDR SECONDS MAX_WINDOW_MB MAX_SUBSCRI
 Logs to stderr at INFO, as the engine would. Waits for a subscriber named
 ``good``, prints "ready", then publishes 64 KiB messages (steps 0, 1, ...) as
 fast as its queue allows until a line arrives on stdin (or SECONDS pass). Once
-the control messages still waiting are handled (``rejected`` stops growing), it
+the session messages still waiting are handled (``rejected`` stops growing), it
 prints one JSON line: how many it published, whether its thread was still alive,
 and its counters. Then closes (END), so the ``good`` subscriber knows the stream
 is over.

@@ -13,6 +13,7 @@ from typing import Any
 
 from actbus.bus import Batch, Subscriber
 from actbus.cli import consumer_command
+from actbus.streams import point_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,7 +77,7 @@ def manifest(out: Path) -> dict[str, Any] | None:
 
 def wait_rows(out: Path, layer: int, at_least: int, timeout: float = 60.0) -> dict[str, Any]:
     """Wait until the sink has committed ``at_least`` rows of ``layer`` and stopped growing."""
-    key = f"{layer}/post_block"
+    key = point_key(layer, "post_block")
 
     def enough():
         m = manifest(out)

@@ -215,7 +215,7 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
              "--summary", str(tmp_path / "sae.json"))  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads((tmp_path / "sae.json").read_text())
-    assert s["data"]["tokens/L2/post_block"] == 40 * 256  # every stored row, once
+    assert s["data"]["tokens/L2.post_block"] == 40 * 256  # every stored row, once
     (ckpt,) = [p for p in (tmp_path / "sae").iterdir() if (p / "cfg.json").exists()]
     assert load_sae(ckpt).cfg.layer == 2
     meta = json.loads((ckpt / "cfg.json").read_text())["metadata"]  # from the run's manifest
@@ -231,7 +231,7 @@ def test_sae_and_probe_from_a_stored_run(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     capped = json.loads((tmp_path / "capped.json").read_text())
     assert capped["cpu_threads"] == 1
-    assert capped["data"]["tokens/L2/post_block"] == 40 * 256
+    assert capped["data"]["tokens/L2.post_block"] == 40 * 256
     assert capped["duty"] <= 0.26 < 0.5 < s["duty"], (capped["duty"], s["duty"])
 
     r = _run("probe", *common, "--label", "label", "--lr", "0.05", "--out",
@@ -331,13 +331,13 @@ def test_several_saes_from_one_subscription(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["data"]["bus/received"] == 2 * messages  # one subscriber got both layers
     for layer in (0, 3):
-        assert s["data"][f"tokens/L{layer}/post_block"] == messages * 256
+        assert s["data"][f"tokens/L{layer}.post_block"] == messages * 256
     saved = sorted(p.name for p in (tmp_path / "out").iterdir() if (p / "cfg.json").exists())
     assert saved == [
-        "L0-post_block-topk-k4-x2",
-        "L0-post_block-topk-k8-x2",
-        "L3-post_block-topk-k4-x2",
-        "L3-post_block-topk-k8-x2",
+        "L0.post_block-topk-k4-x2",
+        "L0.post_block-topk-k8-x2",
+        "L3.post_block-topk-k4-x2",
+        "L3.post_block-topk-k8-x2",
     ]
     assert load_sae(tmp_path / "out" / saved[3]).cfg.layer == 3
     assert set(s["fvu_history"]) == set(saved)
@@ -410,7 +410,7 @@ def test_a_trainer_stopped_during_warm_up_trains_on_what_it_has_and_saves(tmp_pa
             ri = RowIndex([f"r{step}"], np.array([0, 64]), np.arange(64), np.zeros(64))
             h = Header(step, 0, "post_block", "float32", (64, 64), "synthetic", ri)
             pub.publish(h, torch.randn(64, 64, generator=g))
-        wait_for(lambda: any("warming up: L0/post_block 1,280 of" in x for x in lines), 30,
+        wait_for(lambda: any("warming up: L0.post_block 1,280 of" in x for x in lines), 30,
                  "the warm-up's progress")  # fmt: skip
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=120)

@@ -35,7 +35,7 @@ def test_slow_trainer_drops_oldest_and_counts_every_drop(tmp_path):
     seen: Counter = Counter()
     try:
         for batch in stream:
-            b = batch["L0/post_block"]
+            b = batch["L0.post_block"]
             seen.update(zip(b["request_id"], b["position"].tolist(), strict=True))
             time.sleep(0.05)  # a trainer slower than the publisher
     finally:
@@ -49,7 +49,7 @@ def test_slow_trainer_drops_oldest_and_counts_every_drop(tmp_path):
     assert s["bus/received"] >= 4
     # Whatever arrived was trained on, each token once.
     assert max(seen.values()) == 1
-    assert len(seen) == s["bus/received"] * 256 == s["tokens/L0/post_block"]
+    assert len(seen) == s["bus/received"] * 256 == s["tokens/L0.post_block"]
 
 
 def test_data_module_stop_ends_a_live_stream_and_its_source_thread(tmp_path):
@@ -69,7 +69,7 @@ def test_data_module_stop_ends_a_live_stream_and_its_source_thread(tmp_path):
     try:
         dm = ActivationDataModule(cfg)
         batches = iter(dm.train_dataloader())
-        assert len(next(batches)["L0/post_block"]["request_id"]) == 64
+        assert len(next(batches)["L0.post_block"]["request_id"]) == 64
         time.sleep(1.0)  # the buffer fills
         assert dm.stop()
         t0 = time.monotonic()

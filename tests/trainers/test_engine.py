@@ -143,7 +143,7 @@ def test_sae_and_probe_train_live_from_the_engine(sched_engine, tmp_path):
     assert last < 0.85 * first, (first, last)
     # Nothing unaccounted for: tokens trained + still buffered == rows received.
     d = s["data"]
-    assert d["tokens/L3/post_block"] + d["overflow/L3/post_block"] == d["rows_in"]
+    assert d["tokens/L3.post_block"] + d["overflow/L3.post_block"] == d["rows_in"]
     assert d["bus/received"] > 0
 
     p = json.loads((probe_out / "summary.json").read_text())

@@ -67,7 +67,7 @@ def _recover(tmp_path, cfg: SAEConfig, messages: int) -> float:
     stats = module.trainer.datamodule.stats()
     print(f"\n{cfg.kind}: best-cosine {cos:.4f} in {time.monotonic() - t0:.1f}s; data {stats}")
     # Every published token reached the trainer (block policy): nothing lost on the way.
-    assert stats["tokens/L0/post_block"] == messages * 512
+    assert stats["tokens/L0.post_block"] == messages * 512
     assert stats["bus/missed"] == 0
     # A fresh SAE is nowhere near: the bar means something.
     assert best_cos(SAETrainer([cfg]).sae(cfg.name).W_dec, atoms) < 0.6
@@ -130,7 +130,7 @@ def test_probe_recovers_planted_label_from_request_tags(tmp_path, monkeypatch):
     assert acc >= 0.95 and auroc >= 0.95
     # The weights point along the planted direction (not some spurious feature).
     _, direction = planted()
-    w = module.probes[probe.name].linear.weight[0] * module.probes[probe.name].inv_std
+    w = module.probe(probe.name).linear.weight[0] * module.probe(probe.name).inv_std
     # (not exactly it: logistic regression weights are the noise-whitened direction)
     assert float(torch.nn.functional.cosine_similarity(w.detach(), direction, dim=0)) > 0.8
     # The offline W&B run holds the held-out metric and the training loss.

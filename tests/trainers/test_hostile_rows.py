@@ -62,9 +62,9 @@ def test_probe_and_sae_refuse_overflowing_labels_huge_rows_and_a_width_change(tm
     huge = 2 * len(range(0, MESSAGES, 5))  # two rows in each 5th message (step 7 is not one)
     for name in ("probe", "sae"):
         data = json.loads((tmp_path / f"{name}.json").read_text())["data"]
-        assert data["nonfinite/L0/post_block"] == huge, (name, data)
-        assert data["width_refused/L0/post_block"] == ROWS, (name, data)
-        assert data["tokens/L0/post_block"] <= (MESSAGES - 1) * ROWS - huge
+        assert data["nonfinite/L0.post_block"] == huge, (name, data)
+        assert data["width_refused/L0.post_block"] == ROWS, (name, data)
+        assert data["tokens/L0.post_block"] <= (MESSAGES - 1) * ROWS - huge
     probe_data = json.loads((tmp_path / "probe.json").read_text())["data"]
     assert probe_data["bad_label_rows"] == 3 * PER  # the three requests' rows, at step 3
     assert "label tag is not a number" in outs["probe"]

@@ -30,7 +30,7 @@ def test_nonfinite_rows_are_counted_and_never_handed_out(tmp_path):
     handed = 0
     try:
         for batch in stream:
-            b = batch["L0/post_block"]
+            b = batch["L0.post_block"]
             assert bool(torch.isfinite(b["activation"]).all()), "a non-finite row was handed out"
             handed += len(b["request_id"])
     finally:
@@ -39,8 +39,8 @@ def test_nonfinite_rows_are_counted_and_never_handed_out(tmp_path):
     s = stream.stats()
     bad = 2 * (messages // every)  # a NaN row and an infinite row in every 4th message
     assert s["bus/received"] == messages and s["bus/missed"] == 0
-    assert s["nonfinite/L0/post_block"] == bad  # the metric the trainer logs (data/...)
-    assert handed == messages * rows - bad == s["tokens/L0/post_block"] == s["rows_in"]
+    assert s["nonfinite/L0.post_block"] == bad  # the metric the trainer logs (data/...)
+    assert handed == messages * rows - bad == s["tokens/L0.post_block"] == s["rows_in"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -177,6 +177,6 @@ def test_a_label_that_is_not_a_number_is_counted_and_skipped(tmp_path):
     for name in ("live", "stored"):
         s = json.loads((tmp_path / f"{name}.json").read_text())
         assert s["data"]["bad_label_rows"] == PER, (name, s["data"])
-        assert s["data"]["tokens/L0/post_block"] == 40 * REQS * PER - PER, name
+        assert s["data"]["tokens/L0.post_block"] == 40 * REQS * PER - PER, name
         (saved,) = (tmp_path / name).glob("*/probe.json")
         assert _accuracy(load_probe(saved.parent)) > 0.95, name

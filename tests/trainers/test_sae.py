@@ -178,3 +178,23 @@ def test_bad_configs_name_the_field():
         SAEConfig(d_in=8, b_dec_init="median")
     with pytest.raises(FileNotFoundError, match=r"cfg\.json"):
         load_sae("/nonexistent/dir")
+
+
+def test_default_names_use_the_stream_name_and_old_named_checkpoints_still_load(tmp_path):
+    """Trainer outputs are named by the stream (``L3.post_block-...``); a checkpoint
+    directory an older actbus named ``L3-post_block-...`` loads as before, in the
+    trainers and as an engine's vector source."""
+    from actbus.steer.config import VectorSource
+    from actbus.steer.vectors import load_source
+    from trainers.config import ProbeConfig
+
+    assert SAEConfig(d_in=16, layer=3, k=8, expansion=4).name == "L3.post_block-topk-k8-x4"
+    assert ProbeConfig(d_in=16, layer=3).name == "L3.post_block-probe-logistic"
+    old = "L3-post_block-topk-k8-x4"
+    sae, _ = _train(SAEConfig(d_in=64, d_sae=256, k=8, layer=3, name=old), 5)
+    path = save_sae(sae, tmp_path / old, model="synthetic")
+    fresh = load_sae(tmp_path / old)
+    assert path == tmp_path / old and fresh.cfg.name == old and fresh.cfg.layer == 3
+    row = load_source(VectorSource("sae", str(tmp_path / old), feature=7), "steer.vectors.f7")
+    w = sae.W_dec.detach()[7]
+    torch.testing.assert_close(torch.from_numpy(row), w / w.norm(), rtol=1e-5, atol=1e-6)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from actbus.bus import Subscription
-from tests.support.collector import Collector
+from tests.support.recorder import RowRecorder
 from trainers.callbacks import SaveSAEs
 from trainers.checkpoint import load_sae
 from trainers.config import DataConfig, SAEConfig
@@ -139,13 +139,13 @@ def _same_active_set(kind: str, sae, z: torch.Tensor, z_sl: torch.Tensor, atol: 
 def test_saelens_loads_every_kind_to_the_same_latents(sched_engine, tmp_path):
     from sae_lens import SAE
 
-    collector = Collector(sched_engine.address, Subscription(layers=(LAYER,), window=1024))
+    recorder = RowRecorder(sched_engine.address, Subscription(layers=(LAYER,), window=1024))
     try:
         module, dm = _train_live(sched_engine, tmp_path / "out")
     finally:
-        collector.close()
+        recorder.close()
     rows = {hook: [] for hook, _ in KINDS.values()}
-    for (_, _, _, hook), r in collector.rows.items():
+    for (_, _, _, hook), r in recorder.rows.items():
         rows[hook] += r.acts
     model = str(sched_engine.model_path)
     for kind, (hook, tl_name) in KINDS.items():

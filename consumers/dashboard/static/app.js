@@ -158,7 +158,7 @@ function renderMonitors(m) {
     const tr = el("tr", { "data-series": key, "data-col": i }), ts = el("td");
     ts.append(line(h, 140, 32, "#8e44ad"));
     const num = (cls, v, digits) => el("td", { class: cls, "data-v": exact(v) }, fmt(v, digits));
-    tr.append(el("td", {}, s.monitor), el("td", {}, `${s.layer}/${s.hook}`), el("td", { class: "column" }, columnName(s, c, i)),
+    tr.append(el("td", {}, s.monitor), el("td", {}, `L${s.layer}.${s.hook}`), el("td", { class: "column" }, columnName(s, c, i)),
       num("version", s.version), el("td", { class: "rows", "data-v": exact(s.rows) }, fmt(s.rows) + (s.nonfinite_rows ? ` (+${fmt(s.nonfinite_rows)} non-finite)` : "")),
       num("mean", c.mean, 4), num("recent-mean", c.recent_mean, 4), num("p90", c.p90, 4), num("max", c.max, 4),
       el("td", { class: "above", "data-v": exact(c.above), title: `share of recent scores above ${s.threshold}` },

@@ -38,7 +38,7 @@ class RequestRows:
         )
 
 
-class Collector:
+class RowRecorder:
     """Subscribe in a thread; ``rows[(request, sample, layer, hook)]`` fills up.
 
     ``address`` is a ``--connect`` spec: several publishers (data-parallel ranks) are
@@ -93,7 +93,7 @@ class Collector:
             if self.error:
                 raise self.error
             time.sleep(0.05)
-        raise TimeoutError(f"collector: {what} did not arrive within {timeout}s")
+        raise TimeoutError(f"recorder: {what} did not arrive within {timeout}s")
 
     def wait_ended(self, keys, timeout: float = 60.0) -> None:
         keys = list(keys)

@@ -1,6 +1,6 @@
 """The common part of the dashboards: a sampling consumer that keeps statistics.
 
-``Monitor`` holds the batches it receives and, once per report, digests them
+``DashboardSampler`` holds the batches it receives and, once per report, digests them
 into ``ActivationStats`` (and, when asked, ``RecentRequests``). Every
 ``interval_s`` it asks the publisher for its counters through a second,
 data-less connection (the same client ``actbus stats`` uses), so it can hand one
@@ -37,7 +37,7 @@ from consumers.priority import add_priority_arguments, lower_priority
 from consumers.scores import ScoreStats, ScoreStatsConfig, add_monitor_scores_argument
 from consumers.stats import ActivationStats, BusHealth, RecentRequests, StatsConfig
 
-log = logging.getLogger("actbus.monitor")
+log = logging.getLogger("actbus.dashboard")
 
 
 MAX_PENDING_BYTES = 64 << 20
@@ -52,7 +52,7 @@ MAX_DRAIN = 4 * MAX_WINDOW
 """Score messages read in one go, at most: the main stream is never starved."""
 
 
-class Monitor(Consumer):
+class DashboardSampler(Consumer):
     """Statistics of a sampled stream plus the publisher's health, every ``interval_s``."""
 
     default_policy: ClassVar[str] = DASHBOARD_POLICY
@@ -130,7 +130,7 @@ class Monitor(Consumer):
 
     @staticmethod
     def common_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-        """The ``Monitor`` arguments every subclass takes from ``actbus run`` flags."""
+        """The ``DashboardSampler`` arguments every subclass takes from ``actbus run`` flags."""
         if args.interval <= 0:
             raise ValueError(f"--interval: must be > 0 seconds, got {args.interval}")
         lower_priority(args.nice, args.sched)  # the main thread, before any other starts
