@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actbus.streams import point_key
 from consumers.fs import ActivationRun
 from tests.support.engine import (
     CAPTURE_LAYERS,
@@ -254,7 +255,7 @@ def test_late_subscriber_receives_later_steps(sched_engine, tmp_path):
         assert stop(sink) == 0
     run = ActivationRun(out)
     assert run.request_ids(CAPTURE_LAYERS[0]) == sorted(o.request_id for o in outs)
-    assert run.manifest["rows"][f"{CAPTURE_LAYERS[0]}/post_block"] == expected
+    assert run.manifest["rows"][point_key(CAPTURE_LAYERS[0], "post_block")] == expected
 
 
 def test_dead_subscribers_do_not_stall_generation(sched_engine, tmp_path):

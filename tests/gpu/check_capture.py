@@ -67,6 +67,7 @@ def main() -> int:
 
     import torch
 
+    from actbus.streams import point_key
     from actbus.tiny_models import build_tiny_model
     from tests.support.oracle import hf_activations, max_rel_error
     from tests.support.recorder import RowRecorder
@@ -171,7 +172,7 @@ def main() -> int:
                         problems.append(f"{o.request_id} L{layer} {hook}: returned rows differ")
                     r = ref[(layer, hook)][torch.as_tensor(want, device=args.device)].float()
                     err = max_rel_error(acts.float().to(args.device), r)
-                    worst[f"{layer}/{hook}"] = max(worst.get(f"{layer}/{hook}", 0.0), err)
+                    worst[point_key(layer, hook)] = max(worst.get(point_key(layer, hook), 0.0), err)
                     checked_rows += len(pos)
     tol = args.tol or (1e-3 if args.dtype == "float32" else 2e-2)
     ok = not problems and all(e <= tol for e in worst.values()) and preempt > 0
