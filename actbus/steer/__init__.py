@@ -4,6 +4,7 @@
 ``steer`` list), ``vectors`` holds named vectors and loads them from files and
 checkpoints, ``graph`` is what the traced forward computes, ``worker`` fills the
 per-token tables before each forward, ``frontend`` resolves a request's steering
-into the form the worker trusts, ``api`` is the Python API over a running engine and
-``http`` the same over vLLM's OpenAI server.
+into the form the worker trusts and ``live`` holds the vectors pushes replace. The
+Python and HTTP APIs over a running engine are the engine's (``actbus.engine.api``,
+``actbus.engine.routes``): they reach into vLLM.
 """
