@@ -154,7 +154,7 @@ class _Frontend:
     """What the front end needs of the engine's capture config, parsed once."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from actbus.engine.session import _checked, _num_layers, steer_frontend
+        from actbus.engine.session import _checked, num_layers, steer_frontend
 
         checked = _checked(vllm_config)
         self.active = checked is not None
@@ -166,7 +166,7 @@ class _Frontend:
 
         self.dp = of_config(vllm_config)
         self.requests = cfg.requests
-        self.num_layers = _num_layers(vllm_config.model_config)
+        self.num_layers = num_layers(vllm_config.model_config)
         self.max_len = int(vllm_config.model_config.max_model_len)
         self.base = Selection(layers, cfg.hooks, cfg.positions, cfg.tags)
         self.steer = steer_frontend(cfg, vllm_config)

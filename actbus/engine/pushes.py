@@ -20,8 +20,9 @@ from actbus.bus.control import ControlServer
 from actbus.bus.endpoints import for_rank
 from actbus.bus.pushwire import Push, Slot
 from actbus.engine.dataparallel import worker_rank
+from actbus.engine.parts import EngineParts
 from actbus.engine.scheduler import PUSH_ATTR
-from actbus.engine.session import capture_config, monitor_weights
+from actbus.engine.session import capture_config, monitor_weights, num_layers
 from actbus.monitor.push import apply_monitor_pushes
 from actbus.steer.live import apply_vector_pushes
 
@@ -55,9 +56,7 @@ def start_control(vllm_config: Any) -> ControlServer | None:
     mc = vllm_config.model_config
     hidden = mc.get_hidden_size()
     weights = (
-        monitor_weights(cfg.monitor, int(mc.hf_text_config.num_hidden_layers), hidden)
-        if cfg.monitor is not None
-        else {}
+        monitor_weights(cfg.monitor, num_layers(mc), hidden) if cfg.monitor is not None else {}
     )
     live = dict.fromkeys(cfg.steer.live, hidden) if cfg.steer is not None else {}
     if not weights and not live:
@@ -74,9 +73,9 @@ def start_control(vllm_config: Any) -> ControlServer | None:
     return server
 
 
-def dispatch(parts: Any, scheduler_output: Any) -> None:
-    """Hand this step's pushes to the features on this rank (``parts``: the runner's
-    ``EngineParts``), before the step's forward is launched and before its requests
+def dispatch(parts: EngineParts, scheduler_output: Any) -> None:
+    """Hand this step's pushes to the features on this rank (``parts``: what the runner
+    holds), before the step's forward is launched and before its requests
     are admitted. Every rank gets the same ``SchedulerOutput``, so every rank that
     holds tables (the harvest's on tensor-parallel rank 0, the gates' on every rank)
     changes them at the same step."""

@@ -14,7 +14,7 @@ import functools
 from typing import Any
 
 from actbus.engine.session import wrap_load_model
-from actbus.engine.steploop import fill_steering, run_step
+from actbus.engine.steploop import fill_steering, wrap_execute_model
 from actbus.steps import StepRequests, StepView
 
 
@@ -36,7 +36,7 @@ def patch() -> bool:
     for cls in classes:
         if "load_model" in vars(cls):
             cls.load_model = wrap_load_model(vars(cls)["load_model"], "v1")
-    GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
+    GPUModelRunner.execute_model = wrap_execute_model(GPUModelRunner.execute_model, read_batch)
     if hasattr(GPUModelRunner, "_prepare_inputs"):  # where steering tables are filled
         GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(GPUModelRunner._prepare_inputs)
         GPUModelRunner._actbus_steers = True
@@ -58,20 +58,6 @@ def read_batch(runner: Any, requests: StepRequests, started: float) -> StepView 
         requests=requests,
         started=started,
     )
-
-
-def _wrap_execute_model(orig):
-    @functools.wraps(orig)
-    def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
-        return run_step(
-            self,
-            scheduler_output,
-            lambda: orig(self, scheduler_output, *args, **kwargs),
-            read_batch,
-        )
-
-    execute_model._actbus_wrapper = True  # the runner check looks for it
-    return execute_model
 
 
 def _wrap_prepare_inputs(orig):

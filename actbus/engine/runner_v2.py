@@ -15,7 +15,7 @@ from typing import Any
 
 from actbus.engine.internals import vllm_version
 from actbus.engine.session import wrap_load_model
-from actbus.engine.steploop import fill_steering, run_step
+from actbus.engine.steploop import fill_steering, wrap_execute_model
 from actbus.errors import VllmVersionError
 from actbus.steps import StepRequests, StepView
 
@@ -29,7 +29,9 @@ def patch() -> bool:
     if getattr(GPUModelRunner, "_actbus_patched", False):
         return True
     GPUModelRunner.load_model = wrap_load_model(GPUModelRunner.load_model, "v2")
-    GPUModelRunner.execute_model = _wrap_execute_model(GPUModelRunner.execute_model)
+    GPUModelRunner.execute_model = wrap_execute_model(
+        GPUModelRunner.execute_model, read_batch, _dummy
+    )
     if hasattr(GPUModelRunner, "prepare_inputs"):  # where steering tables are filled
         GPUModelRunner.prepare_inputs = _wrap_prepare_inputs(GPUModelRunner.prepare_inputs)
         GPUModelRunner._actbus_steers = True
@@ -59,19 +61,9 @@ def read_batch(runner: Any, requests: StepRequests, started: float) -> StepView 
     )
 
 
-def _wrap_execute_model(orig):
-    @functools.wraps(orig)
-    def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
-        return run_step(
-            self,
-            scheduler_output,
-            lambda: orig(self, scheduler_output, *args, **kwargs),
-            read_batch,
-            dummy=bool(kwargs.get("dummy_run") or (len(args) >= 2 and args[1])),
-        )
-
-    execute_model._actbus_wrapper = True  # the runner check looks for it
-    return execute_model
+def _dummy(args: tuple, kwargs: dict) -> bool:
+    """``execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)``."""
+    return bool(kwargs.get("dummy_run") or (len(args) >= 2 and args[1]))
 
 
 def _wrap_prepare_inputs(orig):

@@ -94,7 +94,7 @@ def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
     cfg.check_data_parallel(dataparallel.front_size(vllm_config))
     if isinstance(cfg.positions, tuple):  # listed positions a request can have
         parse_positions(list(cfg.positions), "actbus.positions", max_len=int(mc.max_model_len))
-    return cfg, cfg.resolve_layers(_num_layers(mc), mc.model)
+    return cfg, cfg.resolve_layers(num_layers(mc), mc.model)
 
 
 def pipeline_stages(vllm_config: Any) -> tuple[int, ...] | None:
@@ -105,7 +105,7 @@ def pipeline_stages(vllm_config: Any) -> tuple[int, ...] | None:
         return None
     from vllm.distributed.utils import get_pp_indices
 
-    n = _num_layers(vllm_config.model_config)
+    n = num_layers(vllm_config.model_config)
     stages = [0] * n
     for rank in range(size):
         start, end = get_pp_indices(n, rank, size)
@@ -121,7 +121,7 @@ def steer_frontend(cfg: CaptureConfig, vllm_config: Any) -> SteerFrontend | None
     mc = vllm_config.model_config
     return SteerFrontend(
         cfg.steer,
-        num_layers=_num_layers(mc),
+        num_layers=num_layers(mc),
         hidden_size=mc.get_hidden_size(),
         monitors=cfg.monitor,
         stages=pipeline_stages(vllm_config),
@@ -141,7 +141,7 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
         steer_frontend(cfg, vllm_config)
         LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
-        monitor_weights(cfg.monitor, _num_layers(mc), mc.get_hidden_size())
+        monitor_weights(cfg.monitor, num_layers(mc), mc.get_hidden_size())
     if not os.environ.get(PRECHECKED_ENV):  # actbus serve warned already
         served = mc.served_model_name
         names = [str(mc.model), *([served] if isinstance(served, str) else served or [])]
@@ -164,7 +164,7 @@ def attach(
         return None
     cfg, layers = checked
     mc = vllm_config.model_config
-    n, hidden = _num_layers(mc), mc.get_hidden_size()
+    n, hidden = num_layers(mc), mc.get_hidden_size()
     # CUDA-graph batches are padded up to a capture size; the tables hold padded rows.
     cc = vllm_config.compilation_config
     max_rows = max(max_rows, int(getattr(cc, "max_cudagraph_capture_size", 0) or 0))
@@ -223,7 +223,7 @@ def _capture_worker(
     them (with the monitors' harvest beside it)."""
     mc = vllm_config.model_config
     cc = vllm_config.compilation_config
-    mine = owned_layers(model, _num_layers(mc), layers)  # this pipeline stage's
+    mine = owned_layers(model, num_layers(mc), layers)  # this pipeline stage's
     taps = install_taps(
         decoder,
         layers=mine,
@@ -295,7 +295,7 @@ def _install_monitors(
     of them, and what each publishes. Installed once per rank: on TP rank 0 for the
     scores' harvest, and on every rank when steering can be gated by them (each rank's
     gates must read the same scores)."""
-    n = _num_layers(mc)
+    n = num_layers(mc)
     weights = monitor_weights(mcfg, n, mc.get_hidden_size())
     points = {
         name: [(layer, d.hook) for layer in owned_layers(model, n, d.layers)]
@@ -433,7 +433,8 @@ def unwrapped_runner(runner: Any) -> list[str]:
     ]
 
 
-def _num_layers(mc: Any) -> int:
+def num_layers(mc: Any) -> int:
+    """The model's decoder layers (its text model's, in a multimodal wrapper)."""
     return int(mc.hf_text_config.num_hidden_layers)
 
 

@@ -1,8 +1,8 @@
 """The one step loop: what actbus does around each forward of a model runner.
 
 Both runner adapters (``runner_v1``, ``runner_v2``) wrap their runner's
-``execute_model`` with ``run_step`` and differ only in how they read the batch the
-forward used (``BatchReader``). In order, on every rank:
+``execute_model`` with ``wrap_execute_model`` and differ only in how they read the
+batch the forward used (``BatchReader``). In order, on every rank:
 
 1. pushes: new monitor weights and live vectors (``actbus.engine.pushes.dispatch``);
 2. admission: the step's request starts and ends reach the steerer, before the
@@ -18,6 +18,7 @@ What runs there is what ``actbus.engine.session`` attached to the runner
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +79,28 @@ def run_step(
         return out
     cap.on_step(view)
     return out
+
+
+def wrap_execute_model(
+    orig: Callable[..., Any],
+    read_batch: BatchReader,
+    is_dummy: Callable[[tuple, dict], bool] = lambda args, kwargs: False,
+) -> Callable[..., Any]:
+    """A runner's ``execute_model`` run through ``run_step``; ``is_dummy`` tells, from
+    the call's other arguments, a run with no real requests."""
+
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *args: Any, **kwargs: Any) -> Any:
+        return run_step(
+            self,
+            scheduler_output,
+            lambda: orig(self, scheduler_output, *args, **kwargs),
+            read_batch,
+            dummy=is_dummy(args, kwargs),
+        )
+
+    execute_model._actbus_wrapper = True  # the runner check looks for it
+    return execute_model
 
 
 def fill_steering(runner: Any, req_ids: list[str], offsets: np.ndarray) -> None:
