@@ -67,7 +67,7 @@ kept by a view held after its neighbours' requests ended."""
 
 class Slab:
     """One allocation of rows (raw bytes), their positions, token ids and ``extra``
-    int64 columns (``slab.cols["ver"]``); ``typed`` names a view of the
+    int64 columns (read as attributes: ``slab.ver``); ``typed`` names a view of the
     rows as ``[rows, row_bytes / itemsize]`` of a dtype (``("val", np.float32)``)."""
 
     __slots__ = (
@@ -101,6 +101,14 @@ class Slab:
         """Rows of the regions of requests not collected yet."""
         self.buffers: set[TapRows] = set()
         """``TapRows`` with rows here whose requests have not been collected."""
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        if name == "cols":  # not set yet
+            raise AttributeError(name)
+        try:
+            return self.cols[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
     def sparse(self) -> bool:
         """Its live regions hold under a quarter of its rows: the rest is kept only by

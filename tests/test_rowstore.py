@@ -196,11 +196,7 @@ def test_slot_rows_of_any_row_kind_keep_their_views_and_free_their_slabs():
     )
     st, lo, n = s.pending(0, 10)
     held = torch.from_numpy(st.rows[lo : lo + n]).view(torch.bfloat16)
-    assert (
-        n == 3
-        and held[:, 0].tolist() == [0, 1, 2]
-        and st.cols["ver"][lo : lo + n].tolist() == [7] * 3
-    )
+    assert n == 3 and held[:, 0].tolist() == [0, 1, 2] and st.ver[lo : lo + n].tolist() == [7] * 3
     assert s.pending_below(1, 10) == 2 and s.held_below(1, 1) == 1
     memory = weakref.ref(st.memory)
     s.free(0)
