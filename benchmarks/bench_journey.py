@@ -45,6 +45,8 @@ with trained share 1.0, drop >= 0.95 of plain.
 The trainer takes ``--sae-batch-tokens`` rows a step (8192 on a GPU). ``--mps`` runs
 every arm, plain included, under an MPS daemon of its own (``benchmarks/mps.py``), so
 that the engine and the trainer share the GPU's SMs instead of time-slicing it.
+``--trainer-gpu 1`` puts the trainer, the sink and W&B on the second visible GPU and
+leaves the first to the engine (the journey on two GPUs).
 """
 
 from __future__ import annotations
@@ -222,6 +224,8 @@ def _consumers(
         "WANDB_SILENT": "true",
     }
     quiet_openmp(env)  # the trainer runs from this script, not `actbus run sae`: the same env
+    if args.trainer_gpu is not None:  # the consumers on a GPU of their own, the engine alone
+        env["CUDA_VISIBLE_DEVICES"] = trainer_device(args.trainer_gpu)
     sae = [
         sys.executable, __file__, TRAINER_STATS, str(work / "trainer-stats.json"),
         "--connect", address, "--layer", str(args.layer), "--hook", "post_block",
@@ -248,6 +252,17 @@ def _consumers(
         ]  # fmt: skip
         procs["wandb"] = _spawn(wandb, work / "wandb.log", env)
     return procs
+
+
+def trainer_device(index: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of the consumers: the ``index``-th GPU this script
+    sees (the engine takes the first)."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return str(index)
+    if index >= len(visible):
+        raise SystemExit(f"--trainer-gpu {index}: only {len(visible)} GPUs are visible")
+    return visible[index]
 
 
 def sae_flags(args: argparse.Namespace) -> list[str]:
@@ -472,6 +487,7 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
         "drop_duty": args.drop_duty,
         "sae_batch_tokens": args.sae_batch_tokens,
         "mps": args.mps,
+        "trainer_gpu": args.trainer_gpu,
         "sink": " ".join(sink_flags(args)),
         "wandb": "offline" if has_wandb() else "skipped: not installed",
     }
@@ -550,6 +566,13 @@ def main() -> int:
         "--mps",
         action="store_true",
         help="run every arm, plain included, under an MPS daemon of its own (benchmarks/mps.py)",
+    )
+    ap.add_argument(
+        "--trainer-gpu",
+        type=int,
+        default=None,
+        help="run the trainer, sink and W&B on this visible GPU (e.g. 1), the engine alone on "
+        "the first; default: all on the first GPU",
     )
     ap.add_argument(
         "--drop-duty",
