@@ -5,7 +5,8 @@ defaults: torch.compile, CUDA graphs), each rank publishing on its own address o
 ``{dp_rank}`` template. Beside it, as a user would start them:
 - an in-process subscriber over both ranks (``--connect`` range) keeps every row;
 - ``actbus run sae --connect ipc:///...{0..1}`` trains on both ranks' tokens, with a
-  ledger of every (request, position) it trained.
+  ledger of every (request, position) it trained (run as ``bench_journey.py`` runs it,
+  so that it needs no wandb where the GPU machine has none).
 Completions go over HTTP, concurrently, so vLLM spreads them over both ranks. Then the
 server is stopped (SIGINT, as Ctrl-C): END reaches the trainer, which trains on what it
 holds, saves and exits. Checked:
@@ -125,7 +126,10 @@ def main() -> int:
         ledger = work / "ledger"
         with open(work / "trainer.log", "w") as tlog:
             trainer = subprocess.Popen(
-                [sys.executable, "-m", "actbus.cli", "run", "sae", "--connect", spec,
+                # ``actbus run sae`` as bench_journey runs it: the same trainer, without
+                # its W&B logger where wandb is not installed (the GPU machine's bundle).
+                [sys.executable, str(ROOT / "benchmarks" / "bench_journey.py"),
+                 "--trainer-stats", str(work / "trainer-stats.json"), "--connect", spec,
                  "--layer", str(TRAIN_LAYER), "--k", "8", "--expansion", "4",
                  "--policy", "block", "--batch-tokens", "256", "--warmup-tokens", "256",
                  "--accelerator", "gpu" if args.device == "cuda" else "cpu",
