@@ -50,6 +50,7 @@ from actbus.checkpoints import (
     SAE_CFG,
     SAE_STATE,
     SAE_WEIGHTS,
+    tl_hook_name,
 )
 from trainers.config import ProbeConfig, SAEConfig
 from trainers.linear_probe import LinearProbe
@@ -63,20 +64,6 @@ against it); written as ``metadata.sae_lens_version`` so SAELens reads the file 
 # The inference architecture SAELens loads each kind as (each one of
 # actbus.checkpoints.SAE_ARCHITECTURES, those the engine reads).
 _ARCH = {"topk": "topk", "batchtopk": "jumprelu", "relu": "standard", "jumprelu": "jumprelu"}
-# actbus hook -> TransformerLens hook point of decoder layer L.
-TL_HOOKS = {
-    "pre_attn": "hook_resid_pre",
-    "post_attn": "hook_resid_mid",
-    "mlp_out": "hook_mlp_out",
-    "post_block": "hook_resid_post",
-}
-
-
-def tl_hook_name(layer: int, hook: str) -> str:
-    """The TransformerLens name of an actbus (layer, hook) stream."""
-    if hook not in TL_HOOKS:
-        raise ValueError(f"hook: {hook!r} has no TransformerLens name; expected {list(TL_HOOKS)}")
-    return f"blocks.{layer}.{TL_HOOKS[hook]}"
 
 
 def _metadata(sae: SparseAutoencoder, source: dict[str, Any], extra: dict) -> dict[str, Any]:
