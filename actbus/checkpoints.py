@@ -93,24 +93,40 @@ def _open(path: Path, where: str, confine: Confine | None) -> Path:
     return confine(path, where) if confine is not None else path
 
 
-def read_tensor(
-    path: Path, key: str | None, where: str, confine: Confine | None = None
-) -> np.ndarray:
-    """Tensor ``key`` of a safetensors file as float32 (``None``: the file's only one),
-    refused from the header when over ``MAX_TENSOR_BYTES``. With ``confine`` the file
-    is opened only inside its directories, and errors do not list the file's tensors."""
+def _safetensors(path: Path, where: str, confine: Confine | None):
+    """The opened safetensors file at ``path`` (a context manager), or a ConfigError."""
     from safetensors import safe_open
 
     path = _open(path, where, confine)
     if not path.is_file():
         raise ConfigError(f"{where}: {path} is not a file")
     try:
-        f_ = safe_open(str(path), framework="pt")
+        return safe_open(str(path), framework="pt")
     except Exception as e:  # not a safetensors file: say so, not how it failed inside
         raise ConfigError(
             f"{where}: {path} is not a safetensors file ({type(e).__name__})"
         ) from None
-    with f_ as f:
+
+
+def _bounded(f: Any, key: str, where: str) -> Any:
+    """Tensor ``key`` of an open file, refused from its header when over
+    ``MAX_TENSOR_BYTES`` as float32."""
+    size = int(np.prod(f.get_slice(key).get_shape(), dtype=np.int64)) * 4  # read as float32
+    if size > MAX_TENSOR_BYTES:
+        raise ConfigError(
+            f"{where}.key: tensor {key!r:.100} is {size} bytes as float32, more than the "
+            f"{MAX_TENSOR_BYTES} a checkpoint's tensor may be"
+        )
+    return f.get_tensor(key)
+
+
+def read_tensor(
+    path: Path, key: str | None, where: str, confine: Confine | None = None
+) -> np.ndarray:
+    """Tensor ``key`` of a safetensors file as float32 (``None``: the file's only one),
+    refused from the header when over ``MAX_TENSOR_BYTES``. With ``confine`` the file
+    is opened only inside its directories, and errors do not list the file's tensors."""
+    with _safetensors(path, where, confine) as f:
         keys = list(f.keys())
         if key is None:
             if len(keys) != 1:
@@ -124,14 +140,32 @@ def read_tensor(
                 f"{where}.key: {path} has no tensor {key!r:.100}"
                 + (f"; it holds {keys[:20]}" if confine is None else "")
             )
-        sl = f.get_slice(key)
-        size = int(np.prod(sl.get_shape(), dtype=np.int64)) * 4  # read as float32
-        if size > MAX_TENSOR_BYTES:
-            raise ConfigError(
-                f"{where}.key: tensor {key!r:.100} is {size} bytes as float32, more than the "
-                f"{MAX_TENSOR_BYTES} a vector source may read"
-            )
-        return f.get_tensor(key).float().numpy()
+        return _bounded(f, key, where).float().numpy()
+
+
+MAX_TENSORS = 64
+"""Tensors one checkpoint file may hold (those actbus writes hold at most 5)."""
+
+
+def read_tensors(path: Path, where: str) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint file (the trainers' modules rebuilt from their own
+    files): floating ones as float32, others (counters, flags) in their own dtype; each
+    bounded as ``read_tensor``'s, at most ``MAX_TENSORS``."""
+    with _safetensors(path, where, None) as f:
+        keys = list(f.keys())
+        if len(keys) > MAX_TENSORS:
+            raise ConfigError(f"{where}: {path} holds {len(keys)} tensors, over {MAX_TENSORS}")
+        out = {}
+        for k in keys:
+            t = _bounded(f, k, where)
+            out[k] = (t.float() if t.is_floating_point() else t).numpy()
+        return out
+
+
+def read_config(path: Path, where: str, kind: str) -> dict[str, Any]:
+    """The JSON config of the ``kind`` ("sae" or "probe") checkpoint in directory
+    ``path``, bounded and a mapping (its fields are the caller's to read)."""
+    return _cfg(path, where, "an SAE" if kind == "sae" else "a probe", None)[0]
 
 
 def tensor_shapes(path: Path, where: str) -> dict[str, list[int]]:
