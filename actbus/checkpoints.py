@@ -2,8 +2,8 @@
 
 ``trainers/checkpoint.py`` writes them (``actbus run sae``, ``actbus run probe``) with
 the names below; steering sources (``actbus.steer.vectors``), monitors
-(``actbus.monitor.weights``) and ``actbus serve``'s precheck read them here, without
-importing trainers. A checkpoint is a file like any peer's: every tensor is refused
+(``actbus.monitor.weights``), ``actbus serve``'s precheck and the trainers' own
+loaders (``read_config``, ``read_tensors``) read them here, without importing trainers. A checkpoint is a file like any peer's: every tensor is refused
 from its header when it is too big, a config when it is over ``MAX_CFG_BYTES`` or not
 of the form written, and each refusal names the field.
 
