@@ -3,9 +3,10 @@
 ``trainers/checkpoint.py`` writes them (``actbus run sae``, ``actbus run probe``) with
 the names below; steering sources (``actbus.steer.vectors``), monitors
 (``actbus.monitor.weights``), ``actbus serve``'s precheck and the trainers' own
-loaders (``read_config``, ``read_tensors``) read them here, without importing trainers. A checkpoint is a file like any peer's: every tensor is refused
-from its header when it is too big, a config when it is over ``MAX_CFG_BYTES`` or not
-of the form written, and each refusal names the field.
+loaders (``read_config``, ``read_tensors``) read them here, without importing
+trainers. A checkpoint is a file like any peer's: every tensor is refused from its
+header when it is too big, a config when it is over ``MAX_CFG_BYTES`` or not of the
+form written, and each refusal names the field.
 
 - An SAE directory holds ``cfg.json`` and ``sae_weights.safetensors`` in SAELens'
   (6.x) inference format, as ``SAE.save_model`` writes it and as actbus's trainers
@@ -456,7 +457,7 @@ def read_sae_encoder(path: Path, where: str) -> SAEEncoder:
     w_enc, b_enc, b_dec = t["W_enc"], t["b_enc"], t["b_dec"]
     if w_enc.ndim != 2 or b_enc.shape != w_enc.shape[1:] or b_dec.shape != w_enc.shape[:1]:
         _misfit(t, files, where)
-    if any(v.shape != b_enc.shape for k, v in t.items() if k == "threshold"):
+    if "threshold" in t and t["threshold"].shape != b_enc.shape:
         _misfit(t, files, where)
     if "W_dec" in t and t["W_dec"].shape != w_enc.shape[::-1]:
         _misfit(t, files, where)
