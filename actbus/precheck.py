@@ -9,9 +9,12 @@ line, not an engine start and a traceback; the engine checks it all again
 (``actbus.engine.session.validate``), and whatever cannot be found here (a model not
 in the local cache) is left to it.
 
+An SAE's ``cfg.json`` is read as the engine reads it (``actbus.checkpoints.read_sae_info``):
+an architecture, a normalisation or a ``hook_name`` actbus cannot read is refused here.
 A source SAE or probe trained on another model than the one served is not refused (a
 model's fine-tune or copy under another name reads the same stream), but warned about,
-naming both: ``foreign_sources``.
+naming both; so is a monitor's SAE trained on another stream than those it is put at
+(its ``hook_name``): ``foreign_sources``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actbus.checkpoints import PROBE_CFG, PROBE_WEIGHTS, SAE_CFG, SAE_WEIGHTS, tensor_shapes
+from actbus.checkpoints import (
+    PROBE_CFG,
+    PROBE_WEIGHTS,
+    SAE_CFG,
+    SAE_WEIGHTS,
+    read_sae_info,
+    tensor_shapes,
+)
 from actbus.config import CaptureConfig
 from actbus.engine.archs import check_architecture
 from actbus.errors import ConfigError
@@ -101,6 +111,20 @@ def foreign_sources(cfg: CaptureConfig, names: tuple[str, ...] | list[str]) -> l
                 f"{SAE_CFG if kind == 'sae' else PROBE_CFG}), but the model served is "
                 f"{names[0]!r}; its directions may mean nothing in this model's stream"
             )
+    for name, d in cfg.monitor.monitors.items() if cfg.monitor is not None else ():
+        if d.kind != "sae" or not d.path:
+            continue
+        try:
+            info = read_sae_info(Path(d.path).expanduser(), "")
+        except ConfigError:
+            continue  # loading it says why
+        if info.point is not None and info.point not in d.points:
+            layer, hook = info.point
+            out.append(
+                f"actbus.monitor.monitors.{name}: the sae at {d.path} was trained on layer "
+                f"{layer}'s {hook} (hook_name {info.hook_name!r}, its {SAE_CFG}), but the "
+                f"monitor reads {', '.join(f'layer {la} {h}' for la, h in d.points)}"
+            )
     return out
 
 
@@ -109,10 +133,13 @@ def trained_on(kind: str, path: str | Path) -> str | None:
     if its config says."""
     d = Path(path).expanduser()
     try:
-        if kind == "sae":
+        if kind == "sae":  # SAELens 6.x keeps it in metadata; older configs at the top
             raw = _json(d / SAE_CFG, f"the SAE's {SAE_CFG}")
-            name = raw.get("model_name") or ((raw.get("actbus") or {}).get("source") or {}).get(
-                "model"
+            meta = raw.get("metadata") or {}
+            name = (
+                meta.get("model_name")
+                or raw.get("model_name")
+                or ((raw.get("actbus") or {}).get("source") or {}).get("model")
             )
         else:
             raw = _json(d / PROBE_CFG, f"the probe's {PROBE_CFG}")
@@ -155,6 +182,8 @@ def _check_vector(src: Any, where: str, hidden: int) -> None:
             return  # which tensor: loading it says
         width = math.prod(shapes[key])
     elif src.kind == "sae":
+        if (path / SAE_CFG).is_file():
+            _check_sae_info(path, f"{where}.sae", hidden)
         shape = tensor_shapes(path / SAE_WEIGHTS, f"{where}.sae").get("W_dec")  # [d_sae, d_in]
         if shape is None or len(shape) != 2:
             return
@@ -183,6 +212,7 @@ def _check_monitor(d: Any, where: str, hidden: int) -> None:
             return
         width = shape[1]
     else:
+        _check_sae_info(Path(d.path).expanduser(), f"{where}.sae", hidden)
         shape = tensor_shapes(Path(d.path).expanduser() / SAE_WEIGHTS, f"{where}.sae").get("W_enc")
         if shape is None or len(shape) != 2:  # [d_in, d_sae]
             return
@@ -190,6 +220,17 @@ def _check_monitor(d: Any, where: str, hidden: int) -> None:
     if width != hidden:
         raise ConfigError(
             f"{where}: the weights are {width} wide; this model's residual stream has {hidden}"
+        )
+
+
+def _check_sae_info(path: Path, where: str, hidden: int) -> None:
+    """An SAE's config: one actbus reads, made for a model of this width."""
+    info = read_sae_info(path, where)
+    if info.d_in is not None and info.d_in != hidden:
+        raise ConfigError(
+            f"{where}: the SAE reads {info.d_in}-wide rows (d_in, its {SAE_CFG}); this model's "
+            f"residual stream has {hidden}: it was made for another model"
+            + (f" ({info.model_name!r})" if info.model_name else "")
         )
 
 

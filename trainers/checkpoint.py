@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from actbus.checkpoints import (
     PROBE_CFG,
@@ -50,6 +50,9 @@ from actbus.checkpoints import (
     SAE_CFG,
     SAE_STATE,
     SAE_WEIGHTS,
+    read_config,
+    read_tensors,
+    tl_hook_name,
 )
 from trainers.config import ProbeConfig, SAEConfig
 from trainers.linear_probe import LinearProbe
@@ -63,20 +66,6 @@ against it); written as ``metadata.sae_lens_version`` so SAELens reads the file 
 # The inference architecture SAELens loads each kind as (each one of
 # actbus.checkpoints.SAE_ARCHITECTURES, those the engine reads).
 _ARCH = {"topk": "topk", "batchtopk": "jumprelu", "relu": "standard", "jumprelu": "jumprelu"}
-# actbus hook -> TransformerLens hook point of decoder layer L.
-TL_HOOKS = {
-    "pre_attn": "hook_resid_pre",
-    "post_attn": "hook_resid_mid",
-    "mlp_out": "hook_mlp_out",
-    "post_block": "hook_resid_post",
-}
-
-
-def tl_hook_name(layer: int, hook: str) -> str:
-    """The TransformerLens name of an actbus (layer, hook) stream."""
-    if hook not in TL_HOOKS:
-        raise ValueError(f"hook: {hook!r} has no TransformerLens name; expected {list(TL_HOOKS)}")
-    return f"blocks.{layer}.{TL_HOOKS[hook]}"
 
 
 def _metadata(sae: SparseAutoencoder, source: dict[str, Any], extra: dict) -> dict[str, Any]:
@@ -217,24 +206,30 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path.parent}: no {path.name}; is this {what} directory?")
-    return json.loads(path.read_text())
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in read_tensors(path, str(path.parent)).items()}
 
 
 def load_sae(path: str | Path, device: str = "cpu") -> SparseAutoencoder:
     """A fresh module from a directory ``save_sae`` wrote (the scale unfolded again)."""
     path = Path(path)
-    raw = _read_json(path / SAE_CFG, "an SAE checkpoint")
+    raw = read_config(path, str(path), "sae")
     # Checkpoints written before the scale was folded kept actbus's fields at the top.
-    meta = raw.get("metadata", {}).get("actbus") or raw.get("actbus")
-    if meta is None:
+    meta = raw.get("metadata")
+    meta = (meta.get("actbus") if isinstance(meta, dict) else None) or raw.get("actbus")
+    if not isinstance(meta, dict):
         raise ValueError(f"{path / SAE_CFG}: no actbus metadata; not written by actbus's save_sae")
     cfg = SAEConfig.from_dict(meta)
     sae = SparseAutoencoder(cfg)
-    w = load_file(str(path / SAE_WEIGHTS))
-    s = load_file(str(path / SAE_STATE)) if (path / SAE_STATE).exists() else {}
+    w = _read_tensors(path / SAE_WEIGHTS)
+    s = _read_tensors(path / SAE_STATE) if (path / SAE_STATE).exists() else {}
+    for k in ("W_enc", "W_dec", "b_enc", "b_dec"):
+        if k not in w or w[k].shape != getattr(sae, k).shape:
+            got = list(w[k].shape) if k in w else "missing"
+            raise ValueError(
+                f"{path / SAE_WEIGHTS}: {k} is {got}, its config's SAE has "
+                f"{list(getattr(sae, k).shape)}; the files are of two different SAEs"
+            )
     scale = float(s["norm_scale"]) if "norm_scale" in s else float(meta["norm_scale"])
     unfold = bool(meta.get("scale_folded"))
     with torch.no_grad():
@@ -291,8 +286,8 @@ def load_probe(path: str | Path, device: str = "cpu") -> LinearProbe:
     """A fresh ``LinearProbe`` from a directory ``save_probe`` wrote; ``probe.cfg.labels[i]``
     is the tag head ``i`` predicts."""
     path = Path(path)
-    meta = _read_json(path / PROBE_CFG, "a probe checkpoint")
+    meta = read_config(path, str(path), "probe")
     known = {f.name for f in dataclasses.fields(ProbeConfig)}
     probe = LinearProbe(ProbeConfig(**{k: v for k, v in meta["actbus"].items() if k in known}))
-    probe.load_state_dict(load_file(str(path / PROBE_WEIGHTS)))
+    probe.load_state_dict(_read_tensors(path / PROBE_WEIGHTS))
     return probe.to(device).eval()

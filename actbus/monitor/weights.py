@@ -1,17 +1,21 @@
-"""A monitor's weights, from raw values or from the checkpoints actbus's trainers write.
+"""A monitor's weights, from raw values or from probe and SAE checkpoints.
 
 Every monitor becomes the same form: ``cols`` linear scores ``pre = W x + b`` of the
 raw stream, then an activation per monitor. Checkpoints are read through
-``actbus.checkpoints``, the one reader of the formats ``trainers/checkpoint.py`` writes:
+``actbus.checkpoints``, the one reader of the formats ``trainers/checkpoint.py`` (and,
+for SAEs, SAELens' ``save_model``) write:
 
 - a probe head ``h`` reads ``linear((x - mean) * inv_std)[h]``: on the raw stream that is
   ``w = W[h] * inv_std`` and ``b = bias[h] - w . mean``; a logistic probe's reading is a
   probability (sigmoid), unless the monitor sets ``sigmoid``;
 - SAE latents read ``(x - b_dec) @ W_enc + b_enc`` (SAELens' form, the input scale
-  already folded in): ``w = W_enc[:, f]`` and ``b = b_enc[f] - b_dec . W_enc[:, f]``,
-  then ReLU, JumpReLU (``pre * (pre > threshold)``) or TopK. TopK needs every latent
-  to know which are in the top ``k``, so a TopK monitor's columns are the whole
-  encoder, and only the chosen features are published.
+  already folded in): ``w = W_enc[:, f]`` and ``b = b_enc[f] - b_dec . W_enc[:, f]``
+  (both times ``||W_dec[f]||`` for a TopK SAE with ``rescale_acts_by_decoder_norm``),
+  then ReLU, JumpReLU (``pre * (pre > threshold)``, the threshold at least 0) or TopK:
+  SAELens' own ``encode``, for checkpoints SAELens saved as for those actbus's
+  trainers write. TopK needs every latent to know which are in the top ``k``, so a
+  TopK monitor's columns are the whole encoder, and only the chosen features are
+  published.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ def load_weights(d: MonitorDef, hidden: int, where: str) -> MonitorWeights:
     elif d.kind == "probe":
         mw = _probe(d, where)
     else:
-        mw = _sae(d, where)
+        mw = _sae(d, where, hidden)
     mw.check(hidden, where)
     return mw
 
@@ -106,9 +110,16 @@ def _probe(d: MonitorDef, where: str) -> MonitorWeights:
     )
 
 
-def _sae(d: MonitorDef, where: str) -> MonitorWeights:
+def _sae(d: MonitorDef, where: str, hidden: int) -> MonitorWeights:
     sae = read_sae_encoder(Path(d.path or "").expanduser(), f"{where}.sae")
     d_sae = sae.d_sae
+    if sae.d_in != hidden:
+        model = sae.info.model_name if sae.info is not None else None
+        raise ConfigError(
+            f"{where}.sae: the SAE reads {sae.d_in}-wide rows; this model's residual stream "
+            f"has {hidden}: it was made for another model"
+            + (f" ({model!r}, its cfg.json)" if model else "")
+        )
     for i, f in enumerate(d.features):
         if f >= d_sae:
             raise ConfigError(
@@ -121,6 +132,9 @@ def _sae(d: MonitorDef, where: str) -> MonitorWeights:
     cols = np.arange(d_sae) if arch == "topk" else np.asarray(d.features, dtype=np.int64)
     w = w_enc[:, cols].T
     b = sae.b_enc.astype(np.float64)[cols] - b_dec @ w_enc[:, cols]
+    if sae.latent_scale is not None:  # SAELens ranks and returns pre * ||W_dec[f]||
+        w = w * sae.latent_scale.astype(np.float64)[cols, None]
+        b = b * sae.latent_scale.astype(np.float64)[cols]
     published = tuple(d.features) if arch == "topk" else tuple(range(len(cols)))
     return MonitorWeights(
         np.ascontiguousarray(w, dtype=np.float32),

@@ -35,7 +35,10 @@ def _unit(v: torch.Tensor) -> torch.Tensor:
 
 def test_named_sae_feature_and_probe_direction(sched_engine, tmp_path):
     """Checkpoints written by the trainers' own save functions, trained a few steps on
-    the model's activations, registered by name and steered with by name."""
+    the model's activations, and an SAE saved by SAELens itself (one of the engine's
+    monitors: tests/support/monitors.py), registered by name and steered with by name."""
+    from sae_lens import SAE
+
     from actbus.engine.api import vectors
     from actbus.steer.config import VectorSource
     from trainers.checkpoint import save_probe, save_sae
@@ -73,9 +76,12 @@ def test_named_sae_feature_and_probe_direction(sched_engine, tmp_path):
     reg = vectors(llm)
     reg.register("feat7", VectorSource("sae", str(tmp_path / "sae"), feature=7))
     reg.register("mood", VectorSource("probe", str(tmp_path / "probe")))
+    lens_dir = sched_engine.monitor["monitors"]["sl_jumprelu"]["sae"]
+    reg.register("lens5", VectorSource("sae", lens_dir, feature=5))
     try:
-        assert {"feat7", "mood"} <= set(reg.names())
+        assert {"feat7", "mood", "lens5"} <= set(reg.names())
         feat = _unit(sae.W_dec[7].detach())
+        lens = _unit(SAE.load_from_disk(lens_dir).W_dec[5].detach())
         mood = _unit(probe.linear.weight[0].detach() * probe.inv_std)
         norm = 2.0 * _stream_norm(sched_engine.model_path, prompts[0])
         entries = [
@@ -89,13 +95,16 @@ def test_named_sae_feature_and_probe_direction(sched_engine, tmp_path):
                     "scale": 1.5,
                 }
             ],
+            [{"vector": "lens5", "layers": 2, "hooks": "post_attn", "scale": norm}],
         ]
-        outs = _generate(llm, prompts[:2], [_params(e) for e in entries])
+        outs = _generate(llm, prompts[:3], [_params(e) for e in entries])
         _check(outs[0], sched_engine.model_path, [HFSteer(1, "post_block", feat, norm)])
         _check(outs[1], sched_engine.model_path, [HFSteer(2, "pre_attn", mood, 1.5, True)])
+        _check(outs[2], sched_engine.model_path, [HFSteer(2, "post_attn", lens, norm)])
     finally:
         reg.remove("feat7")
         reg.remove("mood")
+        reg.remove("lens5")
     with pytest.raises(
         ValueError, match=r"extra_args.actbus.steer\[0\].vector: no steering vector named 'feat7'"
     ):

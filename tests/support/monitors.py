@@ -1,10 +1,16 @@
-"""Monitor sources for the shared Llama engine, made with the trainers' own code.
+"""Monitor sources for the shared Llama engine, made with the trainers' own code and
+with SAELens' own.
 
 A probe (trained a few steps on the tiny model's own stream) and three SAEs (ReLU,
 JumpReLU, TopK) are written with ``save_probe``/``save_sae`` before the engine starts,
 and the engine's ``actbus.monitor`` entry points at them. The oracle is the trainers'
 own modules loaded back (``load_probe``, ``load_sae``) applied to HF transformers'
 hidden states, so the engine's folding of the checkpoints is checked, not assumed.
+
+Three more SAEs (standard, JumpReLU, TopK: ``SAELENS_SPECS``) are saved by SAELens
+itself (``SAE.save_model``), each naming its stream as SAELens users do
+(``SAELENS_HOOK_NAMES``); their oracle is SAELens' ``encode``
+(tests/monitor/test_monitor_saelens.py).
 """
 
 from __future__ import annotations
@@ -42,6 +48,87 @@ SPECS = (
     MonitorSpec("raw", "weight", (2,), "post_block"),
 )
 D_SAE = 64
+# SAEs saved by SAELens, at points the engine also captures (layers 0 and 3), so their
+# scores are checked against SAELens' encode of the engine's own rows.
+SAELENS_SPECS = (
+    MonitorSpec("sl_standard", "standard", (3,), "post_block", (0, 5, 9, 31)),
+    MonitorSpec("sl_jumprelu", "jumprelu", (0,), "mlp_out", (0, 1, 2, 3, 17, 40)),
+    MonitorSpec("sl_topk", "topk", (3,), "post_attn", (1, 2, 3, 40, 63)),
+)
+SAELENS_HOOK_NAMES = {
+    "sl_standard": "model.layers.3",  # a Hugging Face module name
+    "sl_jumprelu": "blocks.0.hook_mlp_out",  # TransformerLens names
+    "sl_topk": "blocks.3.hook_resid_mid",
+}
+
+
+def save_saelens_sae(
+    out: Path,
+    arch: str,
+    stream: torch.Tensor,
+    hook_name: str | None,
+    *,
+    d_sae: int = D_SAE,
+    seed: int = 0,
+    **cfg,
+):
+    """An SAELens SAE of architecture ``arch`` (standard, jumprelu, topk), its weights
+    drawn so that about half its latents fire on ``stream`` [tokens, d_in], saved by
+    SAELens' own ``save_model`` into ``out``; returns the SAE. JumpReLU: some
+    thresholds are negative (SAELens gates ``relu(pre)``); TopK: k=4 and decoder rows
+    of different norms (``cfg``: e.g. ``rescale_acts_by_decoder_norm``)."""
+    from sae_lens import (
+        JumpReLUSAE,
+        JumpReLUSAEConfig,
+        StandardSAE,
+        StandardSAEConfig,
+        TopKSAE,
+        TopKSAEConfig,
+    )
+    from sae_lens.saes.sae import SAEMetadata
+
+    classes = {
+        "standard": (StandardSAE, StandardSAEConfig, {}),
+        "jumprelu": (JumpReLUSAE, JumpReLUSAEConfig, {}),
+        "topk": (TopKSAE, TopKSAEConfig, {"k": 4}),
+    }
+    cls, cfg_cls, kw = classes[arch]
+    x = stream.float()
+    d_in = x.shape[1]
+    meta = SAEMetadata(hook_name=hook_name, model_name="tiny-llama")
+    sae = cls(cfg_cls(d_in=d_in, d_sae=d_sae, metadata=meta, **{**kw, **cfg}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        sae.b_dec.copy_(x.mean(0))
+        w = torch.randn(d_in, d_sae, generator=g) / (x - x.mean(0)).norm(dim=1).mean()
+        sae.W_enc.copy_(w)
+        pre = (x - x.mean(0)) @ w
+        sae.b_enc.copy_(-pre.median(0).values + 0.1 * pre.std(0) * torch.randn(d_sae, generator=g))
+        sae.W_dec.copy_(
+            torch.randn(d_sae, d_in, generator=g) * (0.5 + torch.rand(d_sae, 1, generator=g))
+        )
+        if arch == "jumprelu":
+            theta = 0.3 * pre.std(0) * torch.rand(d_sae, generator=g)
+            theta[::3] = -0.5 * pre.std(0)[::3]  # negative: relu(pre) still gates them at 0
+            sae.threshold.copy_(theta)
+    sae.save_model(out)
+    return sae
+
+
+def build_saelens_sources(model_path: Path, out: Path) -> dict:
+    """Save ``SAELENS_SPECS``' SAEs with SAELens under ``out``; their monitor entries."""
+    monitors = {}
+    for i, s in enumerate(SAELENS_SPECS):
+        extra = {"rescale_acts_by_decoder_norm": True} if s.kind == "topk" else {}
+        stream = _stream(model_path, s.layers[0], s.hook)
+        save_saelens_sae(out / s.name, s.kind, stream, SAELENS_HOOK_NAMES[s.name], seed=i, **extra)
+        monitors[s.name] = {
+            "sae": str(out / s.name),
+            "features": list(s.features),
+            "layers": list(s.layers),
+            "hook": s.hook,
+        }
+    return monitors
 
 
 def _stream(model_path: Path, layer: int, hook: str) -> torch.Tensor:
@@ -99,6 +186,7 @@ def build_monitor_sources(model_path: Path, out: Path, hidden: int) -> dict:
                 "layers": list(s.layers),
                 "hook": s.hook,
             }
+    monitors.update(build_saelens_sources(model_path, out))
     return {"monitors": monitors}
 
 

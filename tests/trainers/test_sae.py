@@ -176,8 +176,8 @@ def test_bad_configs_name_the_field():
         SAEConfig(d_in=8, expansion=2, k=17)
     with pytest.raises(ValueError, match="b_dec_init"):
         SAEConfig(d_in=8, b_dec_init="median")
-    with pytest.raises(FileNotFoundError, match=r"cfg\.json"):
-        load_sae("/nonexistent/dir")
+    with pytest.raises(ValueError, match=r"^/nonexistent/dir: .* has no cfg\.json; is it an SAE"):
+        load_sae("/nonexistent/dir")  # read through actbus.checkpoints, the one reader
 
 
 def test_default_names_use_the_stream_name_and_old_named_checkpoints_still_load(tmp_path):
@@ -198,3 +198,36 @@ def test_default_names_use_the_stream_name_and_old_named_checkpoints_still_load(
     row = load_source(VectorSource("sae", str(tmp_path / old), feature=7), "steer.vectors.f7")
     w = sae.W_dec.detach()[7]
     torch.testing.assert_close(torch.from_numpy(row), w / w.norm(), rtol=1e-5, atol=1e-6)
+
+
+def test_load_sae_and_load_probe_read_files_through_the_one_reader(tmp_path):
+    """``load_sae``/``load_probe`` read through ``actbus.checkpoints`` (bounded config,
+    tensors bounded from their headers): a hostile or mismatched file is a ValueError
+    naming the file (these were an AttributeError, a TypeError, a RuntimeError of
+    ``copy_`` and a 2 MiB config read whole)."""
+    from safetensors.torch import save_file
+
+    from trainers.checkpoint import load_probe, save_probe
+    from trainers.config import ProbeConfig
+    from trainers.linear_probe import LinearProbe
+
+    sae = SparseAutoencoder(SAEConfig(d_in=8, d_sae=16, k=4))
+    sae.initialize(torch.randn(32, 8))
+    path = save_sae(sae, tmp_path / "sae")
+    cfg = json.loads((path / "cfg.json").read_text())
+    (path / "cfg.json").write_text(json.dumps({**cfg, "metadata": [1]}))
+    with pytest.raises(ValueError, match=r"cfg\.json: no actbus metadata"):
+        load_sae(path)
+    (path / "cfg.json").write_text(json.dumps({**cfg, "pad": "x" * (2 << 20)}))
+    with pytest.raises(ValueError, match=r"cfg\.json is over 1 MiB; not an SAE's config"):
+        load_sae(path)
+    (path / "cfg.json").write_text(json.dumps(cfg))
+    w = load_file(str(path / "sae_weights.safetensors"))
+    save_file({**w, "W_enc": torch.zeros(9, 16)}, str(path / "sae_weights.safetensors"))
+    with pytest.raises(ValueError, match=r"W_enc is \[9, 16\], its config's SAE has \[8, 16\]"):
+        load_sae(path)
+
+    probe = save_probe(LinearProbe(ProbeConfig(d_in=8)), tmp_path / "probe")
+    (probe / "probe.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"probe\.json is not a probe's config$"):
+        load_probe(probe)
