@@ -65,11 +65,12 @@ def patch() -> bool:
     InputProcessor.process_inputs = _wrap_process_inputs(InputProcessor.process_inputs)
     InputProcessor._actbus_patched = True
     try:
-        from vllm.v1.engine.core_client import MPClient
+        from vllm.v1.engine.core_client import InprocClient, MPClient
     except ImportError:
         pass
     else:
         MPClient.shutdown = _wrap_shutdown(MPClient.shutdown)
+        InprocClient.get_output = _wrap_inproc_get_output(InprocClient.get_output)
     try:
         from vllm.v1.engine.output_processor import RequestState
     except ImportError:
@@ -92,6 +93,32 @@ def patch() -> bool:
 
     responses.patch()
     return True
+
+
+def _wrap_inproc_get_output(orig):
+    """An engine core in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    steps once more when its last requests have just finished.
+
+    The workers learn which requests finished from the next step's scheduler output,
+    and that is when capture publishes their ends. A separate engine core process runs
+    that step by itself (its loop runs while the scheduler holds finished requests
+    too); the in-process client stops as soon as no request is unfinished, so the last
+    requests' ends would wait for the next ``generate``, and a subscriber for them."""
+
+    @functools.wraps(orig)
+    def get_output(self: Any):
+        out = orig(self)
+        sched = getattr(getattr(self, "engine_core", None), "scheduler", None)
+        if sched is None or sched.has_unfinished_requests() or not sched.has_finished_requests():
+            return out
+        more, executed = self.engine_core.step_fn()
+        self.engine_core.post_step(model_executed=executed)
+        extra = more.get(0) if more else None
+        if extra is not None and extra.outputs:  # none expected: every request had ended
+            out.outputs.extend(extra.outputs)
+        return out
+
+    return get_output
 
 
 def _wrap_shutdown(orig):

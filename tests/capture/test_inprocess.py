@@ -1,0 +1,50 @@
+"""An engine core in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as RL
+frameworks run vLLM): each request's end reaches subscribers when ``generate``
+returns, not at the next call (``actbus.engine.frontend._wrap_inproc_get_output``)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from vllm import SamplingParams
+
+from tests.support.engine import DYNAMO_ONLY, scoped_env
+from tests.support.recorder import RowRecorder
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+
+def test_the_last_requests_end_when_generate_returns(tiny_models, engine_pool, tmp_path):
+    from vllm import LLM
+
+    engine_pool.close()  # at most one engine's memory at a time
+    address = f"ipc://{tmp_path}/bus.sock"
+    with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **DYNAMO_ONLY}):
+        llm = LLM(
+            str(tiny_models["qwen2"]),
+            dtype="float32",
+            gpu_memory_utilization=0.3,
+            max_model_len=256,
+            num_gpu_blocks_override=64,
+            max_num_batched_tokens=64,
+            seed=0,
+            additional_config={"actbus": {"publish": address, "layers": [0, 3]}},
+        )
+    col = RowRecorder(address)
+    try:
+        outs = llm.generate(
+            ["hello world", "a b c d e f g"], SamplingParams(max_tokens=4, ignore_eos=True)
+        )
+        # No further step runs: before the fix these ends came with the next generate.
+        col.wait_ended([(o.request_id, 0) for o in outs], timeout=30)
+        for o in outs:
+            assert col.ended[(o.request_id, 0)] == "length"
+            pos, tok, _ = col.get(o.request_id, 3, "post_block")
+            fed = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:-1]
+            assert pos.tolist() == list(range(len(fed))) and tok.tolist() == fed
+    finally:
+        col.close()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
