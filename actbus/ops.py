@@ -48,3 +48,21 @@ def stream_sum(hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
 @stream_sum.register_fake
 def _stream_sum_fake(hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("actbus::stream_copy", mutates_args=())
+def stream_copy(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in its own dtype, as a tensor of its own.
+
+    ``stream_sum``'s reason, for a stream the layer computed as one tensor: vLLM's
+    post-attention residual is a sum made inside the fused add-and-norm (or by
+    steering), and a family's ``mlp_out`` may be a norm's output; inductor fuses those
+    pointwise ops into a monitor's float32 read and skips their bf16 rounding, so the
+    monitor scored a stream capture never had (1e-2 of the SAE's pre-activations
+    apart, measured). An op the compiler cannot see into keeps the rounding."""
+    return x.clone()
+
+
+@stream_copy.register_fake
+def _stream_copy_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -48,7 +48,7 @@ def wrap_layer(layer: nn.Module) -> None:
     layer._actbus_wrapped = True
     inner = layer.forward
     tap_sum, tap_copy = torch.ops.actbus.tap_sum, torch.ops.actbus.tap_copy
-    stream_sum = torch.ops.actbus.stream_sum
+    stream_sum, stream_copy = torch.ops.actbus.stream_sum, torch.ops.actbus.stream_copy
 
     def forward(positions, hidden_states, residual=None, *args, **kwargs):
         hooks = getattr(layer, "_actbus_taps", ())
@@ -73,12 +73,14 @@ def wrap_layer(layer: nn.Module) -> None:
         hidden, resid = inner(positions, hidden_states, residual, *args, **kwargs)
         if "post_attn" in hooks:
             tap_copy(layer._actbus_post_attn, resid)
+        # Monitors read the streams rounded as capture keeps them (``stream_copy``):
+        # both come out of pointwise ops inductor would fuse into the float32 read.
         if "post_attn" in mon:
-            monitor_point(layer, "post_attn", resid)
+            monitor_point(layer, "post_attn", stream_copy(resid))
         if "mlp_out" in hooks:
             tap_copy(layer._actbus_mlp_out, hidden)
         if "mlp_out" in mon:
-            monitor_point(layer, "mlp_out", hidden)
+            monitor_point(layer, "mlp_out", stream_copy(hidden))
         if "post_block" in steer:  # after post_attn is read: that stream is unchanged
             resid = steer_point(layer, "post_block", hidden + resid, resid)
         if "post_block" in hooks:

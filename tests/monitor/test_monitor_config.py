@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actbus.bus.protocol import Subscription
+from actbus.capture.taps import install_taps
 from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
 from actbus.monitor.config import MonitorConfig
@@ -359,24 +360,22 @@ def test_a_score_series_grows_and_keeps_handed_out_views():
         assert st.val[b, 0] == 100 + slot and st.ver[b] == 3 and s.end[slot] == 1
 
 
-def test_compiled_monitors_score_the_summed_stream_rounded_as_captured():
-    """In bf16, inductor fuses ``hidden + residual`` into the float32 read after it and
-    skips rounding the sum: a monitor there would score a stream that capture (which
-    rounds) and HF transformers never had. Scores of the compiled bf16 model equal the
-    rounded sum's, bitwise."""
+def test_compiled_monitors_score_the_streams_rounded_as_captured():
+    """In bf16, inductor fuses a pointwise op that makes the stream (``hidden +
+    residual``; the add inside vLLM's fused add-and-norm that yields ``post_attn``; a
+    family's post-MLP norm) into the float32 read after it and skips rounding it: a
+    monitor there would score a stream that capture (which rounds) and HF transformers
+    never had. Scores of the compiled bf16 model at every hook equal the rounded
+    stream's (the ReLU SAE at post_attn was 1e-2 of its pre-activations off before)."""
     from actbus.engine.layers import wrap_layer
 
     torch._dynamo.reset()
     d = 64
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(d, generator=gen) / d**0.5).tolist()
+    hooks = ("pre_attn", "post_attn", "mlp_out", "post_block")
     cfg = MonitorConfig.from_dict(
-        {
-            "monitors": {
-                "pre": {"weight": w, "bias": 0.5, "layers": [1], "hook": "pre_attn"},
-                "post": {"weight": w, "bias": 0.5, "layers": [1], "hook": "post_block"},
-            }
-        }
+        {"monitors": {h: {"weight": w, "bias": 0.5, "layers": [1], "hook": h} for h in hooks}}
     )
 
     class Layer(torch.nn.Module):  # shaped like vLLM's: (hidden_states, residual)
@@ -384,11 +383,24 @@ def test_compiled_monitors_score_the_summed_stream_rounded_as_captured():
             super().__init__()
             self.lin = torch.nn.Linear(d, d, dtype=torch.bfloat16)
 
+        def mlp(self, x):  # a post-MLP norm: float32 math, rounded to bf16 at the end
+            h = self.lin(x).float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+
         def forward(self, positions, hidden_states, residual):
             residual = hidden_states if residual is None else hidden_states + residual
-            return self.lin(residual), residual
+            return self.mlp(residual), residual
 
     layers = torch.nn.ModuleList(Layer() for _ in range(2))
+    taps = install_taps(
+        layers,
+        layers=(1,),
+        hooks=hooks,
+        hidden_size=d,
+        max_rows=32,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
     for layer in layers:
         wrap_layer(layer)
     weights = {n: load_weights(c, d, n) for n, c in cfg.monitors.items()}
@@ -401,7 +413,7 @@ def test_compiled_monitors_score_the_summed_stream_rounded_as_captured():
         device=torch.device("cpu"),
     )
 
-    def run(x):  # the wrapped layers: scores land in the points' buffers
+    def run(x):  # the wrapped layers: rows and scores land in the points' buffers
         hidden, residual = x, None
         for layer in layers:
             hidden, residual = layer(torch.arange(x.shape[0]), hidden, residual)
@@ -409,22 +421,13 @@ def test_compiled_monitors_score_the_summed_stream_rounded_as_captured():
 
     x = (30 * torch.randn(9, d, generator=gen)).bfloat16()
     with torch.inference_mode():
-        eager_h, eager_r = [], []
-        hidden, residual = x, None
-        for layer in layers:  # the streams as the eager model has them
-            eager_h.append(hidden), eager_r.append(residual)
-            hidden, residual = (
-                layer.lin(hidden if residual is None else hidden + residual),
-                (hidden if residual is None else hidden + residual),
-            )
-        post = (hidden + residual).float()  # rounded to bf16 first, as capture keeps it
-        pre = (eager_h[1] + eager_r[1]).float()
         torch.compile(run, backend="inductor", dynamic=True)(x)
     wt = torch.tensor(w)
-    got_pre = t.points[(1, "pre_attn")].scores[:9, 0]
-    got_post = t.points[(1, "post_block")].scores[:9, 0]
+    rows = {h: taps.buffers[(1, h)][:9].float() for h in hooks}  # bf16, as captured
     close = {"rtol": 1e-6, "atol": 1e-5}  # float32 sums in another order, no more
-    assert torch.allclose(got_pre, pre @ wt + 0.5, **close)
-    assert torch.allclose(got_post, post @ wt + 0.5, **close)
-    unrounded = (hidden.float() + residual.float()) @ wt + 0.5
+    for h in hooks:
+        got = t.points[(1, h)].scores[:9, 0]
+        assert torch.allclose(got, rows[h] @ wt + 0.5, **close), h
+    unrounded = (rows["mlp_out"] + rows["post_attn"]) @ wt + 0.5
+    got_post = t.points[(1, "post_block")].scores[:9, 0]
     assert not torch.allclose(got_post, unrounded, **close)  # the rounding mattered here
