@@ -48,6 +48,11 @@ class ActbusAPI(OpenAICompatibleAPI):
             **model_args,
         )
 
+    def service_model_name(self) -> str:
+        """The served model's name as given: Inspect took ``actbus/`` off already (its
+        own removes the first ``actbus/`` anywhere, in a path too)."""
+        return self.model_name
+
     def completion_params(self, config: GenerateConfig, tools: bool) -> dict[str, Any]:
         params = super().completion_params(config, tools)
         extra = dict(params.get("extra_body") or {})
