@@ -95,3 +95,33 @@ def test_stored_rows_expire():
     b = HttpReturns(MIB, 2 * MIB, ttl_s=0.0)
     key = b.put(b"x" * 100)
     assert b.take(key) is None and b.held() == 0
+
+
+def test_the_fetch_endpoint_asks_for_the_api_key(monkeypatch):
+    """``GET /v1/actbus/returns/ID`` through actbus's middleware on a real app: the
+    completions' key (not enough without it), then the rows once, then a 404."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from actbus.capture import http
+    from actbus.engine import routes
+
+    bounds = HttpReturns(MIB, MIB, ttl_s=300)
+    monkeypatch.setattr(http, "_ONE", bounds)
+    monkeypatch.delenv("ACTBUS_ADMIN_KEY", raising=False)
+    app = FastAPI()
+    app.middleware("http")(routes.middleware)
+    app.state.args = SimpleNamespace(api_key="completions-key")
+    blob = to_safetensors(_acts(3, torch.float32))
+    key = bounds.put(blob)
+    path = http.FETCH_PATH + key
+    with TestClient(app) as c:
+        assert c.get(path).status_code == 401
+        assert c.get(path, headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = {"Authorization": "Bearer completions-key"}
+        r = c.get(path, headers=ok)
+        assert r.status_code == 200 and r.content == blob
+        assert c.get(path, headers=ok).status_code == 404
+        assert c.get(http.FETCH_PATH + "x" * 500, headers=ok).status_code == 404
