@@ -188,10 +188,18 @@ def read_rows(arm: str, resp: dict, n_layers: int) -> tuple[int, int]:
         return gen, int(rs.shape[-2])
     params = resp.get("kv_transfer_params") or choice.get("kv_transfer_params") or {}
     path = params["hidden_states_path"]
-    from safetensors.torch import load_file
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
 
-    hs = load_file(path)["hidden_states"]
-    os.remove(path)
+    deadline = time.monotonic() + 60  # the file and its lock are written after the reply
+    while not os.path.exists(path + ".lock") and not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path}: never written"
+        time.sleep(0.01)
+    hs = load_hidden_states(path)["hidden_states"]  # waits for the write (its lock)
+    cleanup_hidden_states(path)
+    assert hs.shape[1] == n_layers, tuple(hs.shape)
     return gen, int(hs.shape[0])
 
 
@@ -281,7 +289,10 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     for arm in args.arms.split(","):
         print(f"--- {arm}", flush=True)
-        results[arm] = run_arm(arm, args, path)
+        try:
+            results[arm] = run_arm(arm, args, path)
+        except Exception as e:  # one arm's failure is reported, the others still run
+            results[arm] = {"failed": f"{type(e).__name__}: {e}"[:600]}
         print(json.dumps(results[arm]), flush=True)
     base = results.get("plain", {}).get("tok_per_s")
     summary: dict[str, Any] = {
@@ -291,8 +302,9 @@ def main() -> int:
     }
     print(f"{'arm':<8} {'tok/s':>10} {'ratio':>7}  rows/request/layer")
     for arm, r in results.items():
-        if "skipped" in r:
-            print(f"{arm:<8} skipped: {r['skipped']}")
+        if "skipped" in r or "failed" in r:
+            what = "skipped" if "skipped" in r else "failed"
+            print(f"{arm:<8} {what}: {r[what]}")
             continue
         ratio = round(r["tok_per_s"] / base, 3) if base else None
         summary[f"ratio_{arm}"] = ratio
