@@ -87,6 +87,16 @@ class CaptureConfig:
     A HELLO asking more (``--window-mb``) is refused, naming this key."""
     max_subscribers: int = 256
     """Subscribers at once; one more is refused, naming this key."""
+    http_return_max_request_mb: float = 256.0
+    """Rows one HTTP request (all its samples) may ask back with ``"return"``, in MiB,
+    counted from its prompt, ``max_tokens`` and selection before it is queued; a request
+    asking more is refused (HTTP 400) naming this key (``actbus.capture.http``)."""
+    http_return_max_server_mb: float = 2048.0
+    """Rows the server holds for HTTP callers at once, in MiB: those reserved by requests
+    in flight plus those waiting to be fetched; a request beyond it is refused, naming
+    this key."""
+    http_return_fetch_ttl_s: float = 300.0
+    """How long rows kept for ``GET /v1/actbus/returns/ID`` wait to be fetched (once)."""
     steer: SteerConfig | None = None
     """Steering (``actbus.steer.config``): which points can be steered, named vectors
     and global steering; None: the graph has no steering at all."""
@@ -146,6 +156,9 @@ class CaptureConfig:
             ("subscriber_timeout_s", (int, float), 1.0, "seconds >= 1"),
             ("max_window_mb", (int, float), 1.0, "MiB >= 1 (credit per subscriber)"),
             ("max_subscribers", int, 1, "an integer >= 1"),
+            ("http_return_max_request_mb", (int, float), 0.001, "MiB >= 0.001"),
+            ("http_return_max_server_mb", (int, float), 0.001, "MiB >= 0.001"),
+            ("http_return_fetch_ttl_s", (int, float), 1.0, "seconds >= 1"),
         ):
             if name in raw:
                 v = raw[name]

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "actbus.steps": 1,  # what a step tells the features
     "actbus.rowstore": 1,  # the returned rows' and scores' per-request stores
     "actbus.checkpoints": 1,  # the probe and SAE files: steering, monitors, trainers, precheck
+    "actbus.client": 1,  # returned rows and scores out of an HTTP response, for callers
     "actbus.bus": 2,
     "actbus.bus.": 2,
     "actbus.collector": 2,  # what the returned rows' and scores' collectors share
@@ -51,6 +52,9 @@ LAYERS: dict[str, int] = {
     "actbus.keys": 6,
     "actbus.run": 6,
     "actbus.cli": 6,
+    # Inspect AI's provider (its entry point): loaded by Inspect, never by the engine.
+    "actbus.inspect_provider": 6,
+    "actbus.inspect_model": 6,
 }
 FEATURES = ("actbus.capture", "actbus.steer", "actbus.monitor")
 """Siblings: what they share lives below them, and only ``actbus.engine`` composes them."""

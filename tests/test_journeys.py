@@ -353,6 +353,17 @@ def test_readme_steer_over_http(server, tiny_models, readme_dir):
     assert steered != plain
 
 
+def test_readme_rows_over_http(server, tiny_models, readme_dir):
+    """The README's rows over HTTP: the completion's rows at layer 3, one per token fed,
+    read back by ``actbus.client``."""
+    script = _readme_script("readme-return-http", server, prologue=_session(server, tiny_models))
+    out = _bash(script, readme_dir, "return-http")
+    body = json.loads((readme_dir / "r.json").read_text())
+    fed = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] - 1
+    hidden = json.loads((Path(tiny_models["llama"]) / "config.json").read_text())["hidden_size"]
+    assert out.strip().splitlines()[-1] == f"torch.Size([{fed}, {hidden}])", out[-500:]
+
+
 def test_readme_store_and_replay(server, tiny_models, readme_dir):
     """ "Store and replay": the sink stores the requests' rows at both layers, the run
     reads back intact, an SAE trains from it, and the replayed copy holds the same rows;

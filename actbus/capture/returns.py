@@ -355,3 +355,8 @@ def close_collectors(addresses: list[str]) -> int:
     """Close the collectors that read any of these publishers, whose engine stopped
     (see ``Registry.close``). Returns how many were closed."""
     return _REGISTRY.close(addresses)
+
+
+def forget(request_ids: list[str]) -> None:
+    """Drop the rows of requests whose caller went away (an abort)."""
+    _REGISTRY.forget(request_ids)

@@ -9,9 +9,11 @@ cannot know by itself: the caller's request id and ``n``. Requests whose
 selection needs prompt positions skip *reading* the prefix cache, so those
 positions are computed, not silently missing; other requests keep the cache.
 
-A selection sent as JSON text (``vllm_xargs``, the only form HTTP carries) may not
-ask for ``"return": true``: a server's responses have no field for rows, so it is
-refused (HTTP 400) before any return subscriber is attached, pointing to the bus.
+A selection sent as JSON text (``vllm_xargs``, the only form HTTP carries) may ask
+for ``"return": true`` (rows in each choice) or ``"return": "fetch"`` (rows kept for
+``GET /v1/actbus/returns/ID``); what it may get back is bounded before it is queued
+(``actbus.capture.http``), and ``actbus.engine.responses`` writes the rows into the
+response's choices.
 
 Requests with ``"return": true`` are registered with the front end's
 ``ReturnCollector``; ``RequestState._new_completion_output`` (where every output
@@ -40,6 +42,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from actbus.capture.http import Ticket, parse_return, row_bytes
+from actbus.capture.http import for_config as http_for_config
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
 from actbus.errors import ConfigError
@@ -197,17 +201,24 @@ class _Frontend:
         self.max_len = int(vllm_config.model_config.max_model_len)
         self.base = Selection(layers, cfg.hooks, cfg.positions, cfg.tags)
         self.steer = steer_frontend(cfg, vllm_config)
+        self.vllm_config = vllm_config
+        self.row_bytes: int | None = None  # a returned row's bytes, once asked over HTTP
 
     def parse(
         self, params: Any
-    ) -> tuple[Selection | None, RequestSteer | None, tuple[str, ...], bool]:
+    ) -> tuple[Selection | None, RequestSteer | None, tuple[str, ...], bool, str | None]:
         """The request's capture selection, its whole steering, its monitors (global
-        ones included) and whether their scores come back."""
+        ones included), whether their scores come back, and how its rows go back over
+        HTTP (None: not over HTTP, or not returned; "inline" or "fetch")."""
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
+        http_mode = None
         if over_http:  # over HTTP: vllm_xargs={"actbus": "<json>"}
             raw = parse_json_text(raw, "extra_args.actbus", hint=XARGS_HINT)
+            if isinstance(raw, dict) and "return" in raw:
+                raw = dict(raw)
+                raw["return"], http_mode = parse_return(raw["return"])
         raw, monitors, scores_back = take_monitors(raw, self.cfg.monitor)
         steer_raw, use_global = None, True
         if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
@@ -226,10 +237,10 @@ class _Frontend:
             else None
         )
         if raw is False:  # opts this request out of ``requests: all``
-            return None, steer, monitors, scores_back
+            return None, steer, monitors, scores_back, None
         if raw is None:
             base = self.base if self.requests == "all" else None
-            return base, steer, monitors, scores_back
+            return base, steer, monitors, scores_back, None
         sel = parse_selection(
             raw,
             engine_layers=self.base.layers,
@@ -238,13 +249,17 @@ class _Frontend:
             base=self.base,
             max_len=self.max_len,
         )
-        if sel.returns and over_http:
-            raise ConfigError(
-                "extra_args.actbus.return: an HTTP response cannot carry activations; "
-                "subscribe to the bus instead (actbus run fs-sink --connect ADDR, a trainer, "
-                "or actbus.bus.Subscriber) and give the request tags to find its rows by"
-            )
-        return sel, steer, monitors, scores_back
+        return sel, steer, monitors, scores_back, http_mode if sel.returns else None
+
+    def admit_http(self, sel: Selection, request: Any, sp: Any, fetch: bool) -> Ticket:
+        """Reserve what an HTTP request's rows may take, or refuse it naming the limit."""
+        if self.row_bytes is None:
+            mc = self.vllm_config.model_config
+            self.row_bytes = row_bytes(mc.get_hidden_size(), mc.dtype)
+        n = int(getattr(sp, "n", 1) or 1)
+        return http_for_config(self.cfg).admit(
+            sel, _prompt_len(request), sp.max_tokens, n, self.row_bytes, fetch
+        )
 
 
 _MAKING = threading.Lock()
@@ -267,8 +282,10 @@ def _wrap_process_inputs(orig):
     def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
         fe = frontend_for(self)
         try:
-            sel, steer, monitors, scores_back = (
-                fe.parse(params) if fe.active and _is_sampling(params) else (None, None, (), False)
+            sel, steer, monitors, scores_back, http_mode = (
+                fe.parse(params)
+                if fe.active and _is_sampling(params)
+                else (None, None, (), False, None)
             )
         except ConfigError as e:
             raise _client_error(e) from None
@@ -321,6 +338,15 @@ def _wrap_process_inputs(orig):
                 raise _client_error(e) from None
             plen, budget = _prompt_len(request), sp.max_tokens
             expects.append(lambda rid, i: rows.expect(rid, 1, sel, plen, budget, index=i))
+            if http_mode is not None:
+                try:
+                    ticket = fe.admit_http(sel, request, sp, http_mode == "fetch")
+                except ConfigError as e:
+                    raise _client_error(e) from None
+                # Held by the engine's params: let go with them whatever happens.
+                sp._actbus_ticket = ticket
+                bounds = http_for_config(fe.cfg)
+                expects.append(lambda rid, i: bounds.attach(ticket, rid))
         if expects:  # registered per sample under vLLM's own id, once it has one
             sp._actbus_expect = tuple(expects)
         # The engine owns this copy; the caller's params are never mutated.
@@ -390,21 +416,33 @@ def _wrap_add_request(orig):
             sp = parent_req.sampling_params if parent_req is not None else request.params
             for expect in getattr(sp, "_actbus_expect", ()):
                 expect(request.request_id, request_index)
+            ticket = getattr(sp, "_actbus_ticket", None)
+            state = getattr(self, "request_states", {}).get(request.request_id)
+            if ticket is not None and state is not None:
+                # The HTTP reservation lives as long as the request's state here: the
+                # engine's copy of the params is let go once it is sent to the core.
+                state._actbus_ticket = ticket
         return out
 
     return add_request
 
 
 def _wrap_abort(orig):
-    """A request aborted in the front end (a client gone) leaves no scores behind."""
+    """A request aborted in the front end (a client gone) leaves no rows or scores
+    behind, and its bytes are no longer held for HTTP."""
 
     @functools.wraps(orig)
     def abort_requests(self, request_ids, *args: Any, **kwargs: Any):
         ids = list(request_ids)
         out = orig(self, ids, *args, **kwargs)
-        scores = sys.modules.get("actbus.monitor.returns")
-        if scores is not None:  # vLLM's own ids of the samples it aborted
-            scores.forget(list(out) if out else ids)
+        gone = list(out) if out else ids  # vLLM's own ids of the samples it aborted
+        for name in ("actbus.monitor.returns", "actbus.capture.returns"):
+            returns = sys.modules.get(name)
+            if returns is not None:
+                returns.forget(gone)
+        bounds = sys.modules.get("actbus.capture.http")
+        if bounds is not None and bounds.current() is not None:
+            bounds.current().done(gone)
         return out
 
     return abort_requests
@@ -429,6 +467,12 @@ def _wrap_completion_output(orig):
                 # Ended here (abort, stop string): the engine hears of it after this.
                 ends_follow=str(finish_reason) != "abort" and not isinstance(stop_reason, str),
             )
+            bounds = sys.modules.get("actbus.capture.http")
+            http = bounds.current() if bounds is not None else None
+            if http is not None:
+                out.actbus_fetch = http.wants_fetch(self.request_id)
+                if finish_reason is not None:
+                    http.done([self.request_id])
         scores = sys.modules.get("actbus.monitor.returns")
         col = scores.collector_for(self.request_id) if scores is not None else None
         if col is not None:

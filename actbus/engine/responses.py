@@ -1,11 +1,14 @@
-"""Returned monitor scores in vLLM's OpenAI server responses.
+"""Returned monitor scores and activations in vLLM's OpenAI server responses.
 
-A request that asks (``"monitor_return": true`` in its ``vllm_xargs`` actbus entry)
-gets, in each of its choices, ``"actbus": {"monitor": {...}}``: the scores that came
-with the output the choice was made from (``MonitorScores.to_json``; the format is in
-docs/monitors.md). Non-streaming responses carry every position's score in each
-choice; each streamed chunk carries those that arrived since the previous chunk of
-its choice, so a stream carries every position's score once.
+A request that asks (``"monitor_return": true``, ``"return": true`` or ``"fetch"`` in its
+``vllm_xargs`` actbus entry) gets, in each of its choices, ``"actbus": {"monitor":
+{...}, "activations": {...}}``: what came with the output the choice was made from
+(``MonitorScores.to_json``, ``actbus.capture.http.to_json``; the formats are in
+docs/monitors.md and docs/http.md). Non-streaming responses carry every position's
+in each choice; each streamed chunk carries those that arrived since the previous chunk
+of its choice, so a stream carries every position once. Rows asked with ``"fetch"``
+are kept (``actbus.capture.http``) when the choice's final output is made, and the
+choice names where to fetch them.
 
 vLLM's serving classes build the choices from the engine's outputs; the wrappers
 here watch the outputs go by (the ``result_generator`` the serving method reads) and
@@ -69,8 +72,86 @@ def patch(force: bool = False) -> list[str]:
     return done
 
 
-def _field(ms: Any, final: bool) -> dict[str, Any]:
-    return {"monitor": ms.to_json(final)}
+class _Choice:
+    """What one choice's outputs brought that no chunk has carried yet."""
+
+    def __init__(self) -> None:
+        self.scores: Any = None
+        self.rows: list[Any] = []  # Activations pieces, in order
+        self.final = False
+        self.fetch = False
+
+    def seen(self, out: Any) -> bool:
+        from actbus.monitor.returns import MonitorScores
+
+        ms = getattr(out, "monitor_scores", None)
+        acts = getattr(out, "activations", None)
+        if ms is not None:
+            self.scores = MonitorScores.join(self.scores, ms)
+        if acts is not None:
+            self.rows.append(acts)
+            self.fetch = bool(getattr(out, "actbus_fetch", False))
+        if out.finish_reason is not None:
+            self.final = True
+        return ms is not None or acts is not None
+
+    def field(self) -> dict[str, Any] | None:
+        """The ``actbus`` field of the next chunk of this choice; what it carries is
+        let go (rows to fetch wait for the final output)."""
+        out: dict[str, Any] = {}
+        if self.scores is not None:
+            out["monitor"] = self.scores.to_json(self.final)
+            self.scores = None
+        if self.rows and (self.final or not self.fetch):
+            out["activations"] = _rows_field(_joined(self.rows), self.final, self.fetch)
+            self.rows = []
+        return out or None
+
+
+def _joined(pieces: list[Any]) -> Any:
+    """Consecutive pieces of one choice's rows as one, concatenated once."""
+    if len(pieces) == 1:
+        return pieces[0]
+    import torch
+
+    from actbus.capture.returns import Activations
+
+    keys = pieces[-1].tensors.keys()
+    return Activations(
+        torch.cat([p.positions for p in pieces]),
+        torch.cat([p.token_ids for p in pieces]),
+        {k: torch.cat([p.tensors[k] for p in pieces]) for k in keys},
+        pieces[-1].complete,
+    )
+
+
+def _rows_field(acts: Any, final: bool, fetch: bool) -> dict[str, Any]:
+    from actbus.capture import http
+
+    if not fetch:
+        return http.to_json(acts, final)
+    blob = http.to_safetensors(acts)
+    bounds = http.current()
+    key = bounds.put(blob) if bounds is not None else None
+    if key is None:
+        return {
+            "error": "the server holds no more rows for fetching "
+            "(http_return_max_server_mb); fetch earlier responses or retry",
+            "complete": False,
+        }
+    return {
+        "fetch": http.FETCH_PATH + key,
+        "bytes": len(blob),
+        "expires_in_s": bounds.ttl_s,
+        "rows": len(acts.positions),
+        "complete": acts.complete,
+    }
+
+
+def _field(out: Any) -> dict[str, Any] | None:
+    """The ``actbus`` field of a choice made from one final output."""
+    c = _Choice()
+    return c.field() if c.seen(out) else None
 
 
 def _choices_of(item: Any, kind: str, n: int) -> list[tuple[int, Any]]:
@@ -107,25 +188,20 @@ def _wrap_stream(orig, kind: str):
 
     @functools.wraps(orig)
     async def stream(self, *args: Any, **kwargs: Any):
-        from actbus.monitor.returns import MonitorScores
-
-        waiting: dict[int, Any] = {}  # choice -> scores not carried by a chunk yet
-        final: set[int] = set()
+        waiting: dict[int, _Choice] = {}  # choice -> what no chunk carried yet
 
         def seen(request: Any, item: Any) -> None:
             for i, out in _choices_of(item, kind, int(getattr(request, "n", 1) or 1)):
-                ms = getattr(out, "monitor_scores", None)
-                if ms is not None:
-                    waiting[i] = MonitorScores.join(waiting.get(i), ms)
-                    if out.finish_reason is not None:
-                        final.add(i)
+                c = waiting.get(i) or _Choice()
+                if c.seen(out):
+                    waiting[i] = c
 
         bound = _with_result_tap(orig, kind, seen)(self, args, kwargs)
         chunks = orig(*bound.args, **bound.kwargs)
         try:
             async for chunk in chunks:
                 if waiting and isinstance(chunk, str) and chunk.startswith("data: {"):
-                    chunk = _add_to_chunk(chunk, waiting, final)
+                    chunk = _add_to_chunk(chunk, waiting)
                 yield chunk
         finally:  # a client gone mid-stream: vLLM's own generator cleans up (aborts)
             await chunks.aclose()
@@ -134,7 +210,7 @@ def _wrap_stream(orig, kind: str):
     return stream
 
 
-def _add_to_chunk(chunk: str, waiting: dict[int, Any], final: set[int]) -> str:
+def _add_to_chunk(chunk: str, waiting: dict[int, _Choice]) -> str:
     body = chunk[len("data: ") :].rstrip("\n")
     try:
         obj = json.loads(body)
@@ -143,8 +219,14 @@ def _add_to_chunk(chunk: str, waiting: dict[int, Any], final: set[int]) -> str:
     added = False
     for choice in obj.get("choices") or ():
         i = choice.get("index")
-        if isinstance(i, int) and i in waiting:
-            choice["actbus"] = _field(waiting.pop(i), i in final)
+        c = waiting.get(i) if isinstance(i, int) else None
+        if c is None:
+            continue
+        field = c.field()
+        if c.scores is None and not c.rows:
+            del waiting[i]
+        if field is not None:
+            choice["actbus"] = field
             added = True
     if not added:
         return chunk
@@ -159,9 +241,9 @@ def _wrap_completion_full(orig):
         choices = getattr(response, "choices", None) or []
         if len(choices) == len(outputs):  # one choice per output, in order
             for choice, out in zip(choices, outputs, strict=True):
-                ms = getattr(out, "monitor_scores", None)
-                if ms is not None:
-                    setattr(choice, "actbus", _field(ms, True))  # noqa: B010
+                field = _field(out)
+                if field is not None:
+                    setattr(choice, "actbus", field)  # noqa: B010
         return response
 
     return full
@@ -178,16 +260,16 @@ def _wrap_chat_full(orig):
 
         def seen(request: Any, item: Any) -> None:
             for i, out in _choices_of(item, "chat", 1):
-                ms = getattr(out, "monitor_scores", None)
-                if ms is not None:
-                    last[i] = ms
+                if getattr(out, "monitor_scores", None) or getattr(out, "activations", None):
+                    last[i] = out
 
         bound = _with_result_tap(orig, "chat", seen)(self, args, kwargs)
         response = await orig(*bound.args, **bound.kwargs)
         for choice in getattr(response, "choices", None) or []:
-            ms = last.get(getattr(choice, "index", -1))
-            if ms is not None:
-                setattr(choice, "actbus", _field(ms, True))  # noqa: B010
+            out = last.get(getattr(choice, "index", -1))
+            field = _field(out) if out is not None else None
+            if field is not None:
+                setattr(choice, "actbus", field)  # noqa: B010
         return response
 
     return full

@@ -8,7 +8,10 @@ answers ``/v1/actbus/...`` itself and passes every other request on:
   (``{"sae": DIR, "feature": I}``, ``{"probe": DIR, "head": TAG}``,
   ``{"file": PATH, "key": TENSOR}``, paths on the server's host);
 - ``DELETE /v1/actbus/vectors/NAME``;
-- ``GET`` / ``PUT /v1/actbus/steer/global``: body ``{"entries": [...]}``.
+- ``GET`` / ``PUT /v1/actbus/steer/global``: body ``{"entries": [...]}``;
+- ``GET /v1/actbus/returns/ID``: a response's rows kept for fetching (``"return":
+  "fetch"``), once, as safetensors; behind the completions' own key (``--api-key``),
+  not the admin key, and the ID (random, 192 bits) is the caller's alone.
 
 Middleware added this way runs before vLLM's API-key check, so it checks for itself.
 With an admin key (``actbus serve --actbus-admin-key``, or ``ACTBUS_ADMIN_KEY`` in the
@@ -30,6 +33,7 @@ import hmac
 import os
 from typing import Any
 
+from actbus.capture.http import FETCH_PATH
 from actbus.engine.api import steering
 from actbus.errors import ConfigError
 from actbus.jsontext import parse_json_text
@@ -46,20 +50,51 @@ def _tokens(request: Any) -> tuple[list[str], str]:
     admin = os.environ.get(ADMIN_KEY_ENV)
     if admin:
         return [admin], "the server's admin key (--actbus-admin-key)"
+    return _api_keys(request), "the server's API key"
+
+
+def _api_keys(request: Any) -> list[str]:
     args = getattr(request.app.state, "args", None)
     keys = getattr(args, "api_key", None)
     if isinstance(keys, str):
         keys = [keys]
-    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k], "the server's API key"
+    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
+def _bearer_ok(request: Any, tokens: list[str]) -> bool:
+    given = request.headers.get("authorization", "")
+    return given.startswith("Bearer ") and any(
+        hmac.compare_digest(given[7:].encode(), t.encode()) for t in tokens
+    )
+
+
+def _fetch(request: Any) -> Any:
+    """``GET /v1/actbus/returns/ID``: behind the API key, as the completion was."""
+    from fastapi.responses import JSONResponse, Response
+
+    from actbus.capture import http
+
+    keys = _api_keys(request)
+    if keys and not _bearer_ok(request, keys):
+        return JSONResponse({"error": "actbus: fetching rows needs the server's API key"}, 401)
+    if request.method != "GET":
+        return JSONResponse({"error": f"{request.method}: fetch rows with GET"}, 405)
+    key = request.url.path[len(http.FETCH_PATH) :]
+    bounds = http.current()
+    blob = bounds.take(key) if bounds is not None and len(key) <= 64 else None
+    if blob is None:
+        return JSONResponse(
+            {"error": "no such rows: never kept, fetched already, or expired "
+             "(http_return_fetch_ttl_s)"},
+            404,
+        )  # fmt: skip
+    return Response(blob, media_type="application/octet-stream")
 
 
 def _denied(request: Any) -> tuple[int, str] | None:
     tokens, what = _tokens(request)
     if tokens:
-        given = request.headers.get("authorization", "")
-        ok = given.startswith("Bearer ") and any(
-            hmac.compare_digest(given[7:].encode(), t.encode()) for t in tokens
-        )
+        ok = _bearer_ok(request, tokens)
         return None if ok else (401, f"actbus: steering endpoints need {what}")
     host = request.client.host if request.client else ""
     if host in LOOPBACK:
@@ -93,6 +128,8 @@ async def middleware(request: Any, call_next: Any) -> Any:
     path = request.url.path
     if not path.startswith(PREFIX):
         return await call_next(request)
+    if path.startswith(FETCH_PATH):
+        return _fetch(request)
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
 

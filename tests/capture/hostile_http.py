@@ -52,7 +52,7 @@ def xargs_corpus(hidden: int) -> list[tuple[str, object]]:
         ("a number", "7"),
         ("a string", '"layers"'),
         ("unknown key", {"colour": 1}),
-        ("return over http", {"layers": [3], "return": True}),
+        ("return not true or fetch", {"layers": [3], "return": "yes"}),
         ("layer out of range", {"layers": [999]}),
         ("negative layer", {"layers": [-1]}),
         ("bool layer", {"layers": [True]}),

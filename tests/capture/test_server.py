@@ -38,6 +38,10 @@ from tests.support.recorder import RowRecorder
 pytestmark = pytest.mark.engine
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the tiny model has none
 LAYERS, HOOKS = [0, 3], ["post_block", "mlp_out"]
+REQUEST_MB, SERVER_MB = 0.5, 1
+"""The server's ``http_return_max_request_mb`` and ``http_return_max_server_mb``: a
+request of 4 taps x 229 float32 rows of the tiny Llama (hidden 128) fits, two fit the
+server, three do not."""
 
 
 def _free_port() -> int:
@@ -81,6 +85,8 @@ def server(tiny_models, tmp_path_factory):
         "--actbus-config", json.dumps({
             "steer": {"layers": [1, 2], "hooks": ["post_block"], "vector_dirs": [str(vectors)]},
             "monitor": {"monitors": server_monitors(tiny_models["llama"])},
+            # Small bounds, so requests of this module's size meet them (a row: 512 bytes).
+            "http_return_max_request_mb": REQUEST_MB, "http_return_max_server_mb": SERVER_MB,
         }),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}  # the worker's actbus line is INFO
@@ -245,25 +251,224 @@ def test_bad_selection_is_http_400_and_others_are_served(server):
     assert pos.tolist() == list(range(4 + 31))
 
 
-def test_return_over_http_is_a_400_that_says_to_subscribe(server):
-    """A server's response has no field for rows: ``"return": true`` over HTTP is refused
-    before a return subscriber is attached (it was a 200 with nothing, and a permanent
-    block subscriber on the bus)."""
+def _ret(tag: str, **kw) -> dict:
+    """An actbus entry asking rows back, tagged to find its rows on the bus."""
+    return {"vllm_xargs": {"actbus": json.dumps({"tags": {"t": tag}, "return": True, **kw})}}
+
+
+def _check_rows(server, rec: RowRecorder, tag: str, got, fed_len: int, keys, positions=None):
+    """One choice's returned rows: exactly its taps and positions, bitwise what a bus
+    subscriber got for its sample, HF's within the oracle's tolerance."""
+    samples = sorted(k for k, v in rec.tags.items() if v == {"t": tag})
+    assert samples, tag
+    want = list(range(fed_len)) if positions is None else positions
+    assert got.positions.tolist() == want, (tag, got.positions.tolist()[:8], fed_len)
+    assert got.complete is True and set(got.tensors) == set(keys), (tag, set(got.tensors))
+    rid = sample = None
+    for rid, sample in samples:  # the sample whose tokens these are (n=2: one of two)
+        pos, tok, _ = rec.get(rid, *keys[0], sample)
+        if pos.tolist() == want and tok.tolist() == got.token_ids.tolist():
+            break
+    else:
+        raise AssertionError(f"{tag}: no sample on the bus has these tokens")
+    fed = got.token_ids.tolist()
+    assert len(fed) == len(want)
+    layers, hooks = sorted({k[0] for k in keys}), sorted({k[1] for k in keys})
+    if positions is None:
+        ref = hf_activations(server.model, fed, layers, hooks)
+    for layer, hook in keys:
+        pos, tok, acts = rec.get(rid, layer, hook, sample)
+        assert pos.tolist() == want and tok.tolist() == fed, (tag, layer, hook)
+        mine = got[(layer, hook)]
+        assert mine.dtype == acts.dtype and torch.equal(
+            mine.view(torch.int32), acts.view(torch.int32)
+        )
+        if positions is None:
+            assert max_rel_error(mine, ref[(layer, hook)]) <= 1e-3, (tag, layer, hook)
+    return rid, sample
+
+
+def test_returned_rows_over_http(server):
+    """``"return": true`` over HTTP (issue 38): completions and chat, plain and streamed,
+    n=2, and two concurrent requests with their own layers and positions (one through
+    httpx, streamed, one through requests): every choice's rows are exactly its own,
+    bitwise what a bus subscriber got, and HF's; a stream's chunks carry each position
+    once."""
+    import httpx
     import openai
+    import requests
+
+    from actbus.client import returned
 
     c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", timeout=120, max_retries=0)
-    with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(
-            model=str(server.model), prompt=[5, 6, 7], max_tokens=4,
-            extra_body=_selection(layers=[3], **{"return": True}),
+    model = str(server.model)
+    rng = random.Random(38)
+    prompt = [rng.randrange(3, 400) for _ in range(21)]
+    all_keys = [(layer, hook) for layer in LAYERS for hook in HOOKS]
+    rec = RowRecorder(server.address)
+    got: dict[str, tuple] = {}  # tag -> (choices' Returned, fed lengths, keys, positions)
+    pieces: dict[str, int] = {}
+    try:
+        r = c.completions.create(
+            model=model, prompt=prompt, max_tokens=5, temperature=1.0, n=2,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **_ret("full")},
         )  # fmt: skip
+        back = returned(r)
+        assert sorted(back) == [0, 1]
+        got["full"] = (back, [21 + len(ch.token_ids) - 1 for ch in r.choices], all_keys, None)
+        chunks = list(
+            c.completions.create(
+                model=model, prompt=prompt[:13], max_tokens=7, temperature=1.0, n=2,
+                stream=True, extra_body={"ignore_eos": True, **_ret("stream", layers=[3])},
+            )
+        )  # fmt: skip
+        back = returned(chunks)
+        keys3 = [(3, h) for h in HOOKS]
+        got["stream"] = (back, [13 + 7 - 1] * 2, keys3, None)
+        pieces["stream"] = sum(1 for ch in chunks for x in ch.choices if _extra(x))
+        msgs = [{"role": "user", "content": "the quick brown fox"}]
+        one = _ret("chat", layers=[0], hooks=["mlp_out"])
+        r = c.chat.completions.create(model=model, messages=msgs, max_tokens=5, extra_body={
+            "ignore_eos": True, **one})  # fmt: skip
+        used = r.usage.prompt_tokens + r.usage.completion_tokens - 1
+        got["chat"] = (returned(r), [used], [(0, "mlp_out")], None)
+        both = {"ignore_eos": True, **_ret("chat_stream", **MONITORED)}
+        chunks = list(c.chat.completions.create(
+            model=model, messages=msgs, max_tokens=6, stream=True, extra_body=both))  # fmt: skip
+        back = returned(chunks)
+        got["chat_stream"] = (back, [len(back[0].positions)], all_keys, None)
+        pieces["chat_stream"] = sum(1 for ch in chunks for x in ch.choices if _extra(x))
+        assert set(back[0].scores) == {("drift", 0), ("drift", 3), ("gate", 2)}
+        assert back[0].score_positions.tolist() == back[0].positions.tolist()
+        # Two at once, each with its own layers and positions.
+        bodies = {
+            "a": ([9, 8, 7, 6, 5, 4, 3], _ret("a", layers=[0], hooks=["post_block"]), True),
+            "b": ([11, 12, 13, 14, 15], _ret("b", layers=[3], positions=[1, 4, 9]), False),
+        }
+        out: dict[str, object] = {}
+
+        def send(tag: str) -> None:
+            p, extra, stream = bodies[tag]
+            body = {"model": model, "prompt": p, "max_tokens": 8, "ignore_eos": True,
+                    "stream": stream, **extra}  # fmt: skip
+            if stream:
+                with httpx.stream("POST", f"{server.base}/v1/completions", json=body,
+                                  timeout=120) as resp:  # fmt: skip
+                    out[tag] = returned(resp)
+            else:
+                resp = requests.post(f"{server.base}/v1/completions", json=body, timeout=120)
+                out[tag] = returned(resp)
+
+        threads = [threading.Thread(target=send, args=(t,)) for t in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        assert set(out) == {"a", "b"}
+        got["a"] = (out["a"], [7 + 8 - 1], [(0, "post_block")], None)
+        got["b"] = (out["b"], [5 + 8 - 1], [(3, "post_block"), (3, "mlp_out")], [1, 4, 9])
+        rec.wait(lambda r: len({k for k, v in r.tags.items() if v["t"] in got}) == 8, 60)
+        rec.wait_ended([k for k, v in rec.tags.items() if v["t"] in got])
+    finally:
+        rec.close()
+    seen = set()
+    for tag, (back, lens, keys, positions) in got.items():
+        assert len(back) == len(lens), tag
+        for i, fed_len in enumerate(lens):
+            seen.add(_check_rows(server, rec, tag, back[i], fed_len, keys, positions))
+    assert len(seen) == 8  # every sample's rows, none twice
+    # Each choice's rows came in its chunks (as many pieces as the rows' arrival made),
+    # joined above into every position once.
+    assert pieces["stream"] >= 2 and pieces["chat_stream"] >= 1, pieces
+
+
+def test_returned_rows_limits_and_fetch(server):
+    """The bounds of rows returned over HTTP: a request that may get more than
+    ``http_return_max_request_mb`` is a 400 naming it; rows kept for fetching count
+    against ``http_return_max_server_mb`` until fetched (once), and a request beyond it
+    is a 400 naming it; fetched, they are the inline rows' bytes."""
+    import openai
+    from safetensors.torch import load
+
+    from actbus.client import fetch, returned
+
+    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", timeout=120, max_retries=0)
+    model = str(server.model)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=model, prompt=list(range(3, 13)), max_tokens=400,
+                             extra_body=_ret("big"))  # fmt: skip
     assert e.value.status_code == 400
-    assert "extra_args.actbus.return: an HTTP response cannot carry activations" in str(e.value)
-    assert "subscribe to the bus instead" in str(e.value)
-    with Subscriber(server.address, Subscription(layers=(), name="check")) as sub:
-        sub.wait_welcome(30)
-        subscribers = stats_of(sub, 10)["subscribers"]
-    assert "actbus-return" not in subscribers, subscribers
+    hidden = json.loads((server.model / "config.json").read_text())["hidden_size"]
+    assert "http_return_max_request_mb (0.5 MiB)" in str(e.value), str(e.value)
+    assert f"1 sample(s) x 409 positions x 4 taps x {4 * hidden} bytes a row" in str(e.value)
+    prompt = list(range(3, 13))
+    kept = []
+    for i in range(2):  # about 0.45 MiB each: two fit in the server's 1 MiB
+        r = c.completions.create(
+            model=model, prompt=prompt, max_tokens=220, temperature=0,
+            extra_body={"ignore_eos": True, **_ret(f"fetch{i}", **{"return": "fetch"})},
+        )  # fmt: skip
+        (ch,) = r.choices
+        info = _extra(ch)["activations"]
+        assert set(info) == {"fetch", "bytes", "expires_in_s", "rows", "complete"}, info
+        assert info["rows"] == 229 and info["complete"] is True
+        kept.append(info)
+    third = {"ignore_eos": True, **_ret("third", **{"return": "fetch"})}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=model, prompt=prompt, max_tokens=220, extra_body=third)
+    assert "http_return_max_server_mb (1 MiB)" in str(e.value), str(e.value)
+    got = fetch(server.base, kept[0]["fetch"])
+    with pytest.raises(urllib.error.HTTPError) as gone:  # once
+        fetch(server.base, kept[0]["fetch"])
+    assert gone.value.code == 404
+    r = c.completions.create(model=model, prompt=prompt, max_tokens=220, temperature=0,
+                             extra_body={"ignore_eos": True, **_ret("inline")})  # fmt: skip
+    inline = returned(r)[0]
+    assert got.positions.tolist() == inline.positions.tolist() == list(range(229))
+    for key, t in inline.tensors.items():
+        assert torch.equal(got[key], t), key
+    with urllib.request.urlopen(server.base + kept[1]["fetch"], timeout=30) as resp:
+        blob = resp.read()
+    assert len(blob) == kept[1]["bytes"] and set(load(blob)) >= {"L0.post_block", "positions"}
+
+
+def test_inspect_eval_reads_activations_and_scores(server, tmp_path):
+    """A real ``inspect eval`` of ``examples/inspect_probe.py`` with ``--model actbus/...``
+    against this server: every sample's log holds the returned row (bitwise HF's
+    neighbour: checked above) and the monitor's scores, and the scores Inspect computed
+    from them are the probe on that row and the scores' mean."""
+    from inspect_ai.log import read_eval_log
+
+    from actbus.client import from_metadata
+
+    logs = tmp_path / "logs"
+    cmd = [
+        str(Path(sys.executable).parent / "inspect"), "eval", "examples/inspect_probe.py",
+        "--model", f"actbus/{server.model}", "--model-base-url", f"{server.base}/v1",
+        "-T", "layer=3", "-T", "monitor=drift", "--log-dir", str(logs),
+        "--log-format", "json", "--display", "none",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (path,) = logs.glob("*.json")
+    log = read_eval_log(str(path))
+    assert log.status == "success" and len(log.samples) == 4, (log.status, log.error)
+    for sample in log.samples:
+        field = sample.output.metadata["actbus"]
+        assert {"activations", "monitor"} <= set(field), sample.id
+        got = from_metadata(sample.output.metadata)
+        assert got.complete is True and list(got.tensors) == [(3, "post_block")]
+        prompt_len = sample.output.usage.input_tokens
+        assert got.positions.tolist() == [prompt_len - 1], (sample.id, got.positions)
+        assert set(got.scores) == {("drift", 0), ("drift", 3)}
+        fed = prompt_len + sample.output.usage.output_tokens - 1
+        assert got.score_positions.tolist() == list(range(fed))
+        (score,) = sample.scores.values()
+        mean = float(torch.cat(list(got.scores.values())).mean())
+        assert score.value["monitor"] == pytest.approx(mean, rel=1e-5)
+        w = torch.randn(got[(3, "post_block")].shape[1], generator=torch.Generator().manual_seed(0))
+        want = float(torch.sigmoid(got[(3, "post_block")][-1] @ (w / w.norm())))
+        assert score.value["probe"] == pytest.approx(want, rel=1e-6)
 
 
 def test_steering_over_http_matches_hf(server):

