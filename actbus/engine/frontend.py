@@ -194,7 +194,9 @@ class _Frontend:
                     "entry to its actbus config"
                 )
         steer = (
-            self.steer.request(steer_raw, use_global, "extra_args.actbus.steer")
+            self.steer.request(
+                steer_raw, use_global, "extra_args.actbus.steer", trusted=not over_http
+            )
             if self.steer is not None
             else None
         )

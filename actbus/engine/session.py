@@ -54,7 +54,7 @@ from actbus.streams import parse_positions
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's
 # compile cache (keyed on additional_config) never reuses a graph of another shape.
-GRAPH_VERSION = 4
+GRAPH_VERSION = 5
 
 
 def capture_config(vllm_config: Any) -> CaptureConfig | None:
@@ -185,6 +185,7 @@ def attach(
             max_vectors=cfg.steer.max_vectors or 8 * max_seqs + 1,
             dtype=mc.dtype,
             device=device,
+            ops=cfg.steer.ops,
         )
         for i in steer_layers:
             wrap_layer(decoder[i])
