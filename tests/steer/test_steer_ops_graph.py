@@ -10,7 +10,7 @@ from actbus.engine.layers import find_decoder_layers, wrap_layer
 from actbus.steer.graph import install_steering
 from actbus.steer.worker import Steerer
 from actbus.steps import StepRequests
-from tests.steer.test_steer_graph import D, N_LAYERS, Model, reference
+from tests.steer.test_steer_graph import N_LAYERS, D, Model, reference
 
 K = 4
 NONE = None  # no gate
@@ -67,7 +67,7 @@ def test_ops_compile_once_and_match_eager():
     def unit(v):
         return v / v.norm()
 
-    for seed in range(2):  # new values the second time: no recompile
+    def check(seed):
         g = torch.Generator().manual_seed(seed)
         row_a, row_b, add = (torch.randn(D, generator=g) for _ in range(3))
         u1 = unit(torch.randn(D, generator=g))
@@ -115,6 +115,9 @@ def test_ops_compile_once_and_match_eager():
             {(0, "pre_attn"): pre0, (1, "post_attn"): post_attn1, (2, "post_block"): post_block2},
         )
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    for seed in range(2):  # new values the second time: no recompile
+        check(seed)
     # nothing steered: the unsteered model, bit for bit, and the tables zeroed
     x, got = run(12, {}, [], 0, 12)
     with torch.inference_mode():
