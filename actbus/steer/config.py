@@ -329,7 +329,7 @@ def _live(raw: Any, where: str) -> dict[str, VectorSource | None]:
     }
 
 
-def check_floats(raw: list | tuple, where: str) -> np.ndarray:
+def check_floats(raw: list | tuple | np.ndarray, where: str) -> np.ndarray:
     """A flat list of numbers finite as float32, as float32 (checked in one pass; the
     slow loop only runs to name the first bad component)."""
     try:
@@ -472,7 +472,7 @@ def _vector(vec: Any, where: str) -> str | np.ndarray:
     if isinstance(vec, str):
         return check_name(vec, where)
     if isinstance(vec, (list, tuple, np.ndarray)) and len(vec):
-        return check_floats(list(vec) if isinstance(vec, np.ndarray) else vec, where)
+        return check_floats(vec, where)
     raise ConfigError(
         f"{where}: expected a registered vector's name or a list of floats, got {vec!r:.60}"
     )

@@ -87,6 +87,14 @@ class _Request:
     gate: _Gates | None = None
     live: dict[str, int] | None = None  # live vector -> the version it steers with
 
+    @property
+    def a(self) -> np.ndarray:
+        return self.cf[:, 0]
+
+    @property
+    def b(self) -> np.ndarray:
+        return self.cf[:, 1]
+
 
 @dataclass
 class _Gates:
@@ -127,6 +135,7 @@ class _Batch:
     req: np.ndarray
     listed: dict[int, np.ndarray]  # entry -> its positions (mode LISTED)
     gate: _Gates | None = None  # concatenated; ``slot`` unused
+    listed_late: bool = False  # a listed position past its request's prompt
     gate_slot: np.ndarray | None = None  # per steered request: its row of ``last``
 
 
@@ -417,10 +426,11 @@ class Steerer:
     @staticmethod
     def _steady_key(bt: _Batch, offsets: np.ndarray, first: np.ndarray) -> tuple | None:
         """For a pure decode step (one generated token per steered request) of a batch
-        with no listed positions, what its layout depends on: the batch and its rows.
+        with no listed positions past a prompt, what its layout depends on: the batch
+        and its rows.
         Every entry then steers either every generated token or none, so two such steps
         with the same batch and rows lay out the same tables. None otherwise."""
-        if bt.listed:
+        if bt.listed_late:  # (listed prompt positions steer no generated token)
             return None
         lo = offsets[bt.where]
         if not (np.all(offsets[bt.where + 1] - lo == 1) and np.all(first >= bt.prompt_len)):
@@ -452,6 +462,9 @@ class Steerer:
             mode=np.concatenate([st.mode for st in cat]),
             req=np.repeat(np.arange(len(cat)), per_req),
             listed={int(base[k] + j): v for k, st in enumerate(cat) for j, v in st.listed.items()},
+        )
+        self._last.listed_late = any(
+            len(v) and int(v[-1]) >= st.prompt_len for st in cat for v in st.listed.values()
         )
         if any(st.gate is not None for st in cat):
             gs = [st.gate or _Gates.none(len(st.point)) for st in cat]
