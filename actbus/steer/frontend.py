@@ -322,9 +322,12 @@ class SteerFrontend:
         sharp = 0.0 if g.sharpness is None else g.sharpness
         return (g.monitor, layer, d.hook, feature, g.threshold, sharp, g.source)
 
-    def set_global(self, raw: list[dict[str, Any]]) -> None:
-        """Replace the global entries (checked, names resolved now)."""
-        resolved = self.resolve(self.parse(raw, GLOBAL_WHERE), GLOBAL_WHERE)
+    def set_global(self, raw: list[dict[str, Any]], *, trusted: bool = True) -> None:
+        """Replace the global entries (checked, names resolved now). ``trusted``: the
+        engine's config or an in-process caller; an HTTP caller's (``trusted=False``)
+        ``clamp`` SAEs must lie in ``vector_dirs``."""
+        confine = None if trusted else self.confine
+        resolved = self.resolve(self.parse(raw, GLOBAL_WHERE), GLOBAL_WHERE, confine)
         self._check_per_token(resolved, GLOBAL_WHERE)
         with self._lock:
             self._global = resolved
