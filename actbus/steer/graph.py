@@ -14,6 +14,17 @@ what it would be without steering. A steered token's result is clamped to
 addresses: the compiled graph reads them as inputs and a CUDA graph replays the
 reads, so new vectors and new coefficients never recompile or recapture anything.
 
+The other operations (``replace``, ``ablate``, ``clamp``; ``actbus.steer.config.OPS``)
+are the same gather with more coefficients per slot, installed only on engines that
+list them (``install_steering``'s ``ops``): a slot's weight becomes
+``a + b ||x|| + c p + e act(p + d)`` with ``p = read[index] . x`` (``read``: a second
+table paired row by row with ``table``; ``act(y) = y (y > t)``, ReLU or JumpReLU), and
+``z`` per slot takes the stream itself out (``- z x``): ``replace`` is ``a = z = 1``
+with the row in ``table``; ``ablate`` is ``c = -1`` with the unit direction in both
+tables; ``clamp`` is ``a = value, e = -1, d = bias, t = threshold`` with the latent's
+decoder row in ``table`` and its encoder column in ``read`` (the SAE's error term is
+kept: only the latent's own change is added).
+
 vLLM keeps the stream split as ``(hidden_states, residual)``; the vector goes into
 ``residual`` (or, entering the first layer, into the embeddings), so everything
 downstream sees it. ``post_attn`` is inside the layer, between attention and the
