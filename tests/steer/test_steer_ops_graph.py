@@ -1,4 +1,4 @@
-"""``replace``, ``ablate`` and ``clamp`` in the compiled graph (inductor, dynamic shapes):
+"""``replace``, ``ablate`` and ``clamp`` in the compiled graph (AOT autograd, dynamic shapes):
 exact against eager math, composable at one point, and new rows, directions and SAE
 latents never recompile. The engine-level checks against HF are in
 ``test_steer_ops_engine.py``."""
@@ -51,7 +51,9 @@ def test_ops_compile_once_and_match_eager():
         wrap_layer(decoder[i])
     steerer = Steerer(tables)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="inductor", dynamic=True)
+    compiled = torch.compile(
+        model, backend="aot_eager", dynamic=True
+    )  # (inductor: the engine tests)
     torch._dynamo.utils.counters.clear()
 
     def run(n, vectors, entries, start, prompt_len):
