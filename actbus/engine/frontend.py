@@ -43,6 +43,9 @@ from typing import Any
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
 from actbus.errors import ConfigError
+from actbus.hooks import cache_salt as hooks_salt
+from actbus.hooks import take_hooks
+from actbus.hooks import to_wire as hooks_wire
 from actbus.jsontext import parse_json_text
 from actbus.monitor.frontend import take_monitors
 from actbus.steer.frontend import RequestSteer
@@ -173,15 +176,16 @@ class _Frontend:
 
     def parse(
         self, params: Any
-    ) -> tuple[Selection | None, RequestSteer | None, tuple[str, ...], bool]:
+    ) -> tuple[Selection | None, RequestSteer | None, tuple[str, ...], bool, list | None]:
         """The request's capture selection, its whole steering, its monitors (global
-        ones included) and whether their scores come back."""
+        ones included), whether their scores come back, and its user hooks."""
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
         if over_http:  # over HTTP: vllm_xargs={"actbus": "<json>"}
             raw = parse_json_text(raw, "extra_args.actbus", hint=XARGS_HINT)
         raw, monitors, scores_back = take_monitors(raw, self.cfg.monitor)
+        raw, hooks = take_hooks(raw, self.cfg.user_hooks, over_http=over_http)
         steer_raw, use_global = None, True
         if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
             raw = dict(raw)
@@ -201,10 +205,10 @@ class _Frontend:
             else None
         )
         if raw is False:  # opts this request out of ``requests: all``
-            return None, steer, monitors, scores_back
+            return None, steer, monitors, scores_back, hooks
         if raw is None:
             base = self.base if self.requests == "all" else None
-            return base, steer, monitors, scores_back
+            return base, steer, monitors, scores_back, hooks
         sel = parse_selection(
             raw,
             engine_layers=self.base.layers,
@@ -219,7 +223,7 @@ class _Frontend:
                 "subscribe to the bus instead (actbus run fs-sink --connect ADDR, a trainer, "
                 "or actbus.bus.Subscriber) and give the request tags to find its rows by"
             )
-        return sel, steer, monitors, scores_back
+        return sel, steer, monitors, scores_back, hooks
 
 
 _MAKING = threading.Lock()
@@ -242,14 +246,16 @@ def _wrap_process_inputs(orig):
     def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
         fe = frontend_for(self)
         try:
-            sel, steer, monitors, scores_back = (
-                fe.parse(params) if fe.active and _is_sampling(params) else (None, None, (), False)
+            sel, steer, monitors, scores_back, hooks = (
+                fe.parse(params)
+                if fe.active and _is_sampling(params)
+                else (None, None, (), False, None)
             )
         except ConfigError as e:
             raise _client_error(e) from None
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         sp = getattr(request, "sampling_params", None)
-        if (sel is None and steer is None and not monitors) or sp is None:
+        if (sel is None and steer is None and not monitors and not hooks) or sp is None:
             if sp is not None and fe.active:
                 _strip(sp)
             return request
@@ -260,6 +266,11 @@ def _wrap_process_inputs(orig):
             if salt is not None:  # steered prompt tokens: their KV is this steering's own
                 old = getattr(request, "cache_salt", None)
                 request.cache_salt = f"{old}|{salt}" if old else salt
+        if hooks:  # a hook may read or change any prompt row: no shared prompt KV
+            caller = str(getattr(request, "external_req_id", None) or request_id)
+            wire["hooks"] = hooks_wire(hooks, caller)
+            old = getattr(request, "cache_salt", None)
+            request.cache_salt = f"{old}|{hooks_salt()}" if old else hooks_salt()
         returning = scores_back or (sel is not None and sel.returns)
         if monitors or sel is not None:  # rows and scores name the caller's request
             try:

@@ -40,6 +40,7 @@ from actbus.engine.mode import log as mode_log
 from actbus.engine.mode import mode_line
 from actbus.engine.parts import EngineParts
 from actbus.errors import ConfigError
+from actbus.hooks import HookRunner, install_hooks
 from actbus.monitor.config import MonitorConfig
 from actbus.monitor.graph import MonitorTables, install_monitors
 from actbus.monitor.weights import MonitorWeights, load_weights
@@ -204,6 +205,12 @@ def attach(
         )
         if parts.steer is not None:  # rows name the live versions they steered with
             parts.capture.live_versions = parts.steer.live_versions
+    if cfg.user_hooks is not None:  # every rank runs them (a hook may gather parameters)
+        hooked = owned_layers(model, n, tuple(i for i in cfg.user_hooks.layers if i < n))
+        install_hooks(decoder, hooked, cfg.user_hooks.points)
+        for i in hooked:
+            wrap_layer(decoder[i])
+        parts.hooks = HookRunner(model, _tp_gather())
     # Every rank that holds monitor tables (the harvest's, or its gates') takes pushes.
     parts.monitor_tables = None if monitors is None else monitors.tables
     return parts
@@ -444,6 +451,19 @@ def _served_name(mc: Any) -> str:
     if isinstance(served, (list, tuple)) and served:
         return str(served[0])
     return str(served or mc.model)
+
+
+def _tp_gather():
+    """All-gather across tensor-parallel ranks, for hooks' parameter access (None at
+    tensor parallel 1)."""
+    try:
+        from vllm.distributed import parallel_state, tensor_model_parallel_all_gather
+
+        if parallel_state.get_tp_group().world_size == 1:
+            return None
+    except Exception:  # not initialised (single process)
+        return None
+    return lambda t, dim: tensor_model_parallel_all_gather(t.contiguous(), dim)
 
 
 def _rank(kind: str) -> int:
