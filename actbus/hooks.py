@@ -193,7 +193,7 @@ class HookRunner:
             for t in st.tokens if st else ():
                 _OBJECTS.pop(t, None)
         for rid, _plen, wire in new:
-            hooks = (wire or {}).get("hooks")
+            hooks = (wire or {}).get("user_hooks")
             if not hooks or rid in self._reqs:
                 continue
             got, tokens, caller = [], [], rid

@@ -268,7 +268,7 @@ def _wrap_process_inputs(orig):
                 request.cache_salt = f"{old}|{salt}" if old else salt
         if hooks:  # a hook may read or change any prompt row: no shared prompt KV
             caller = str(getattr(request, "external_req_id", None) or request_id)
-            wire["hooks"] = hooks_wire(hooks, caller)
+            wire["user_hooks"] = hooks_wire(hooks, caller)
             old = getattr(request, "cache_salt", None)
             request.cache_salt = f"{old}|{hooks_salt()}" if old else hooks_salt()
         returning = scores_back or (sel is not None and sel.returns)
