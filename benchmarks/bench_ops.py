@@ -10,8 +10,8 @@ graphs). Each arm runs in its own process (a fresh engine):
     ablate_all    every request ablates one direction at every layer, every token
     clamp_1       every request clamps latent 123 of a 16x SAE at layer 16 (the SAE,
                   random, is written to a temporary directory: 2 x 1 GiB in bf16)
-    hook_1        a trivial user hook at layer 16 (actbus; skipped where actbus has
-                  no user hooks)
+    hook_1        a trivial user hook at layer 16 on every request (actbus.user_hooks,
+                  in process; CUDA graphs piecewise, split at the hook's op)
     lens_hook_1   vllm-lens 1.2.1's generic hook at layer 16 (a peer plugin; it forces
                   eager mode), the same trivial function
 
@@ -67,7 +67,7 @@ DEFAULTS = {
 def skip_reason(name: str, tiny: bool) -> str | None:
     """Why an arm cannot run here (None: it can)."""
     if name == "hook_1" and importlib.util.find_spec("actbus.hooks") is None:
-        return "actbus has no user hooks in this build (issue 39, item 2)"
+        return "actbus has no user hooks in this build"
     if name == "lens_hook_1":
         if tiny:
             return "vllm-lens is a GPU peer: not run on CPU (--tiny)"
@@ -145,6 +145,24 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         }
         if name == "clamp_1":
             sae = write_sae(tempfile.mkdtemp(prefix="bench-sae-"), hidden, SAE_EXPANSION * hidden)
+    kw: dict = {}
+    if name == "hook_1":  # in process (a Hook object), the graph split at the hook's op
+        import os
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        extra = {
+            "actbus": {
+                "publish": bus_template(tempfile.mkdtemp(), "bus", par),
+                "layers": [layer],
+                "requests": "selected",
+                "user_hooks": {"layers": [layer], "points": ["post_block"]},
+            }
+        }
+        if not args.tiny:
+            from vllm.config import CompilationConfig
+
+            split = [*CompilationConfig._attention_ops, "actbus::user_hook"]
+            kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE", "splitting_ops": split}
     t0 = time.monotonic()
     llm = make_llm(
         path,
@@ -153,6 +171,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         output_len=args.output,
         extra=extra,
         parallel=par,
+        **kw,
     )
     start_s = time.monotonic() - t0
     prompts = random_prompts(args.prompts, args.input, config["vocab_size"])
@@ -166,6 +185,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             )
             for i in range(len(prompts))
         ]
+    elif name == "hook_1":
+        from actbus.hooks import Hook
+
+        hook = Hook(lambda call: None, layer=layer)  # the trivial hook: called, reads nothing
+        params = [SamplingParams(**base, extra_args={"actbus": {"hooks": [hook]}}) for _ in prompts]
     elif name == "lens_hook_1":
         from vllm_lens import Hook
 

@@ -132,3 +132,17 @@ def test_hooks_match_hf_and_leave_others_alone(tiny_models, tmp_path):
     for key in alone.outputs[0].activations.tensors:
         assert torch.equal(outs[3].outputs[0].activations[key], alone.outputs[0].activations[key])
     assert set(seen) == {outs[0].request_id, outs[2].request_id}
+
+
+def test_cuda_graphs_must_split_at_the_hook_op():
+    """A CUDA graph would replay the op's kernels without calling Python: an engine
+    with hooks starts only without CUDA graphs or with piecewise ones split at it."""
+    from types import SimpleNamespace as NS
+
+    from actbus.engine.session import HOOK_OP, check_hook_graphs
+
+    check_hook_graphs(NS(cudagraph_mode=NS(name="NONE"), splitting_ops=None))
+    check_hook_graphs(NS(cudagraph_mode=NS(name="PIECEWISE"), splitting_ops=["a", HOOK_OP]))
+    for mode, ops in (("FULL_AND_PIECEWISE", [HOOK_OP]), ("PIECEWISE", ["a"])):
+        with pytest.raises(ConfigError, match="actbus.user_hooks: CUDA graphs"):
+            check_hook_graphs(NS(cudagraph_mode=NS(name=mode), splitting_ops=ops))

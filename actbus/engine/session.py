@@ -141,6 +141,8 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     if cfg.steer is not None:  # named vectors load and global entries resolve, or fail now
         steer_frontend(cfg, vllm_config)
         LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
+    if cfg.user_hooks is not None:
+        check_hook_graphs(vllm_config.compilation_config)
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
         monitor_weights(cfg.monitor, num_layers(mc), mc.get_hidden_size())
     if not os.environ.get(PRECHECKED_ENV):  # actbus serve warned already
@@ -451,6 +453,26 @@ def _served_name(mc: Any) -> str:
     if isinstance(served, (list, tuple)) and served:
         return str(served[0])
     return str(served or mc.model)
+
+
+HOOK_OP = "actbus::user_hook"
+
+
+def check_hook_graphs(cc: Any) -> None:
+    """User hooks run Python inside the forward: a CUDA graph would replay their op's
+    kernels without calling it. Refuse, at start, CUDA graphs that do not split at it."""
+    mode = getattr(cc, "cudagraph_mode", None)
+    name = str(getattr(mode, "name", mode))
+    if name in ("NONE", "None"):
+        return
+    if name == "PIECEWISE" and HOOK_OP in (getattr(cc, "splitting_ops", None) or ()):
+        return
+    raise ConfigError(
+        f"actbus.user_hooks: CUDA graphs ({name}) would skip the hooks; run with "
+        f"compilation_config={{'cudagraph_mode': 'PIECEWISE', 'splitting_ops': [vLLM's "
+        f"attention ops..., '{HOOK_OP}']}} (the graph is split at the hooked points only), "
+        "or enforce_eager=True"
+    )
 
 
 def _tp_gather():
