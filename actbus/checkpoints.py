@@ -501,3 +501,66 @@ def read_sae_decoder(path: Path, where: str, confine: Confine | None = None) -> 
     if info is not None:
         _fits_cfg(info, w_dec.shape[::-1], files, where)
     return w_dec
+
+
+@dataclass(frozen=True, eq=False)
+class SAEFeature:
+    """One latent of an SAE checkpoint: what clamping it reads (float32). Its value on a
+    stream ``x`` is ``act(encoder . x + bias)``, ``act(z) = z * (z > threshold)``
+    (ReLU: threshold 0; JumpReLU: its threshold, at least 0), and ``decoder`` is
+    its row of ``W_dec``."""
+
+    encoder: np.ndarray  # [d_in]: W_enc[:, f]
+    bias: float  # b_enc[f] - b_dec . W_enc[:, f]
+    threshold: float
+    decoder: np.ndarray  # [d_in]: W_dec[f]
+
+
+def read_sae_feature(
+    path: Path, feature: int, where: str, confine: Confine | None = None
+) -> SAEFeature:
+    """Latent ``feature`` of the SAE checkpoint in directory ``path``, read as slices
+    (an SAE far past ``MAX_TENSOR_BYTES`` costs two rows). TopK is refused: a latent's
+    value there depends on every other latent's."""
+    from safetensors import safe_open
+
+    info = read_sae_info(path, where, confine)  # SAELens' layouts and refusals
+    arch = info.architecture
+    if arch not in ("standard", "jumprelu"):
+        raise ConfigError(
+            f"{where}: architecture {arch!r:.40} cannot be clamped one latent at a time "
+            "(standard and jumprelu can; a TopK latent depends on all the others)"
+        )
+    files = _open(path / SAE_WEIGHTS, where, confine)
+    shapes = tensor_shapes(files, where)
+    names = ["W_enc", "b_enc", "b_dec", "W_dec"] + (["threshold"] if arch == "jumprelu" else [])
+    missing = [n for n in names if n not in shapes]
+    if missing:
+        raise ConfigError(f"{where}: {files} has no {', '.join(missing)}; not an SAE's weights")
+    d_in, d_sae = (shapes["W_enc"] + [0, 0])[:2]
+    want = {"W_enc": [d_in, d_sae], "b_enc": [d_sae], "b_dec": [d_in], "W_dec": [d_sae, d_in]}
+    want["threshold"] = [d_sae]
+    if any(shapes[n] != want[n] for n in names):
+        shown = ", ".join(f"{n} {shapes[n]}" for n in names)
+        raise ConfigError(f"{where}: the tensors of {files} do not fit together ({shown})")
+    if not 0 <= feature < d_sae:
+        raise ConfigError(
+            f"{where}.feature: {feature} is out of range; the SAE has {d_sae} latents"
+        )
+    with safe_open(str(files), framework="pt") as f:
+        enc = f.get_slice("W_enc")[:, feature : feature + 1].float().numpy().reshape(-1)
+        dec = f.get_slice("W_dec")[feature : feature + 1].float().numpy().reshape(-1)
+        b_enc = float(f.get_slice("b_enc")[feature : feature + 1].float()[0])
+        b_dec = f.get_tensor("b_dec").float().numpy()
+        thr = (
+            float(f.get_slice("threshold")[feature : feature + 1].float()[0])
+            if arch == "jumprelu"
+            else 0.0
+        )
+    if not info.apply_b_dec_to_input:
+        b_dec = np.zeros_like(b_dec)
+    bias = b_enc - float(np.dot(b_dec.astype(np.float64), enc.astype(np.float64)))
+    vals = (enc, dec, np.array([bias, thr]))
+    if not all(np.isfinite(v).all() for v in vals) or abs(bias) > 3.4e38:
+        raise ConfigError(f"{where}: latent {feature} of {path} holds NaN or Inf")
+    return SAEFeature(enc, bias, max(thr, 0.0), dec)

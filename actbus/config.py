@@ -43,6 +43,39 @@ class DataParallel:
         return tuple(r for r in self.served if r not in self.local)
 
 
+HOOK_POINTS = ("pre_attn", "post_block")
+"""Where user hooks can run (``actbus.user_hooks``)."""
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    """The engine's ``actbus.user_hooks``: where hooks may run, and the named ones HTTP
+    callers may select."""
+
+    layers: tuple[int, ...]
+    points: tuple[str, ...] = ("post_block",)
+    named: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "actbus.user_hooks") -> HooksConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a mapping such as {{'layers': [3]}}")
+        for k in raw:
+            if k not in ("layers", "points", "named"):
+                raise ConfigError(f"{where}.{k}: unknown key; valid keys are layers, points, named")
+        if "layers" not in raw:
+            raise ConfigError(f"{where}.layers: required (the layers hooks may run at)")
+        layers = parse_layers(raw["layers"], f"{where}.layers")
+        points = raw.get("points", ["post_block"])
+        points = [points] if isinstance(points, str) else points
+        if not isinstance(points, list) or not points or any(p not in HOOK_POINTS for p in points):
+            raise ConfigError(f"{where}.points: expected a list of {', '.join(HOOK_POINTS)}")
+        named = raw.get("named", [])
+        if not isinstance(named, list) or not all(isinstance(n, str) and n for n in named):
+            raise ConfigError(f"{where}.named: expected a list of entry-point names")
+        return cls(tuple(layers), tuple(dict.fromkeys(points)), tuple(named))
+
+
 @dataclass(frozen=True, eq=False)
 class CaptureConfig:
     """What to capture and where to publish it."""
@@ -103,6 +136,9 @@ class CaptureConfig:
     monitor: MonitorConfig | None = None
     """Monitors (``actbus.monitor.config``): named probes and SAE features scored in the
     compiled graph, their scores published on the bus; None: no monitor in the graph."""
+    user_hooks: HooksConfig | None = None
+    """User hooks (``actbus.hooks``): the layers and points where a request's Python
+    hooks may run, and the installed ones HTTP callers may select; None: none."""
     control: ControlConfig | None = None
     """Live weight pushes (``actbus.bus.control``): the engine core's authenticated
     endpoint that swaps monitors' weights and live steering vectors between steps;
@@ -190,6 +226,8 @@ class CaptureConfig:
             kw["steer"] = SteerConfig.from_dict(raw["steer"])
         if "monitor" in raw:
             kw["monitor"] = MonitorConfig.from_dict(raw["monitor"])
+        if "user_hooks" in raw:
+            kw["user_hooks"] = HooksConfig.from_dict(raw["user_hooks"])
         if "control" in raw:
             if "monitor" not in kw and not (kw.get("steer") and kw["steer"].live):
                 raise ConfigError(

@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     "actbus.capture.": 4,
     "actbus.steer.": 4,
     "actbus.monitor.": 4,
+    "actbus.hooks": 4,  # user hooks: the op and the worker side
     # The one seam to vLLM: composes the features.
     "actbus.engine": 5,
     "actbus.engine.": 5,
@@ -56,7 +57,7 @@ LAYERS: dict[str, int] = {
     "actbus.inspect_provider": 6,
     "actbus.inspect_model": 6,
 }
-FEATURES = ("actbus.capture", "actbus.steer", "actbus.monitor")
+FEATURES = ("actbus.capture", "actbus.steer", "actbus.monitor", "actbus.hooks")
 """Siblings: what they share lives below them, and only ``actbus.engine`` composes them."""
 VLLM_IMPORTERS = ("actbus.engine", "actbus.tiny_models")
 """The only modules of the three packages that may import vLLM (besides tests and

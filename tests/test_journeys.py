@@ -473,3 +473,61 @@ def test_readme_steer_in_python(tmp_path):
     plain, steered = [line for line in r.stdout.splitlines() if line.startswith(("'", '"'))][-2:]
     print(f"plain {plain}\nsteered {steered}")
     assert plain != steered
+
+
+def test_causal_tracing_matches_hf_hooks(tmp_path):
+    """``examples/causal_tracing.py`` (corrupt the subject's embeddings, restore one
+    layer's clean state, both with ``replace``, in vLLM's compiled graph) prints the
+    probabilities the same procedure gives in HF transformers with forward hooks: a
+    pre-hook adding the noise to the first layer's input, a hook setting layer L's
+    output at the last subject token to the clean run's."""
+    from actbus.tiny_models import build_tiny_model
+    from tests.support.oracle import hf_model
+
+    out = tmp_path / "trace.json"
+    env = {"VLLM_CPU_CI_ENV": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    r = _script("causal_tracing.py", "--out", str(out), env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    model = hf_model(str(build_tiny_model("llama")))
+    layers = model.model.layers
+    ids, subject, target = got["prompt_ids"], got["subject"], got["target"]
+    noise = torch.tensor(got["noise"])
+    last = subject[-1]
+
+    def run(corrupt: bool, restore: int | None, clean: list | None = None):
+        handles, states = [], []
+
+        def pre(_m, args, kwargs):
+            x = (args[0] if args else kwargs["hidden_states"]).clone()
+            x[0, subject] += noise
+            return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+        def post(_m, _a, o, i):
+            h = (o[0] if isinstance(o, tuple) else o).clone()
+            if i == restore:
+                h[0, last] = clean[i]
+            states.append(h[0, last].clone())
+            return (h, *o[1:]) if isinstance(o, tuple) else h
+
+        if corrupt:
+            handles.append(layers[0].register_forward_pre_hook(pre, with_kwargs=True))
+        for i, layer in enumerate(layers):
+            handles.append(layer.register_forward_hook(lambda m, a, o, i=i: post(m, a, o, i)))
+        try:
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1]
+        finally:
+            for h in handles:
+                h.remove()
+        return float(torch.softmax(logits.double(), -1)[target]), states
+
+    p_clean, clean = run(False, None)
+    assert abs(got["clean"] - p_clean) < 1e-5
+    assert abs(got["corrupted"] - run(True, None)[0]) < 1e-5
+    want = [run(True, i, clean)[0] for i in range(len(layers))]
+    assert max(abs(a - b) for a, b in zip(got["restored"], want, strict=True)) < 1e-5, (
+        got["restored"],
+        want,
+    )
+    assert got["clean"] != got["corrupted"]

@@ -47,6 +47,9 @@ from actbus.capture.http import for_config as http_for_config
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
 from actbus.errors import ConfigError
+from actbus.hooks import cache_salt as hooks_salt
+from actbus.hooks import take_hooks
+from actbus.hooks import to_wire as hooks_wire
 from actbus.jsontext import parse_json_text
 from actbus.monitor.frontend import take_monitors
 from actbus.steer.frontend import RequestSteer
@@ -206,10 +209,13 @@ class _Frontend:
 
     def parse(
         self, params: Any
-    ) -> tuple[Selection | None, RequestSteer | None, tuple[str, ...], bool, str | None]:
+    ) -> tuple[
+        Selection | None, RequestSteer | None, tuple[str, ...], bool, str | None, list | None
+    ]:
         """The request's capture selection, its whole steering, its monitors (global
-        ones included), whether their scores come back, and how its rows go back over
-        HTTP (None: not over HTTP, or not returned; "inline" or "fetch")."""
+        ones included), whether their scores come back, how its rows go back over HTTP
+        (None: not over HTTP, or not returned; "inline" or "fetch"), and its user
+        hooks."""
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
@@ -220,6 +226,7 @@ class _Frontend:
                 raw = dict(raw)
                 raw["return"], http_mode = parse_return(raw["return"])
         raw, monitors, scores_back = take_monitors(raw, self.cfg.monitor)
+        raw, hooks = take_hooks(raw, self.cfg.user_hooks, over_http=over_http)
         steer_raw, use_global = None, True
         if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
             raw = dict(raw)
@@ -232,15 +239,17 @@ class _Frontend:
                     "entry to its actbus config"
                 )
         steer = (
-            self.steer.request(steer_raw, use_global, "extra_args.actbus.steer")
+            self.steer.request(
+                steer_raw, use_global, "extra_args.actbus.steer", trusted=not over_http
+            )
             if self.steer is not None
             else None
         )
         if raw is False:  # opts this request out of ``requests: all``
-            return None, steer, monitors, scores_back, None
+            return None, steer, monitors, scores_back, None, hooks
         if raw is None:
             base = self.base if self.requests == "all" else None
-            return base, steer, monitors, scores_back, None
+            return base, steer, monitors, scores_back, None, hooks
         sel = parse_selection(
             raw,
             engine_layers=self.base.layers,
@@ -249,7 +258,7 @@ class _Frontend:
             base=self.base,
             max_len=self.max_len,
         )
-        return sel, steer, monitors, scores_back, http_mode if sel.returns else None
+        return sel, steer, monitors, scores_back, http_mode if sel.returns else None, hooks
 
     def admit_http(self, sel: Selection, request: Any, sp: Any, fetch: bool) -> Ticket:
         """Reserve what an HTTP request's rows may take, or refuse it naming the limit."""
@@ -282,16 +291,16 @@ def _wrap_process_inputs(orig):
     def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
         fe = frontend_for(self)
         try:
-            sel, steer, monitors, scores_back, http_mode = (
+            sel, steer, monitors, scores_back, http_mode, hooks = (
                 fe.parse(params)
                 if fe.active and _is_sampling(params)
-                else (None, None, (), False, None)
+                else (None, None, (), False, None, None)
             )
         except ConfigError as e:
             raise _client_error(e) from None
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         sp = getattr(request, "sampling_params", None)
-        if (sel is None and steer is None and not monitors) or sp is None:
+        if (sel is None and steer is None and not monitors and not hooks) or sp is None:
             if sp is not None and fe.active:
                 _strip(sp)
             return request
@@ -302,6 +311,11 @@ def _wrap_process_inputs(orig):
             if salt is not None:  # steered prompt tokens: their KV is this steering's own
                 old = getattr(request, "cache_salt", None)
                 request.cache_salt = f"{old}|{salt}" if old else salt
+        if hooks:  # a hook may read or change any prompt row: no shared prompt KV
+            caller = str(getattr(request, "external_req_id", None) or request_id)
+            wire["user_hooks"] = hooks_wire(hooks, caller)
+            old = getattr(request, "cache_salt", None)
+            request.cache_salt = f"{old}|{hooks_salt()}" if old else hooks_salt()
         returning = scores_back or (sel is not None and sel.returns)
         if monitors or sel is not None:  # rows and scores name the caller's request
             try:

@@ -16,6 +16,7 @@ from torch import nn
 
 from actbus import ops  # noqa: F401  (registers torch.ops.actbus.*)
 from actbus.errors import ConfigError
+from actbus.hooks import user_hook
 from actbus.monitor.graph import monitor_point
 from actbus.steer.graph import steer_point
 
@@ -41,7 +42,8 @@ def wrap_layer(layer: nn.Module) -> None:
     """Wrap a decoder layer's forward once; what it does is read at trace time from
     ``_actbus_taps`` (hooks to capture), ``_actbus_steer_hooks`` (points to steer,
     ``actbus.steer.graph``) and ``_actbus_monitor`` (points to score,
-    ``actbus.monitor.graph``). Steering comes first at a point, so captured rows and
+    ``actbus.monitor.graph``); ``_actbus_user_hooks`` (``actbus.hooks``) adds the user
+    hooks' op after steering. Steering comes first at a point, so captured rows and
     monitor scores both read the steered stream."""
     if getattr(layer, "_actbus_wrapped", False):
         return
@@ -54,11 +56,15 @@ def wrap_layer(layer: nn.Module) -> None:
         hooks = getattr(layer, "_actbus_taps", ())
         steer = getattr(layer, "_actbus_steer_hooks", ())
         mon = getattr(layer, "_actbus_monitor", {})
+        user = getattr(layer, "_actbus_user_hooks", None)  # (layer index, points)
         if "pre_attn" in steer:
             if residual is None:  # the first layer: the stream is the embeddings
                 hidden_states = steer_point(layer, "pre_attn", hidden_states, hidden_states)
             else:
                 residual = steer_point(layer, "pre_attn", hidden_states + residual, residual)
+        if user and "pre_attn" in user[1]:  # user hooks (actbus.hooks): after steering
+            user_hook(residual if residual is not None else hidden_states,
+                      None if residual is None else hidden_states, user[0], "pre_attn")  # fmt: skip
         if "pre_attn" in hooks:
             if residual is None:
                 tap_copy(layer._actbus_pre_attn, hidden_states)
@@ -83,6 +89,8 @@ def wrap_layer(layer: nn.Module) -> None:
             monitor_point(layer, "mlp_out", stream_copy(hidden))
         if "post_block" in steer:  # after post_attn is read: that stream is unchanged
             resid = steer_point(layer, "post_block", hidden + resid, resid)
+        if user and "post_block" in user[1]:
+            user_hook(resid, hidden, user[0], "post_block")
         if "post_block" in hooks:
             tap_sum(layer._actbus_post_block, hidden, resid)
         if "post_block" in mon:

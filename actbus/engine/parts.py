@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from actbus.capture.worker import CaptureWorker
+    from actbus.hooks import HookRunner
     from actbus.monitor.graph import MonitorTables
     from actbus.steer.worker import Steerer
     from actbus.steps import StepRequests
@@ -22,6 +23,8 @@ class EngineParts:
     """Fills this rank's steering tables (every rank)."""
     monitor_tables: MonitorTables | None = None
     """This rank's monitor tables, which pushes write (None: no monitors here)."""
+    hooks: HookRunner | None = None
+    """Runs requests' user hooks (every rank; None: the engine has no actbus.user_hooks)."""
     requests: StepRequests | None = None
     """The step in flight's requests, read before its forward for steering."""
 

@@ -180,7 +180,7 @@ def _handle(engine: Any, method: str, path: str, body: Any) -> tuple[int, dict[s
     if parts == ["steer", "global"] and method == "PUT":
         if not isinstance(body, dict) or set(body) != {"entries"}:
             raise ConfigError("body: expected {'entries': [...]} (a request's steer list)")
-        steer.set_global(body["entries"])
+        steer.set_global(body["entries"], trusted=False)
         return 200, {"entries": len(steer.global_entries)}
     raise KeyError(f"{method} {path}: no such actbus endpoint")
 

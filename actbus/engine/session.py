@@ -40,6 +40,7 @@ from actbus.engine.mode import log as mode_log
 from actbus.engine.mode import mode_line
 from actbus.engine.parts import EngineParts
 from actbus.errors import ConfigError
+from actbus.hooks import HookRunner, install_hooks
 from actbus.monitor.config import MonitorConfig
 from actbus.monitor.graph import MonitorTables, install_monitors
 from actbus.monitor.weights import MonitorWeights, load_weights
@@ -54,7 +55,7 @@ from actbus.streams import parse_positions
 log = logging.getLogger("actbus.capture")
 # Bumped whenever what the taps add to the traced graph changes, so vLLM's
 # compile cache (keyed on additional_config) never reuses a graph of another shape.
-GRAPH_VERSION = 4
+GRAPH_VERSION = 5
 
 
 def capture_config(vllm_config: Any) -> CaptureConfig | None:
@@ -140,6 +141,8 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     if cfg.steer is not None:  # named vectors load and global entries resolve, or fail now
         steer_frontend(cfg, vllm_config)
         LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
+    if cfg.user_hooks is not None:
+        check_hook_graphs(vllm_config.compilation_config)
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
         monitor_weights(cfg.monitor, num_layers(mc), mc.get_hidden_size())
     if not os.environ.get(PRECHECKED_ENV):  # actbus serve warned already
@@ -185,6 +188,7 @@ def attach(
             max_vectors=cfg.steer.max_vectors or 8 * max_seqs + 1,
             dtype=mc.dtype,
             device=device,
+            ops=cfg.steer.ops,
         )
         for i in steer_layers:
             wrap_layer(decoder[i])
@@ -203,6 +207,12 @@ def attach(
         )
         if parts.steer is not None:  # rows name the live versions they steered with
             parts.capture.live_versions = parts.steer.live_versions
+    if cfg.user_hooks is not None:  # every rank runs them (a hook may gather parameters)
+        hooked = owned_layers(model, n, tuple(i for i in cfg.user_hooks.layers if i < n))
+        install_hooks(decoder, hooked, cfg.user_hooks.points)
+        for i in hooked:
+            wrap_layer(decoder[i])
+        parts.hooks = HookRunner(model, _tp_gather())
     # Every rank that holds monitor tables (the harvest's, or its gates') takes pushes.
     parts.monitor_tables = None if monitors is None else monitors.tables
     return parts
@@ -443,6 +453,39 @@ def _served_name(mc: Any) -> str:
     if isinstance(served, (list, tuple)) and served:
         return str(served[0])
     return str(served or mc.model)
+
+
+HOOK_OP = "actbus::user_hook"
+
+
+def check_hook_graphs(cc: Any) -> None:
+    """User hooks run Python inside the forward: a CUDA graph would replay their op's
+    kernels without calling it. Refuse, at start, CUDA graphs that do not split at it."""
+    mode = getattr(cc, "cudagraph_mode", None)
+    name = str(getattr(mode, "name", mode))
+    if name in ("NONE", "None"):
+        return
+    if name == "PIECEWISE" and HOOK_OP in (getattr(cc, "splitting_ops", None) or ()):
+        return
+    raise ConfigError(
+        f"actbus.user_hooks: CUDA graphs ({name}) would skip the hooks; run with "
+        f"compilation_config={{'cudagraph_mode': 'PIECEWISE', 'splitting_ops': [vLLM's "
+        f"attention ops..., '{HOOK_OP}']}} (the graph is split at the hooked points only), "
+        "or enforce_eager=True"
+    )
+
+
+def _tp_gather():
+    """All-gather across tensor-parallel ranks, for hooks' parameter access (None at
+    tensor parallel 1)."""
+    try:
+        from vllm.distributed import parallel_state, tensor_model_parallel_all_gather
+
+        if parallel_state.get_tp_group().world_size == 1:
+            return None
+    except Exception:  # not initialised (single process)
+        return None
+    return lambda t, dim: tensor_model_parallel_all_gather(t.contiguous(), dim)
 
 
 def _rank(kind: str) -> int:

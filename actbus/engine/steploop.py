@@ -59,10 +59,17 @@ def run_step(
         return forward()
     dispatch(parts, scheduler_output)
     requests = None
-    if parts.steer is not None:
+    if parts.steer is not None or parts.hooks is not None:
         requests = parts.requests = read_step(scheduler_output)
+    if parts.steer is not None:
         parts.steer.admit(requests)
-    out = forward()
+    if parts.hooks is not None:
+        parts.hooks.admit(requests.new, requests.finished)
+    try:
+        out = forward()
+    finally:
+        if parts.hooks is not None:
+            parts.hooks.done()
     started = time.perf_counter()
     cap = parts.capture
     if cap is None:
@@ -109,3 +116,5 @@ def fill_steering(runner: Any, req_ids: list[str], offsets: np.ndarray) -> None:
     parts = parts_of(runner)
     if parts.steer is not None and parts.requests is not None:
         parts.steer.fill(req_ids, offsets, parts.requests.starts)
+    if parts.hooks is not None and parts.requests is not None:
+        parts.hooks.fill(req_ids, offsets, parts.requests.starts)

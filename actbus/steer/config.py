@@ -24,10 +24,23 @@ import numpy as np
 
 from actbus.errors import ConfigError
 from actbus.fields import FLOAT32_MAX, check_finite, check_name, source_kind
-from actbus.streams import STEER_HOOKS, parse_hooks, parse_layers, parse_positions
+from actbus.streams import STEER_HOOKS, parse_hooks, parse_layers, parse_positions, show_int
 
 TIERS = ("base", "prefill", "decode")
 ENTRY_KEYS = ("vector", "layers", "hooks", "scale", "norm_match", "tier", "positions", "gate")
+OPS = ("add", "replace", "ablate", "clamp")
+"""The operations a steering entry can do (``op``; ``add`` when absent)."""
+OP_KEYS = {
+    "add": ENTRY_KEYS,
+    "replace": ("op", "vector", "rows", "layers", "hooks", "tier", "positions", "gate"),
+    "ablate": ("op", "directions", "layers", "hooks", "tier", "positions", "gate"),
+    "clamp": ("op", "sae", "feature", "value", "layers", "hooks", "tier", "positions", "gate"),
+}
+MAX_ROWS = 2048
+"""Rows one request's ``replace`` entries carry in all (each is one row of the device
+table while the request runs); counted before any row is converted."""
+MAX_DIRECTIONS = 16
+"""Directions one ``ablate`` entry projects out at most."""
 GATE_KEYS = ("monitor", "layer", "feature", "threshold", "sharpness", "source")
 GATE_SOURCES = ("token", "previous")
 # Where each point runs inside a decoder layer (``actbus.engine.layers.wrap_layer``):
@@ -128,6 +141,14 @@ class SteerSpec:
     tier: str = "base"
     positions: str | tuple[int, ...] = "all"
     gate: Gate | None = None
+    op: str = "add"
+    """``add``; ``replace`` (``vector`` is the row the token's stream becomes);
+    ``ablate`` (``directions``, projected out); ``clamp`` (``sae``'s ``feature`` set to
+    ``value``, the SAE's error term kept)."""
+    directions: tuple[str | np.ndarray, ...] = ()
+    sae: str = ""
+    feature: int = 0
+    value: float = 0.0
 
     @property
     def point(self) -> tuple[int, str]:
@@ -203,6 +224,10 @@ class SteerConfig:
     ``{"sae": ...}``, ``{"probe": ...}``); none: HTTP callers register values only."""
     max_named: int = 4096
     """Named vectors the engine holds at most."""
+    ops: tuple[str, ...] = ("add",)
+    """The operations requests may use (``OPS``). ``add`` is always there; ``ablate``
+    and ``clamp`` add a projection per slot to every steerable point's graph, and
+    ``replace`` one more term: an engine pays for them only when it lists them."""
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "actbus.steer") -> SteerConfig:
@@ -218,6 +243,7 @@ class SteerConfig:
             "global",
             "vector_dirs",
             "max_named",
+            "ops",
         )
         for k in raw:
             if k not in known:
@@ -266,6 +292,16 @@ class SteerConfig:
             if not os.path.isabs(os.path.expanduser(d)):
                 raise ConfigError(f"{where}.vector_dirs[{i}]: {d!r:.200} is not an absolute path")
         kw["vector_dirs"] = tuple(os.path.expanduser(d) for d in dirs)
+        if "ops" in raw:
+            ops = raw["ops"]
+            if isinstance(ops, str):
+                ops = [ops]
+            if not isinstance(ops, list) or not all(o in OPS for o in ops):
+                raise ConfigError(
+                    f"{where}.ops: expected a list of operations from {', '.join(OPS)}, "
+                    f"got {ops!r:.80}"
+                )
+            kw["ops"] = tuple(o for o in OPS if o == "add" or o in ops)
         glob = raw.get("global", [])
         parse_steer(glob, f"{where}.global")  # the form; the model is checked later
         kw["global_steer"] = tuple(glob)
@@ -293,7 +329,7 @@ def _live(raw: Any, where: str) -> dict[str, VectorSource | None]:
     }
 
 
-def check_floats(raw: list | tuple, where: str) -> np.ndarray:
+def check_floats(raw: list | tuple | np.ndarray, where: str) -> np.ndarray:
     """A flat list of numbers finite as float32, as float32 (checked in one pass; the
     slow loop only runs to name the first bad component)."""
     try:
@@ -319,6 +355,7 @@ def parse_steer(
     hooks: tuple[str, ...] = STEER_HOOKS,
     width: int | None = None,
     max_len: int | None = None,
+    ops: tuple[str, ...] | None = None,
 ) -> tuple[SteerSpec, ...]:
     """A list of steering entries, expanded to one ``SteerSpec`` per (layer, hook).
 
@@ -339,30 +376,28 @@ def parse_steer(
         w = f"{where}[{i}]"
         if not isinstance(e, dict):
             raise ConfigError(f"{w}: expected a mapping with 'vector' and 'layers'")
+        op = e.get("op", "add")
+        if op not in OPS:
+            raise ConfigError(f"{w}.op: expected one of {', '.join(OPS)}, got {op!r:.40}")
+        if ops is not None and op not in ops:
+            raise ConfigError(
+                f"{w}.op: this engine does not {op}; list it in actbus.steer.ops "
+                f"(it has {', '.join(ops)})"
+            )
+        keys = OP_KEYS[op]
         for k in e:
-            if k not in ENTRY_KEYS:
-                raise ConfigError(f"{w}.{k}: unknown key; valid keys are {', '.join(ENTRY_KEYS)}")
-        for k in ("vector", "layers"):
+            if k not in keys:
+                raise ConfigError(
+                    f"{w}.{k}: unknown key for op {op!r}; valid keys are {', '.join(keys)}"
+                )
+        need = {"add": ("vector",), "ablate": ("directions",), "clamp": ("sae", "feature", "value")}
+        for k in ("layers", *need.get(op, ())):
             if k not in e:
                 raise ConfigError(f"{w}.{k}: required")
-        vec = e["vector"]
-        if isinstance(vec, str):
-            check_name(vec, f"{w}.vector")
-        elif isinstance(vec, (list, tuple)) and vec:
-            vec = check_floats(vec, f"{w}.vector")
-        else:
-            raise ConfigError(
-                f"{w}.vector: expected a registered vector's name or a list of floats, "
-                f"got {vec!r:.60}"
-            )
         ls = parse_layers(
             e["layers"], f"{w}.layers", num_layers=num_layers, steerable=layers, or_all=False
         )
         hs = parse_hooks(e.get("hooks", "post_block"), f"{w}.hooks", steerable=hooks)
-        scale = check_finite(e.get("scale", 1.0), f"{w}.scale", "a scale")
-        norm_match = e.get("norm_match", False)
-        if not isinstance(norm_match, bool):
-            raise ConfigError(f"{w}.norm_match: expected true or false, got {norm_match!r:.40}")
         tier = e.get("tier", "base")
         if tier not in TIERS:
             raise ConfigError(f"{w}.tier: expected one of {', '.join(TIERS)}, got {tier!r:.40}")
@@ -377,17 +412,109 @@ def parse_steer(
                 f"{w}.positions: {positions!r} selects no token of tier {tier!r}; drop one of them"
             )
         gate = Gate.from_dict(e["gate"], f"{w}.gate") if e.get("gate") is not None else None
+        points = [(layer, hook) for layer in ls for hook in hs]
+        if op == "replace":
+            out.extend(_replace_specs(e, w, points, tier, positions, gate))
+            continue
+        if op == "ablate":
+            dirs = e["directions"]
+            one = isinstance(dirs, str) or (
+                isinstance(dirs, _SEQ) and len(dirs) and not isinstance(dirs[0], (*_SEQ, str))
+            )
+            dirs = [dirs] if one else dirs
+            if not isinstance(dirs, _SEQ) or not 1 <= len(dirs) <= MAX_DIRECTIONS:
+                raise ConfigError(
+                    f"{w}.directions: expected a vector (a name or a list of floats) or a list "
+                    f"of 1..{MAX_DIRECTIONS} of them"
+                )
+            got = tuple(_vector(d, f"{w}.directions[{j}]") for j, d in enumerate(dirs))
+            out.extend(
+                SteerSpec(la, h, "", 0.0, False, tier, positions, gate, "ablate", got)
+                for la, h in points
+            )
+            continue
+        if op == "clamp":
+            sae = e["sae"]
+            if not isinstance(sae, str) or not sae or len(sae) > 4096:
+                raise ConfigError(
+                    f"{w}.sae: expected an SAE checkpoint's directory, got {sae!r:.60}"
+                )
+            feature = e["feature"]
+            if (
+                not isinstance(feature, int)
+                or isinstance(feature, bool)
+                or not 0 <= feature < 2**31
+            ):
+                raise ConfigError(
+                    f"{w}.feature: expected a latent index (an int32 >= 0), got {show_int(feature)}"
+                )
+            value = check_finite(e["value"], f"{w}.value", "a latent's value")
+            out.extend(
+                SteerSpec(
+                    la, h, "", 0.0, False, tier, positions, gate, "clamp", (), sae, feature, value
+                )
+                for la, h in points
+            )
+            continue
+        vec = _vector(e["vector"], f"{w}.vector")
+        scale = check_finite(e.get("scale", 1.0), f"{w}.scale", "a scale")
+        norm_match = e.get("norm_match", False)
+        if not isinstance(norm_match, bool):
+            raise ConfigError(f"{w}.norm_match: expected true or false, got {norm_match!r:.40}")
         out.extend(
-            SteerSpec(layer, hook, vec, scale, norm_match, tier, positions, gate)
-            for layer in ls
-            for hook in hs
+            SteerSpec(la, h, vec, scale, norm_match, tier, positions, gate) for la, h in points
         )
     return tuple(out)
+
+
+def _vector(vec: Any, where: str) -> str | np.ndarray:
+    """A registered vector's name, or inline values checked finite as float32."""
+    if isinstance(vec, str):
+        return check_name(vec, where)
+    if isinstance(vec, (list, tuple, np.ndarray)) and len(vec):
+        return check_floats(vec, where)
+    raise ConfigError(
+        f"{where}: expected a registered vector's name or a list of floats, got {vec!r:.60}"
+    )
+
+
+def _replace_specs(e: dict, w: str, points: list, tier: str, positions: Any, gate: Any):
+    """A ``replace`` entry's specs: one row for every selected token (``vector``), or
+    ``rows[j]`` at ``positions[j]`` (each its own spec, listed at that position)."""
+    if ("vector" in e) == ("rows" in e):
+        raise ConfigError(
+            f"{w}: give exactly one of 'vector' (one row for every selected token) or 'rows' "
+            "(one row per listed position)"
+        )
+    if "vector" in e:
+        vec = _vector(e["vector"], f"{w}.vector")
+        return [
+            SteerSpec(la, h, vec, 1.0, False, tier, positions, gate, "replace") for la, h in points
+        ]
+    rows, raw_pos = e["rows"], e.get("positions")
+    if not isinstance(rows, (list, tuple, np.ndarray)) or not len(rows):
+        raise ConfigError(f"{w}.rows: expected a non-empty list of rows (lists of floats)")
+    if not isinstance(raw_pos, (list, tuple)) or len(raw_pos) != len(rows):
+        raise ConfigError(
+            f"{w}.positions: 'rows' needs a list of positions of the same length "
+            f"({len(rows)}), rows[j] replacing the stream at positions[j]"
+        )
+    if len(positions) != len(raw_pos):
+        raise ConfigError(f"{w}.positions: a position is listed twice")
+    got = [_vector(r, f"{w}.rows[{j}]") for j, r in enumerate(rows)]
+    return [
+        SteerSpec(la, h, v, 1.0, False, tier, (int(p),), gate, "replace")
+        for la, h in points
+        for v, p in zip(got, raw_pos, strict=True)
+    ]
 
 
 def _length(v: Any) -> int:
     """Items a ``layers``/``hooks`` value names (one for a scalar)."""
     return len(v) if isinstance(v, (list, tuple)) else 1
+
+
+_SEQ = (list, tuple, np.ndarray)
 
 
 def _check_count(raw: list | tuple, where: str, width: int | None) -> None:
@@ -399,15 +526,30 @@ def _check_count(raw: list | tuple, where: str, width: int | None) -> None:
         raise ConfigError(
             f"{where}: {len(raw)} entries; at most {MAX_ENTRIES} (layer, hook) entries per request"
         )
-    total = 0
+    total = rows_total = 0
+    limit = width if width is not None else MAX_VECTOR_WIDTH
     for i, e in enumerate(raw):
         if not isinstance(e, dict):
             continue  # named below
         for k in ("layers", "hooks", "positions"):
             if _length(e.get(k)) > MAX_LIST:
                 raise ConfigError(f"{where}[{i}].{k}: {_length(e[k])} items; at most {MAX_LIST}")
+        rows, dirs = e.get("rows"), e.get("directions")
+        many = {"rows": rows, "directions": dirs}
+        for k, items in many.items():
+            if isinstance(items, _SEQ) and len(items) and isinstance(items[0], _SEQ):
+                cap = MAX_ROWS if k == "rows" else MAX_DIRECTIONS
+                if len(items) > cap:
+                    raise ConfigError(f"{where}[{i}].{k}: {len(items)} items; at most {cap}")
+                for j, r in enumerate(items):
+                    if isinstance(r, _SEQ) and len(r) > limit:
+                        raise ConfigError(
+                            f"{where}[{i}].{k}[{j}]: has {len(r)} values; at most {limit}"
+                        )
+        flat = isinstance(dirs, (list, tuple)) and dirs and not isinstance(dirs[0], _SEQ)
+        if flat and len(dirs) > limit:
+            raise ConfigError(f"{where}[{i}].directions: has {len(dirs)} values; at most {limit}")
         vec = e.get("vector")
-        limit = width if width is not None else MAX_VECTOR_WIDTH
         if isinstance(vec, (list, tuple)) and len(vec) > limit:
             raise ConfigError(
                 f"{where}[{i}].vector: has {len(vec)} values; "
@@ -423,6 +565,14 @@ def _check_count(raw: list | tuple, where: str, width: int | None) -> None:
         )
         hooks = e.get("hooks", "post_block")
         n_hooks = len(set(hooks)) if isinstance(hooks, (list, tuple)) and _hashable(hooks) else 1
+        if isinstance(rows, _SEQ):
+            rows_total += len(rows) * n_layers * n_hooks
+            if rows_total > MAX_ROWS:
+                raise ConfigError(
+                    f"{where}: more than {MAX_ROWS} replaced rows once layers and hooks are "
+                    f"expanded (entry {i} reaches {rows_total}); at most {MAX_ROWS} per request"
+                )
+            continue  # counted as rows, not entries
         total += n_layers * n_hooks
         if total > MAX_ENTRIES:
             raise ConfigError(

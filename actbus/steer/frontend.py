@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actbus.checkpoints import Confine
+import numpy as np
+
+from actbus.checkpoints import SAE_WEIGHTS, Confine, SAEFeature, read_sae_feature
 from actbus.errors import ConfigError
 from actbus.fields import FLOAT32_MAX
 from actbus.steer.config import SteerConfig, SteerSpec, monitor_runs_before, parse_steer
@@ -41,6 +45,8 @@ if TYPE_CHECKING:
     from actbus.monitor.config import MonitorConfig
 
 GLOBAL_WHERE = "actbus.steer.global"
+SAE_CACHE = 256
+"""SAE latents the front end keeps read (clamp), the oldest dropped first."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,24 +61,38 @@ class Resolved:
     sharpness or 0.0 for a hard gate, source)."""
     live: str | None = None
     """The live vector's name, when ``spec.vector`` names one."""
+    read: Vector | None = None
+    """What ``ablate`` and ``clamp`` project the stream on (the direction; the SAE
+    latent's encoder column), paired with ``vector`` in one row of the device tables."""
+    terms: tuple[float, ...] = ()
+    """The other operations' coefficients ``(c, e, d, t, z)`` (``actbus.steer.graph``);
+    empty for ``add``."""
 
     @property
     def coef(self) -> tuple[float, float]:
         """A live vector's norm-matching ``b`` is its scale: the worker divides it by
         the norm of the version it resolves."""
         s = self.spec
+        if s.op == "replace":
+            return (1.0, 0.0)
+        if s.op != "add":
+            return (s.value, 0.0)  # clamp: the latent's value; ablate: 0
         if not s.norm_match:
             return (s.scale, 0.0)
         return (0.0, s.scale if self.vector is None else s.scale / self.vector.norm)
 
     @property
     def vector_key(self) -> str:
-        return LIVE_PREFIX + str(self.live) if self.vector is None else self.vector.digest
+        if self.vector is None:
+            return LIVE_PREFIX + str(self.live)
+        return self.vector.digest + ("" if self.read is None else "|" + self.read.digest)
 
     def key(self) -> list[Any]:
         s = self.spec
         pos = s.positions if isinstance(s.positions, str) else list(s.positions)
         key = [s.layer, s.hook, self.vector_key, *self.coef, s.tier, pos]
+        if self.terms:  # the wire's 9th item; an add's key stays as it always was
+            return [*key, None if self.gate is None else list(self.gate), list(self.terms)]
         return key if self.gate is None else [*key, list(self.gate)]
 
     def touches_prompt(self, prompt_len: int) -> bool:
@@ -91,8 +111,11 @@ class RequestSteer:
     entries: tuple[Resolved, ...]
 
     def to_wire(self) -> dict[str, Any]:
-        vectors = {
-            r.vector.digest: r.vector.values.tobytes() for r in self.entries if r.vector is not None
+        vectors = {  # a paired row: the written vector's values, then the read one's
+            r.vector_key: r.vector.values.tobytes()
+            + (b"" if r.read is None else r.read.values.tobytes())
+            for r in self.entries
+            if r.vector is not None
         }
         return {"vectors": vectors, "entries": [r.key() for r in self.entries]}
 
@@ -140,6 +163,7 @@ class SteerFrontend:
         for name, src in cfg.vectors.items():
             self.registry.register(name, src, "actbus.steer.vectors")
         self._lock = threading.Lock()
+        self._sae_cache: dict[tuple, SAEFeature] = {}
         self._global: tuple[Resolved, ...] = ()
         self.set_global(list(cfg.global_steer))
 
@@ -152,14 +176,23 @@ class SteerFrontend:
             hooks=self.hooks,
             width=self.registry.width,
             max_len=self.max_len,
+            ops=self.cfg.ops,
         )
 
-    def resolve(self, specs: tuple[SteerSpec, ...], where: str) -> tuple[Resolved, ...]:
-        out = []
+    def resolve(
+        self, specs: tuple[SteerSpec, ...], where: str, confine: Confine | None = None
+    ) -> tuple[Resolved, ...]:
+        """Names and files resolved to values; ``confine``: where a ``clamp``'s SAE may
+        be read from (an HTTP caller's request), None for the operator's own entries."""
+        out: list[Resolved] = []
         for i, s in enumerate(specs):
             gate = self._gate(s, f"{where}[{i}].gate") if s.gate is not None else None
+            if s.op in ("ablate", "clamp"):
+                out.extend(self._project(s, gate, f"{where}[{i}]", confine))
+                continue
+            terms = (0.0, 0.0, 0.0, 0.0, 1.0) if s.op == "replace" else ()
             if isinstance(s.vector, str) and s.vector in self.cfg.live:
-                out.append(Resolved(s, None, gate, live=s.vector))
+                out.append(Resolved(s, None, gate, live=s.vector, terms=terms))
                 continue
             if isinstance(s.vector, str):
                 vec = self.registry.get(s.vector, f"{where}[{i}].vector")
@@ -172,8 +205,66 @@ class SteerFrontend:
                     f"{where}[{i}].scale: {s.scale:.4g} / the vector's norm {vec.norm:.4g} "
                     "is past float32's range; use a smaller scale or a larger vector"
                 )
-            out.append(Resolved(s, vec, gate))
+            out.append(Resolved(s, vec, gate, terms=terms))
         return tuple(out)
+
+    def _project(
+        self, s: SteerSpec, gate: tuple | None, where: str, confine: Confine | None
+    ) -> list[Resolved]:
+        """``ablate``: one entry per direction, orthonormalized (their projections then
+        add up to the projection on their span); ``clamp``: the SAE latent's rows."""
+        width = self.registry.width
+        if s.op == "clamp":
+            feat = self._sae_feature(s, f"{where}.sae", confine)
+            dec = Vector.of(feat.decoder, f"{where}.sae", width)
+            enc = Vector.of(feat.encoder, f"{where}.sae", width)
+            return [
+                Resolved(s, dec, gate, read=enc, terms=(0.0, -1.0, feat.bias, feat.threshold, 0.0))
+            ]
+        rows = []
+        for j, d in enumerate(s.directions):
+            w = f"{where}.directions[{j}]"
+            if isinstance(d, str) and d in self.cfg.live:
+                raise ConfigError(
+                    f"{w}: {d!r} is a live vector; ablate directions are fixed when a request "
+                    "is admitted: register the direction (or give its values)"
+                )
+            v = self.registry.get(d, w) if isinstance(d, str) else Vector.of(d, w, width)
+            rows.append(v.values.astype(np.float64))
+        q, r = np.linalg.qr(np.stack(rows, axis=1))  # [hidden, m]: an orthonormal basis
+        diag = np.abs(np.diag(r))
+        if not (diag > 1e-6 * max(1.0, float(diag.max(initial=0.0)))).all():
+            raise ConfigError(
+                f"{where}.directions: the directions are zero or linearly dependent; give "
+                "independent ones"
+            )
+        out = []
+        for j in range(q.shape[1]):
+            u = Vector.of(q[:, j].astype(np.float32), f"{where}.directions[{j}]", width)
+            out.append(Resolved(s, u, gate, read=u, terms=(-1.0, 0.0, 0.0, 0.0, 0.0)))
+        return out
+
+    def _sae_feature(self, s: SteerSpec, where: str, confine: Confine | None) -> SAEFeature:
+        """The latent an SAE directory holds, cached by file identity (a checkpoint
+        rewritten in place is read again)."""
+        path = Path(s.sae) if confine is not None else Path(s.sae).expanduser()
+        if confine is not None:
+            confine(path, where)
+        try:
+            st = (path / SAE_WEIGHTS).stat()
+            ident = (os.path.realpath(path), st.st_mtime_ns, st.st_size, s.feature)
+        except OSError:
+            ident = None
+        with self._lock:
+            got = self._sae_cache.get(ident) if ident is not None else None
+        if got is None:
+            got = read_sae_feature(path, s.feature, where, confine)
+            with self._lock:
+                if ident is not None:
+                    self._sae_cache[ident] = got
+                    while len(self._sae_cache) > SAE_CACHE:
+                        self._sae_cache.pop(next(iter(self._sae_cache)))
+        return got
 
     def _gate(self, s: SteerSpec, where: str) -> tuple:
         """A gate checked against the engine's monitors, in the worker's form."""
@@ -231,9 +322,12 @@ class SteerFrontend:
         sharp = 0.0 if g.sharpness is None else g.sharpness
         return (g.monitor, layer, d.hook, feature, g.threshold, sharp, g.source)
 
-    def set_global(self, raw: list[dict[str, Any]]) -> None:
-        """Replace the global entries (checked, names resolved now)."""
-        resolved = self.resolve(self.parse(raw, GLOBAL_WHERE), GLOBAL_WHERE)
+    def set_global(self, raw: list[dict[str, Any]], *, trusted: bool = True) -> None:
+        """Replace the global entries (checked, names resolved now). ``trusted``: the
+        engine's config or an in-process caller; an HTTP caller's (``trusted=False``)
+        ``clamp`` SAEs must lie in ``vector_dirs``."""
+        confine = None if trusted else self.confine
+        resolved = self.resolve(self.parse(raw, GLOBAL_WHERE), GLOBAL_WHERE, confine)
         self._check_per_token(resolved, GLOBAL_WHERE)
         with self._lock:
             self._global = resolved
@@ -243,15 +337,19 @@ class SteerFrontend:
         with self._lock:
             return self._global
 
-    def request(self, raw: Any, use_global: Any, where: str) -> RequestSteer | None:
+    def request(
+        self, raw: Any, use_global: Any, where: str, *, trusted: bool = False
+    ) -> RequestSteer | None:
         """A request's steering: its own entries (``raw``, None if it has none) after
-        the global ones unless ``use_global`` is false."""
+        the global ones unless ``use_global`` is false. ``trusted``: an in-process
+        caller (``LLM``), whose SAE paths are not confined to ``vector_dirs``."""
         if not isinstance(use_global, bool):
             raise ConfigError(
                 f"{where}_global: expected true or false (false: no global steering), "
                 f"got {use_global!r:.40}"
             )
-        own = self.resolve(self.parse(raw, where), where) if raw is not None else ()
+        confine = None if trusted else self.confine
+        own = self.resolve(self.parse(raw, where), where, confine) if raw is not None else ()
         entries = (self.global_entries if use_global else ()) + own
         if not entries:
             return None
@@ -259,7 +357,18 @@ class SteerFrontend:
         return RequestSteer(entries)
 
     def _check_per_token(self, entries: tuple[Resolved, ...], where: str) -> None:
-        counts = Counter(r.spec.point for r in entries)
+        """At most ``per_token`` slots per token at one point: entries on listed
+        positions count at those positions (``replace``'s rows, one each)."""
+        every = Counter(r.spec.point for r in entries if isinstance(r.spec.positions, str))
+        listed = Counter(
+            (r.spec.point, p)
+            for r in entries
+            if not isinstance(r.spec.positions, str)
+            for p in r.spec.positions
+        )
+        counts = Counter(every)
+        for (point, _p), n in listed.items():
+            counts[point] = max(counts[point], every[point] + n)
         for (layer, hook), n in counts.items():
             if n > self.cfg.per_token:
                 raise ConfigError(

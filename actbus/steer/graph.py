@@ -14,6 +14,17 @@ what it would be without steering. A steered token's result is clamped to
 addresses: the compiled graph reads them as inputs and a CUDA graph replays the
 reads, so new vectors and new coefficients never recompile or recapture anything.
 
+The other operations (``replace``, ``ablate``, ``clamp``; ``actbus.steer.config.OPS``)
+are the same gather with more coefficients per slot, installed only on engines that
+list them (``install_steering``'s ``ops``): a slot's weight becomes
+``a + b ||x|| + c p + e act(p + d)`` with ``p = read[index] . x`` (``read``: a second
+table paired row by row with ``table``; ``act(y) = y (y > t)``, ReLU or JumpReLU), and
+``z`` per slot takes the stream itself out (``- z x``): ``replace`` is ``a = z = 1``
+with the row in ``table``; ``ablate`` is ``c = -1`` with the unit direction in both
+tables; ``clamp`` is ``a = value, e = -1, d = bias, t = threshold`` with the latent's
+decoder row in ``table`` and its encoder column in ``read`` (the SAE's error term is
+kept: only the latent's own change is added).
+
 vLLM keeps the stream split as ``(hidden_states, residual)``; the vector goes into
 ``residual`` (or, entering the first layer, into the embeddings), so everything
 downstream sees it. ``post_attn`` is inside the layer, between attention and the
@@ -64,6 +75,11 @@ class SteerTables:
     coef: dict[tuple[int, str], torch.Tensor]  # [max_rows, K, 2] float32
     per_token: int
     max_rows: int
+    read: torch.Tensor | None = None
+    """[max_vectors, hidden], paired row by row with ``table``: what ``ablate`` and
+    ``clamp`` project the stream on (None: the engine does neither)."""
+    coefs: int = 2
+    """Coefficients per slot: 2 (``add``), 7 with any other operation."""
 
     @property
     def points(self) -> list[tuple[int, str]]:
@@ -128,13 +144,28 @@ def gate_values(
 
 
 def steer_weights(
-    stream: torch.Tensor, coef: torch.Tensor, gate: torch.Tensor | None = None
+    stream: torch.Tensor,
+    coef: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    read: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[n, K]`` float32: each slot's multiplier of its vector (``a + b ||stream||``,
-    times its gate)."""
-    c = coef[: stream.shape[0]]
-    norm = torch.linalg.vector_norm(stream.float(), dim=-1, keepdim=True)  # [n, 1]
+    times its gate). With ``read`` (engines that ablate or clamp), plus
+    ``c p + e act(p + d)``, ``p = read[index] . stream``, ``act(x) = x (x > t)``."""
+    n = stream.shape[0]
+    c = coef[:n]
+    s = stream.float()
+    norm = torch.linalg.vector_norm(s, dim=-1, keepdim=True)  # [n, 1]
     w = c[:, :, 0] + c[:, :, 1] * norm
+    if read is not None and index is not None:
+        idx = index[:n]
+        proj = torch.stack(  # one [n, hidden] gather at a time, as steer_sum
+            [(read.index_select(0, idx[:, k]).float() * s).sum(-1) for k in range(idx.shape[1])],
+            dim=1,
+        )
+        x = proj + c[:, :, 4]
+        w = w + c[:, :, 2] * proj + c[:, :, 3] * (x * (x > c[:, :, 5]))
     return w if gate is None else w * gate
 
 
@@ -168,9 +199,17 @@ def steer_point(layer: nn.Module, hook: str, stream: torch.Tensor, target: torch
             getattr(layer, f"_actbus_gate_{hook}_carry"),
             [getattr(layer, f"_actbus_gate_{hook}_in{j}") for j in range(n_inputs)],
         )
-    w = steer_weights(stream, getattr(layer, f"_actbus_steer_{hook}_coef"), gate)
-    delta = steer_sum(w, layer._actbus_steer_table, getattr(layer, f"_actbus_steer_{hook}_index"))
+    coef = getattr(layer, f"_actbus_steer_{hook}_coef")
+    index = getattr(layer, f"_actbus_steer_{hook}_index")
+    read = getattr(layer, "_actbus_steer_read", None)
+    w = steer_weights(stream, coef, gate, read, index)
+    delta = steer_sum(w, layer._actbus_steer_table, index)
     touched = (w != 0).any(dim=-1, keepdim=True)
+    if getattr(layer, "_actbus_steer_replace", False):  # the stream itself, taken out
+        z = coef[: stream.shape[0], :, 6]
+        z = (z if gate is None else z * gate).sum(dim=-1, keepdim=True)  # [n, 1]
+        delta = delta - z * stream.float()
+        touched = touched | (z != 0)
     return bounded_add(target, delta, touched)
 
 
@@ -203,18 +242,26 @@ def install_steering(
     max_vectors: int,
     dtype: torch.dtype,
     device: torch.device,
+    ops: tuple[str, ...] = ("add",),
 ) -> SteerTables:
     """Register the tables on ``layers`` of ``decoder`` and wrap their post-attention
     norms; the layer's own forward is wrapped by ``actbus.engine.layers.wrap_layer``,
-    which reads ``_actbus_steer_hooks``."""
+    which reads ``_actbus_steer_hooks``. ``ops``: the operations the graph can do
+    (``actbus.steer.config.OPS``); each beyond ``add`` adds its terms to every point."""
     table = torch.zeros(max_vectors, hidden_size, dtype=dtype, device=device)
-    tables = SteerTables(table, {}, {}, per_token, max_rows)
+    project = "ablate" in ops or "clamp" in ops
+    read = torch.zeros_like(table) if project else None
+    coefs = 2 if tuple(ops) == ("add",) else 7
+    tables = SteerTables(table, {}, {}, per_token, max_rows, read, coefs)
     for layer_idx in layers:
         layer = decoder[layer_idx]
         layer.register_buffer("_actbus_steer_table", table, persistent=False)
+        if read is not None:
+            layer.register_buffer("_actbus_steer_read", read, persistent=False)
+        layer._actbus_steer_replace = "replace" in ops
         for hook in hooks:
             index = torch.zeros(max_rows, per_token, dtype=torch.int64, device=device)
-            coef = torch.zeros(max_rows, per_token, 2, dtype=torch.float32, device=device)
+            coef = torch.zeros(max_rows, per_token, coefs, dtype=torch.float32, device=device)
             layer.register_buffer(f"_actbus_steer_{hook}_index", index, persistent=False)
             layer.register_buffer(f"_actbus_steer_{hook}_coef", coef, persistent=False)
             tables.index[(layer_idx, hook)] = index

@@ -66,6 +66,10 @@ _GATE_ARRAYS = ("kind", "m", "col", "thr", "sharp")
 TIER_CODES = {"base": 0, "prefill": 1, "decode": 2}
 POSITION_CODES = {"all": 0, "prompt": 1, "generated": 2, "last_prompt": 3}
 LISTED = 4  # an explicit list of positions
+COEFS = 7
+"""Coefficients per entry: ``(a, b)`` of ``add`` and the other operations' ``(c, e, d,
+t, z)`` (``actbus.steer.graph``); a point's buffer holds as many as its ops need."""
+_NO_TERMS = (0.0,) * (COEFS - 2)
 
 
 @dataclass
@@ -75,14 +79,21 @@ class _Request:
     prompt_len: int
     point: np.ndarray  # int64: index into ``Steerer.points``
     slot: np.ndarray  # int64: row of the vector table
-    a: np.ndarray  # float32
-    b: np.ndarray  # float32
+    cf: np.ndarray  # float32 [entries, COEFS]: (a, b, c, e, d, t, z)
     tier: np.ndarray  # int8: TIER_CODES
     mode: np.ndarray  # int8: POSITION_CODES, or LISTED
     listed: dict[int, np.ndarray]  # entry -> its sorted positions (mode LISTED)
     digests: list[str]
     gate: _Gates | None = None
     live: dict[str, int] | None = None  # live vector -> the version it steers with
+
+    @property
+    def a(self) -> np.ndarray:
+        return self.cf[:, 0]
+
+    @property
+    def b(self) -> np.ndarray:
+        return self.cf[:, 1]
 
 
 @dataclass
@@ -118,13 +129,13 @@ class _Batch:
     prompt_len: np.ndarray
     point: np.ndarray
     slot: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
+    cf: np.ndarray
     tier: np.ndarray
     mode: np.ndarray
     req: np.ndarray
     listed: dict[int, np.ndarray]  # entry -> its positions (mode LISTED)
     gate: _Gates | None = None  # concatenated; ``slot`` unused
+    listed_late: bool = False  # a listed position past its request's prompt
     gate_slot: np.ndarray | None = None  # per steered request: its row of ``last``
 
 
@@ -262,13 +273,17 @@ class Steerer:
                 rid, len(self._rows),
             )  # fmt: skip
             return None
+        width = self.tables.table.shape[1]
         for d in vectors:
             if d in self._rows:
                 self._rows[d][1] += 1
                 continue
             row = self._free.pop()
-            values = torch.frombuffer(bytearray(vectors[d]), dtype=torch.float32)
-            self._upload(self.tables.table[row], values.to(self.dtype))
+            values = torch.frombuffer(bytearray(vectors[d]), dtype=torch.float32).to(self.dtype)
+            self._upload(self.tables.table[row], values[:width])
+            if self.tables.read is not None:  # a paired row's read half, else zeros
+                read = values[width:] if len(values) > width else torch.zeros_like(values)
+                self._upload(self.tables.read[row], read)
             self._rows[d] = [row, 1]
         mine = [e for e in steer["entries"] if (int(e[0]), str(e[1])) in self._point_ids]
         # (entries of layers this rank does not hold belong to another pipeline stage)
@@ -286,8 +301,10 @@ class Steerer:
             prompt_len,
             np.array([self._point_ids[(int(e[0]), str(e[1]))] for e in mine], dtype=np.int64),
             np.array([self._rows[e[2]][0] for e in mine], dtype=np.int64),
-            np.array([e[3] for e in mine], dtype=np.float32),
-            np.array([e[4] for e in mine], dtype=np.float32),
+            np.array(
+                [[e[3], e[4], *(e[8] if len(e) > 8 else _NO_TERMS)] for e in mine],
+                dtype=np.float32,
+            ).reshape(len(mine), COEFS),
             np.array([TIER_CODES[str(e[5])] for e in mine], dtype=np.int8),
             np.array(
                 [LISTED if j in listed else POSITION_CODES[str(e[6])] for j, e in enumerate(mine)],
@@ -409,10 +426,11 @@ class Steerer:
     @staticmethod
     def _steady_key(bt: _Batch, offsets: np.ndarray, first: np.ndarray) -> tuple | None:
         """For a pure decode step (one generated token per steered request) of a batch
-        with no listed positions, what its layout depends on: the batch and its rows.
+        with no listed positions past a prompt, what its layout depends on: the batch
+        and its rows.
         Every entry then steers either every generated token or none, so two such steps
         with the same batch and rows lay out the same tables. None otherwise."""
-        if bt.listed:
+        if bt.listed_late:  # (listed prompt positions steer no generated token)
             return None
         lo = offsets[bt.where]
         if not (np.all(offsets[bt.where + 1] - lo == 1) and np.all(first >= bt.prompt_len)):
@@ -439,12 +457,14 @@ class Steerer:
             prompt_len=np.array([st.prompt_len for st in cat], dtype=np.int64),
             point=np.concatenate([st.point for st in cat]),
             slot=np.concatenate([st.slot for st in cat]),
-            a=np.concatenate([st.a for st in cat]),
-            b=np.concatenate([st.b for st in cat]),
+            cf=np.concatenate([st.cf for st in cat]),
             tier=np.concatenate([st.tier for st in cat]),
             mode=np.concatenate([st.mode for st in cat]),
             req=np.repeat(np.arange(len(cat)), per_req),
             listed={int(base[k] + j): v for k, st in enumerate(cat) for j, v in st.listed.items()},
+        )
+        self._last.listed_late = any(
+            len(v) and int(v[-1]) >= st.prompt_len for st in cat for v in st.listed.values()
         )
         if any(st.gate is not None for st in cat):
             gs = [st.gate or _Gates.none(len(st.point)) for st in cat]
@@ -463,7 +483,8 @@ class Steerer:
         table). Also plans the gates' carried scores (``_carry``, ``_save_plan``)."""
         lo = offsets[bt.where]
         count = offsets[bt.where + 1] - lo
-        req, point, slot, a, b = bt.req, bt.point, bt.slot, bt.a, bt.b
+        req, point, slot, cf = bt.req, bt.point, bt.slot, bt.cf
+        width = self.tables.coefs
         # Every (entry, token of its request in this step) pair.
         reps = count[req]
         pair = np.repeat(np.arange(len(req)), reps)  # pair -> its entry
@@ -501,11 +522,10 @@ class Steerer:
         for pid in np.unique(p):
             m = p == pid
             idx = np.zeros((n, k_max), dtype=np.int64)
-            coef = np.zeros((n, k_max, 2), dtype=np.float32)
+            coef = np.zeros((n, k_max, width), dtype=np.float32)
             rr, kk, ee = row[m], k[m], pair[m]
             idx[rr, kk] = slot[ee]
-            coef[rr, kk, 0] = a[ee]
-            coef[rr, kk, 1] = b[ee]
+            coef[rr, kk] = cf[ee, :width]
             if self.gates is None:
                 out[int(pid)] = (idx, coef)
                 continue

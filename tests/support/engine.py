@@ -44,6 +44,8 @@ HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
 STEER_HOOKS = ["pre_attn", "post_attn", "post_block"]
 MAX_BATCHED_TOKENS = 64  # small, so longer prompts are split by chunked prefill
 SCHED_BLOCKS = 17  # x 32 tokens: one max_model_len request (+ the null block), no more
+STEER_OPS = ("replace", "ablate", "clamp")
+"""The Llama engine's operations beyond ``add`` (``actbus.steer.ops``)."""
 LIVE = ["live_dir", "live_sae"]
 """The Llama engine's live steering vectors (``actbus.steer.live``), zeros at start."""
 
@@ -134,7 +136,13 @@ def _llm(arch: str, model_path: Path, address: str, monitor: dict):
                 # the steering ops cost unsteered requests nothing (tests/steer). The
                 # Llama engine also has live vectors that pushes replace
                 # (tests/steer/test_steer_live.py, tests/trainers/test_engine.py).
-                "steer": {"hooks": list(STEER_HOOKS), **({"live": LIVE} if sched else {})},
+                # The Llama engine also replaces, ablates and clamps (tests/steer/
+                # test_steer_ops_engine.py): every test on it runs with those terms in
+                # the graph, so they are shown to leave the other requests alone.
+                "steer": {
+                    "hooks": list(STEER_HOOKS),
+                    **({"live": LIVE, "ops": list(STEER_OPS)} if sched else {}),
+                },
                 **monitor,
             }
         },

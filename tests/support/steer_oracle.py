@@ -190,3 +190,58 @@ def hf_steered_greedy(
         ids.append(int(logits[-1].argmax()))
     _, acts = hf_steered_forward(path, ids[:-1], len(prompt), steers, capture, history=history)
     return ids[len(prompt) :], acts
+
+
+@dataclass
+class HFReplace(HFSteer):
+    """``replace``: the stream at the selected tokens becomes ``vector`` (one row for
+    all), or ``rows[p]`` at position ``p``."""
+
+    rows: dict | None = None
+
+    def delta(self, stream, prompt_len, ctx=None):
+        s = stream.float()
+        n = s.shape[0]
+        mask = self.mask(n, prompt_len)
+        want = s.clone()
+        if self.rows is not None:
+            for p, r in self.rows.items():
+                if p < n and mask[p]:
+                    want[p] = r.float()
+        else:
+            want[mask] = self.vector.float()
+        return (want - s).to(stream.dtype)
+
+
+@dataclass
+class HFAblate(HFSteer):
+    """``ablate``: the stream's component in the span of ``vector``'s rows ([m, hidden])
+    taken out (the projection from the pseudo-inverse, not actbus's basis)."""
+
+    def delta(self, stream, prompt_len, ctx=None):
+        s = stream.double()
+        d = self.vector.double().reshape(-1, s.shape[1])
+        proj = s @ torch.linalg.pinv(d) @ d  # [n, hidden]
+        mask = self.mask(s.shape[0], prompt_len)[:, None].double()
+        return (-mask * proj).to(stream.dtype)
+
+
+@dataclass
+class HFClamp(HFSteer):
+    """``clamp``: the SAE's whole encode (``sae``: W_enc, b_enc, b_dec, threshold), latent
+    ``feature`` set to ``value``, decoded, the error term kept: ``x - dec(f) + dec(f')``."""
+
+    sae: dict | None = None
+    feature: int = 0
+    value: float = 0.0
+
+    def delta(self, stream, prompt_len, ctx=None):
+        t = {k: v.double() for k, v in self.sae.items()}
+        s = stream.double()
+        pre = (s - t["b_dec"]) @ t["W_enc"] + t["b_enc"]
+        f = torch.relu(pre) * (pre > t["threshold"])
+        g = f.clone()
+        g[:, self.feature] = self.value
+        change = (g - f) @ t["W_dec"]  # dec(f') - dec(f): b_dec cancels
+        mask = self.mask(s.shape[0], prompt_len)[:, None].double()
+        return (mask * change).to(stream.dtype)

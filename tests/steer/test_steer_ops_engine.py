@@ -1,0 +1,240 @@
+"""``replace``, ``ablate`` and ``clamp`` on the Llama engine (Inductor, prefix caching,
+a KV cache so small it preempts, 64-token prefill chunks) against HF transformers with
+the same operations hooked in (``tests/support/steer_oracle.py``): each operation and
+mode, composed in one request, ``n > 1``, a batch whose untouched requests are bitwise
+what they are alone, prefix caching kept apart for prompt operations and shared for
+decode-only ones, and bad numbers refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from actbus.steer.patch import from_capture
+from tests.steer.test_steer_engine import MAX_TOKENS, _check, _prompts, _stream_norm, _vectors
+from tests.steer.test_steer_requests import _generate
+from tests.support.compile_counts import compile_counts
+from tests.support.engine import preemptions
+from tests.support.oracle import hf_activations
+from tests.support.steer_oracle import HFAblate, HFClamp, HFReplace, HFSteer
+
+pytestmark = pytest.mark.engine
+
+
+def _params(steer=None, *, ret="all", n=1):
+    from vllm import SamplingParams
+
+    actbus = {} if steer is None else {"steer": steer}
+    if ret is not None:
+        actbus.update({"return": True, "positions": ret})
+    # n > 1 needs sampling; top_k=1 keeps it greedy
+    sampling = {"temperature": 0} if n == 1 else {"temperature": 1.0, "top_k": 1}
+    return SamplingParams(
+        n=n, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"actbus": actbus}, **sampling
+    )
+
+
+def _sae(path, hidden: int, d_sae: int, seed: int) -> dict[str, torch.Tensor]:
+    """A JumpReLU SAE checkpoint in SAELens' inference format, written by hand."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "W_enc": torch.randn(hidden, d_sae, generator=g) / hidden**0.5,
+        "b_enc": torch.randn(d_sae, generator=g) * 0.1,
+        "b_dec": torch.randn(hidden, generator=g) * 0.1,
+        "W_dec": torch.randn(d_sae, hidden, generator=g) / d_sae**0.5,
+        "threshold": torch.rand(d_sae, generator=g) * 0.05,
+    }
+    path.mkdir()
+    save_file(t, str(path / "sae_weights.safetensors"))
+    cfg = {"architecture": "jumprelu", "d_in": hidden, "d_sae": d_sae}
+    (path / "cfg.json").write_text(json.dumps({**cfg, "apply_b_dec_to_input": True}))
+    return t
+
+
+def test_ops_match_hf_composed_n2_and_leave_others_bitwise_alone(sched_engine, tmp_path):
+    llm = sched_engine.llm
+    path = sched_engine.model_path
+    vocab = llm.get_tokenizer().vocab_size
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    # 90+ tokens: prefilled in 64-token chunks
+    prompts = _prompts(vocab, 6, seed=61, length=90)
+    norm = _stream_norm(path, prompts[0])
+    d = _vectors(hidden, 3, 1.0, seed=9)
+    sae = _sae(tmp_path / "sae", hidden, 4 * hidden, seed=3)
+    clean = hf_activations(path, prompts[5], [2], ["post_block"])[(2, "post_block")]
+    # patching across prompts: prompt 5's clean rows at layer 2 into prompt 1
+    patch = {p: clean[p] for p in (3, 7, 30)}
+    cases = [
+        None,  # untouched
+        [
+            {
+                "op": "replace",
+                "layers": 2,
+                "positions": list(patch),
+                "rows": [r.tolist() for r in patch.values()],
+            },
+            {"op": "ablate", "layers": 3, "hooks": "pre_attn", "directions": d[0].tolist()},
+        ],
+        [  # two directions at every layer, prompt tokens; an add after it, decode
+            {
+                "op": "ablate",
+                "layers": [0, 1, 2, 3],
+                "tier": "prefill",
+                "directions": [d[1].tolist(), d[2].tolist()],
+            },
+            {"vector": (d[0] * norm).tolist(), "layers": 1, "tier": "decode"},
+        ],
+        [  # clamp a latent at post_attn on the prompt, one row for generated tokens
+            {
+                "op": "clamp",
+                "layers": 1,
+                "hooks": "post_attn",
+                "sae": str(tmp_path / "sae"),
+                "feature": 11,
+                "value": 3.0,
+                "positions": "prompt",
+            },
+            {
+                "op": "replace",
+                "layers": 0,
+                "hooks": "pre_attn",
+                "positions": "generated",
+                "vector": (d[2] * norm).tolist(),
+            },
+        ],
+        None,  # untouched
+    ]
+    hf = [
+        [],
+        [HFReplace(2, "post_block", None, rows=patch), HFAblate(3, "pre_attn", d[0])],
+        [
+            *(
+                HFAblate(la, "post_block", torch.stack([d[1], d[2]]), tier="prefill")
+                for la in range(4)
+            ),
+            HFSteer(1, "post_block", d[0] * norm, tier="decode"),
+        ],
+        [
+            HFClamp(1, "post_attn", None, positions="prompt", sae=sae, feature=11, value=3.0),
+            HFReplace(0, "pre_attn", d[2] * norm, positions="generated"),
+        ],
+        [],
+    ]
+    before = llm.collective_rpc(compile_counts)
+    preempted = preemptions(llm)
+    n2 = _params(cases[2], n=2)
+    params = [_params(c) for c in cases[:2]] + [n2] + [_params(c) for c in cases[3:]]
+    # first, a long request that holds most of the KV cache: the later ones get preempted
+    from vllm import SamplingParams
+
+    filler = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outs = _generate(
+        llm, [_prompts(vocab, 1, seed=62, length=171)[0], *prompts[:5]], [filler, *params]
+    )[1:]
+    assert preemptions(llm) > preempted, "the batch was meant to preempt"
+    for out, want in zip(outs, hf, strict=True):
+        _check(out, path, want)
+    # both samples of the n=2 request are the greedy, ablated sequence
+    assert len(outs[2].outputs) == 2
+    assert list(outs[2].outputs[1].token_ids) == list(outs[2].outputs[0].token_ids)
+    # the untouched requests: bitwise what they are in a batch with no operations
+    alone = _generate(llm, [prompts[0], prompts[4]], [_params(), _params()])
+    for mixed, plain in zip((outs[0], outs[4]), alone, strict=True):
+        assert list(mixed.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+        ma, pa = mixed.outputs[0].activations, plain.outputs[0].activations
+        for key in ma.tensors:
+            assert torch.equal(ma[key], pa[key]), key
+    # a returned capture patched into another request (from_capture), new values:
+    # still no recompile
+    src = alone[0].outputs[0].activations
+    entry = from_capture(src, 0, "post_block", [2, 5])
+    out = _generate(llm, [prompts[3]], [_params([entry])])[0]
+    rows = {2: src[(0, "post_block")][2], 5: src[(0, "post_block")][5]}
+    _check(out, path, [HFReplace(0, "post_block", None, rows=rows)])
+    assert llm.collective_rpc(compile_counts) == before
+
+
+def test_prefix_cache_apart_for_prompt_ops_and_shared_for_decode_ones(sched_engine):
+    """A prompt replaced (or ablated) must not read KV cached without it; an operation
+    on generated tokens only keeps the prompt's cache hits."""
+    llm = sched_engine.llm
+    path = sched_engine.model_path
+    vocab = llm.get_tokenizer().vocab_size
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    prompt = _prompts(vocab, 1, seed=71, length=80)[0]  # two full 32-token blocks, and more
+    row = _vectors(hidden, 1, _stream_norm(path, prompt), seed=12)[0]
+    d = _vectors(hidden, 1, 1.0, seed=13)[0]
+    replaced = [{"op": "replace", "layers": 1, "positions": [4], "rows": [row.tolist()]}]
+    decode = [{"op": "ablate", "layers": 2, "tier": "decode", "directions": d.tolist()}]
+    runs = [None, replaced, replaced, decode]
+    outs = [_generate(llm, [prompt], [_params(s, ret="generated")])[0] for s in runs]
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[1] == 0, f"a replaced prompt read the plain prompt's cached KV: {cached}"
+    assert cached[2] >= 64 and cached[3] >= 64, cached
+    for o in outs[1:3]:
+        _check(o, path, [HFReplace(1, "post_block", None, rows={4: row})], positions="generated")
+    _check(outs[3], path, [HFAblate(2, "post_block", d, tier="decode")], positions="generated")
+
+
+def test_bad_numbers_are_refused_naming_the_field(sched_engine, tmp_path):
+    llm = sched_engine.llm
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    prompt = [5, 6, 7, 8]
+    ok = [0.0] * hidden
+    bad = {
+        r"steer\[0\]\.rows\[1\]\[2\]": {
+            "op": "replace",
+            "layers": 1,
+            "positions": [0, 1],
+            "rows": [ok, [0.0, 0.0, float("nan"), *ok[3:]]],
+        },
+        r"steer\[0\]\.positions: 'rows' needs": {
+            "op": "replace",
+            "layers": 1,
+            "positions": [0],
+            "rows": [ok, ok],
+        },
+        r"steer\[0\]\.positions\[0\]: position": {
+            "op": "replace",
+            "layers": 1,
+            "positions": [2**40],
+            "rows": [ok],
+        },
+        r"steer\[0\]\.directions: the directions are zero or linearly dependent": {
+            "op": "ablate",
+            "layers": 1,
+            "directions": [[1.0, *ok[1:]], [2.0, *ok[1:]]],
+        },
+        r"steer\[0\]\.value: expected a latent's value": {
+            "op": "clamp",
+            "layers": 1,
+            "sae": str(tmp_path),
+            "feature": 0,
+            "value": 1e39,
+        },
+        r"steer\[0\]\.feature: expected a latent index": {
+            "op": "clamp",
+            "layers": 1,
+            "sae": str(tmp_path),
+            "feature": -1,
+            "value": 1.0,
+        },
+        r"steer\[0\]\.scale: unknown key for op 'ablate'": {
+            "op": "ablate",
+            "layers": 1,
+            "directions": ok,
+            "scale": 2.0,
+        },
+    }
+    for match, entry in bad.items():
+        with pytest.raises(ValueError, match=match):
+            _generate(llm, [prompt], [_params([entry], ret=None)])
+    # the engine serves on
+    out = _generate(llm, [prompt], [_params(ret=None)])[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    assert np.isfinite(np.asarray(out.outputs[0].token_ids)).all()

@@ -1,0 +1,148 @@
+"""User hooks (``actbus.hooks``) on a real in-process engine against HF transformers with
+the same function hooked in: a hook that reads and saves rows, one that replaces them
+(a pre-hook on the embeddings, a post-hook on a layer's output), parameter access, an
+untouched request in the same batch bitwise unchanged; and who may pass what."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from actbus.config import HooksConfig
+from actbus.errors import ConfigError
+from actbus.hooks import Hook, take_hooks
+from tests.support.engine import DYNAMO_ONLY, scoped_env
+from tests.support.oracle import max_rel_error
+from tests.support.steer_oracle import HFSteer, hf_steered_greedy
+
+MAX_TOKENS = 5
+
+
+def test_who_may_pass_what():
+    cfg = HooksConfig.from_dict({"layers": [1], "named": ["mine"]})
+    h = Hook(lambda call: None, layer=1)
+    with (
+        scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+        pytest.raises(ConfigError, match=r"hooks\[0\]: a Hook object runs only in"),
+    ):
+        take_hooks({"hooks": [h]}, cfg, over_http=False)
+    with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        assert take_hooks({"hooks": [h]}, cfg, over_http=False)[1][0][0] == "obj"
+    with pytest.raises(ConfigError, match=r"hooks\[0\].name: 'theirs' is not a hook"):
+        take_hooks({"hooks": [{"name": "theirs", "layer": 1}]}, cfg, over_http=True)
+    with pytest.raises(ConfigError, match=r"hooks\[0\].layer: expected one of the hookable"):
+        take_hooks({"hooks": [{"name": "mine", "layer": 2}]}, cfg, over_http=True)
+    raw, hooks = take_hooks(
+        {"hooks": [{"name": "mine", "layer": 1}], "return": True}, cfg, over_http=True
+    )
+    assert raw == {"return": True} and hooks[0][:4] == ["name", "mine", 1, "post_block"]
+    with pytest.raises(ConfigError, match="this engine runs no hooks"):
+        take_hooks({"hooks": [h]}, None, over_http=False)
+
+
+class _HFScale(HFSteer):
+    """The oracle of a hook returning ``scale * rows``: the stream's change."""
+
+    def __init__(self, layer, hook, scale):
+        super().__init__(layer, hook, torch.zeros(1))
+        self.factor = scale
+
+    def delta(self, stream, prompt_len, ctx=None):
+        return (self.factor - 1.0) * stream
+
+
+@pytest.mark.engine
+def test_hooks_match_hf_and_leave_others_alone(tiny_models, tmp_path):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = tiny_models["llama"]
+    env = {**DYNAMO_ONLY, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with scoped_env(env):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            gpu_memory_utilization=0.05,
+            max_model_len=256,
+            max_num_seqs=8,
+            num_gpu_blocks_override=32,
+            seed=0,
+            additional_config={
+                "actbus": {
+                    "publish": f"ipc://{tmp_path}/bus.sock",
+                    "layers": [0, 3],
+                    "hooks": ["post_block"],
+                    "requests": "selected",
+                    "user_hooks": {"layers": [0, 1], "points": ["pre_attn", "post_block"]},
+                }
+            },
+        )
+        try:
+            seen = []
+
+            def read(call):  # reads, saves, changes nothing
+                call.saved.setdefault("rows", []).append(call.rows)
+                call.saved["embed"] = tuple(call.param("model.embed_tokens.weight").shape)
+                seen.append(call.request_id)
+
+            reader = Hook(read, layer=1, point="post_block")
+            halve = Hook(lambda call: 0.5 * call.rows, layer=1, point="post_block")
+            pre = Hook(lambda call: 1.5 * call.rows, layer=0, point="pre_attn")
+            prompts = [[5 + i, 40, 77, 9, 31, 200 + i, 14] for i in range(4)]
+
+            def params(hooks=None):
+                actbus = {"return": True}
+                if hooks:
+                    actbus["hooks"] = hooks
+                return SamplingParams(
+                    temperature=0,
+                    max_tokens=MAX_TOKENS,
+                    ignore_eos=True,
+                    extra_args={"actbus": actbus},
+                )
+
+            batch = [params([reader]), params([halve]), params([pre, reader]), params()]
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], batch, use_tqdm=False
+            )
+            alone = llm.generate(
+                [TokensPrompt(prompt_token_ids=prompts[3])], [params()], use_tqdm=False
+            )[0]
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    oracle = [[], [_HFScale(1, "post_block", 0.5)], [_HFScale(0, "pre_attn", 1.5)], []]
+    for out, hf in zip(outs, oracle, strict=True):
+        prompt = list(out.prompt_token_ids)
+        want_tokens, want = hf_steered_greedy(path, prompt, MAX_TOKENS, hf, [0, 1, 3])
+        assert list(out.outputs[0].token_ids) == want_tokens
+        acts = out.outputs[0].activations
+        for layer in (0, 3):
+            assert max_rel_error(acts[(layer, "post_block")], want[(layer, "post_block")]) <= 1e-3
+        if out is outs[0] or out is outs[2]:  # the reader saw layer 1's stream, each row once
+            saved = reader.saved[out.request_id]
+            rows = torch.cat(saved["rows"])
+            assert max_rel_error(rows, want[(1, "post_block")]) <= 1e-3
+            assert saved["embed"][0] >= 256
+    # the untouched request: bitwise what it is alone
+    assert list(outs[3].outputs[0].token_ids) == list(alone.outputs[0].token_ids)
+    for key in alone.outputs[0].activations.tensors:
+        assert torch.equal(outs[3].outputs[0].activations[key], alone.outputs[0].activations[key])
+    assert set(seen) == {outs[0].request_id, outs[2].request_id}
+
+
+def test_cuda_graphs_must_split_at_the_hook_op():
+    """A CUDA graph would replay the op's kernels without calling Python: an engine
+    with hooks starts only without CUDA graphs or with piecewise ones split at it."""
+    from types import SimpleNamespace as NS
+
+    from actbus.engine.session import HOOK_OP, check_hook_graphs
+
+    check_hook_graphs(NS(cudagraph_mode=NS(name="NONE"), splitting_ops=None))
+    check_hook_graphs(NS(cudagraph_mode=NS(name="PIECEWISE"), splitting_ops=["a", HOOK_OP]))
+    for mode, ops in (("FULL_AND_PIECEWISE", [HOOK_OP]), ("PIECEWISE", ["a"])):
+        with pytest.raises(ConfigError, match=r"actbus\.user_hooks: CUDA graphs"):
+            check_hook_graphs(NS(cudagraph_mode=NS(name=mode), splitting_ops=ops))
