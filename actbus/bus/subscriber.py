@@ -367,6 +367,7 @@ class Subscriber:
         """Say goodbye and release the sockets. Idempotent."""
         if self._sock.closed:
             return
+        self._mapping = None  # the region goes with the last view handed out
         self._stop.set()
         if self._keeper is not None:
             self._keeper.join(timeout=5)
@@ -644,19 +645,19 @@ class Subscriber:
                 self._held_bytes -= gone[0]
 
     def _copy_out(self, *, everything: bool = False) -> None:
-        """The consumer keeps region batches that hold half its credit: copy the oldest
-        into private memory, so their blocks go back to the publisher (a view made
-        from a batch's tensor still holds its block until it goes)."""
+        """Region batches the consumer keeps hold back the acknowledgement of every
+        message after them (it is cumulative): once they hold back half the credit,
+        in messages or bytes, copy the oldest into private memory, so their blocks go
+        back to the publisher. A view made from a batch's tensor still holds its
+        block until it goes (``Subscriber``'s docstring)."""
         self._collect_released()
         sub = self.subscription
-        count, nbytes = len(self._held), self._held_bytes
+        oldest_kept = self._next_seq - max(1, sub.window // 2)  # copy out what is older
+        nbytes = self._held_bytes
         for seq in sorted(self._held):
-            if not everything and (
-                count < max(1, sub.window // 2) and nbytes < sub.window_bytes // 2
-            ):
+            if not everything and seq > oldest_kept and nbytes < sub.window_bytes // 2:
                 break
             entry = self._held[seq]
-            count -= 1
             nbytes -= entry[0]
             batch = entry[1]()
             if batch is None or entry[2]:
@@ -674,12 +675,14 @@ class Subscriber:
 
     def _shm_service(self) -> None:
         """Nothing waits on the socket: return what the consumer let go (credit), and
-        copy out what it keeps once that holds half the credit."""
-        if self._held and (
-            len(self._held) >= max(1, self.subscription.window // 2)
-            or self._held_bytes >= self.subscription.window_bytes // 2
-        ):
-            self._copy_out()
+        copy out what it keeps once that holds back half the credit."""
+        if self._held:
+            sub = self.subscription
+            if (
+                self._next_seq - min(self._held) >= max(1, sub.window // 2)
+                or self._held_bytes >= sub.window_bytes // 2
+            ):
+                self._copy_out()
         if self._released and not self._sock.poll(0):
             self._grant()
 
