@@ -68,6 +68,7 @@ makes a block not fit (the socket is used) instead."""
 DESCRIPTOR = struct.Struct("<QQ")
 """A region message's last frame: offset and length of its rows in the region."""
 F_SEAL_FUTURE_WRITE = 0x0010  # not in Python's fcntl; Linux >= 5.1
+MADV_POPULATE_WRITE = 23  # not in Python 3.11's mmap; Linux >= 5.14
 _SEALS_NEEDED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _ENV = "ACTBUS_SHM"
 
@@ -125,6 +126,7 @@ class Region:
             # the ring first reaches it (``_reserve``), so an idle region costs little.
             os.posix_fallocate(fd, 0, min(size, RESERVE_STEP))
             self._map = mmap.mmap(fd, size)
+            self._populate(0, min(size, RESERVE_STEP))
             seals = _SEALS_NEEDED | F_SEAL_FUTURE_WRITE
             try:
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
@@ -247,8 +249,15 @@ class Region:
         except OSError as e:
             log.warning("actbus: the shared-memory region cannot grow (%s)", e)
             return False
+        self._populate(self._reserved, grow)
         self._reserved += grow
         return True
+
+    def _populate(self, start: int, length: int) -> None:
+        """Map the pages in now, in one call, rather than one fault per page at the
+        engine's first copy into each (Linux 5.14+; elsewhere the faults stay)."""
+        with contextlib.suppress(OSError, ValueError):
+            self._map.madvise(MADV_POPULATE_WRITE, start, length)
 
     def _free(self, block: list[int]) -> None:
         with self._lock:
