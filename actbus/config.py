@@ -87,6 +87,10 @@ class CaptureConfig:
     A HELLO asking more (``--window-mb``) is refused, naming this key."""
     max_subscribers: int = 256
     """Subscribers at once; one more is refused, naming this key."""
+    shm_mb: float = 1024.0
+    """The shared-memory region subscribers on this host read rows from, in MiB
+    (``actbus.bus.shm``; made when the first subscribes, backed as it fills). 0: they
+    read from the socket, as remote ones do."""
     steer: SteerConfig | None = None
     """Steering (``actbus.steer.config``): which points can be steered, named vectors
     and global steering; None: the graph has no steering at all."""
@@ -146,6 +150,7 @@ class CaptureConfig:
             ("subscriber_timeout_s", (int, float), 1.0, "seconds >= 1"),
             ("max_window_mb", (int, float), 1.0, "MiB >= 1 (credit per subscriber)"),
             ("max_subscribers", int, 1, "an integer >= 1"),
+            ("shm_mb", (int, float), 0, "MiB >= 0 (0: no shared memory)"),
         ):
             if name in raw:
                 v = raw[name]

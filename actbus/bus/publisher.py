@@ -9,6 +9,11 @@ know no sockets: this module gives them a ``send`` and runs them on its thread.
 spent); lossy policies never make the engine wait, and ``admit`` lets the engine
 skip copying what they would drop anyway.
 
+Subscribers on this host read rows from a shared-memory region instead of the
+socket (``shm.py``): negotiated in HELLO/WELCOME, one copy per message for all of
+them, its block held for each until it acknowledges the message (``Route.reading``).
+The engine's host copies land in the region (``host_tensor``).
+
 Dead subscribers are found two ways: ``ROUTER_MANDATORY`` makes a send to a peer
 whose connection closed fail at once (heartbeats go out every ``heartbeat_s``, so
 a killed process is noticed within that), and a subscriber silent for

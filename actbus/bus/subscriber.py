@@ -1,8 +1,12 @@
 """The subscriber: a DEALER that asks for a subscription and grants credit.
 
 Iterating a ``Subscriber`` yields ``Batch`` objects whose tensors are made
-zero-copy over the received frames. Credit is a cumulative acknowledgement ("all
-below seq N arrived or is known lost"), sent after half a window and at least
+zero-copy over the received frames, or, on the publisher's host, over its
+shared-memory region (``shm.py``: the socket then carries only descriptors). Credit
+is a cumulative acknowledgement ("all below seq N arrived or is known lost"; on the
+region path, "and is no longer viewed": a region message is acknowledged only once
+every view of it is gone, so its block is never reused under a reader), sent after
+half a window and at least
 every 0.5 s while ``recv`` is called; it doubles as the subscriber's heartbeat.
 While the consumer is busy between ``recv`` calls (a slow ``on_batch``), a
 background thread keeps the publisher informed with KEEPALIVE messages on a socket
@@ -211,9 +215,10 @@ class Subscriber:
         ``waiting_for``: what the waiting and connected lines say this subscriber is
         for (default: what ``subscription`` asks). ``shm``: read rows from the
         publisher's shared memory when it runs on this host (None: unless
-        ``ACTBUS_SHM=0``); a batch's tensor is then a read-only view of that memory,
-        valid while referenced: the publisher reuses it only after every view of it
-        is gone (and kept batches are copied out once they hold half the credit)."""
+        ``ACTBUS_SHM=0``); a batch's tensor is then a view of that memory, mapped
+        read-only (writing into it is a SIGSEGV: clone first), valid while referenced:
+        the publisher reuses it only after every view of it is gone (and kept batches
+        are copied out once they hold back half the credit)."""
         self.address = address
         self._waiting_for = waiting_for
         # CURVE keys (checked now: ConfigError names a bad path), and handshake watching.

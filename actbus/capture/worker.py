@@ -192,6 +192,7 @@ class CaptureWorker:
             insecure_allow_any_interface=cfg.insecure_allow_any_interface,
             max_window_mb=cfg.max_window_mb,
             max_subscribers=cfg.max_subscribers,
+            shm_mb=cfg.shm_mb,
         )
         if stage[1] > 1:
             self._stages = StageInbox(self.publisher, stage_address(address))
