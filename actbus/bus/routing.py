@@ -552,8 +552,9 @@ class Router:
         return got
 
     def close(self) -> None:
-        """Delete every spill."""
+        """Delete every spill; let go of the region blocks held for subscribers."""
         for route in self.routes.values():
+            route.reading.clear()
             if route.spill is not None:
                 route.spill.close()
         if self._spill_root is not None:

@@ -61,7 +61,7 @@ HEADER_BYTES = 4096
 """The region's first page: the token subscribers check, never handed out."""
 TOKEN_BYTES = 32
 ALIGN = 256
-RESERVE_STEP = 64 << 20
+RESERVE_STEP = 16 << 20
 """Memory is reserved for the region this much at a time, as its ring first reaches
 it: a write to a page tmpfs could not back would be a SIGBUS, so a full /dev/shm
 makes a block not fit (the socket is used) instead."""

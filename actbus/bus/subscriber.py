@@ -142,6 +142,16 @@ class Batch:
     seq: int
     source: Source | None = None
     """The publisher it came from (several under fan-in: ``actbus.bus.fanin``)."""
+    shared: bool = False
+    """``tensor`` is a view of the publisher's shared memory (``Subscriber``): held, it
+    holds back this subscriber's credit; ``keep`` gives rows to hold for long."""
+
+    def keep(self) -> torch.Tensor:
+        """The rows, to hold past this batch (buffered for seconds, encoded zero-copy
+        into something kept): a private copy when they are a view of the publisher's
+        shared memory, so neither its blocks nor this subscriber's credit wait on
+        them; the tensor itself when it came on the socket."""
+        return self.tensor.clone() if self.shared else self.tensor
 
     @property
     def step(self) -> int:
@@ -746,7 +756,9 @@ class Subscriber:
         self.stats.received += 1
         self.stats.bytes_received += header.nbytes
         self.stats.last_step = max(self.stats.last_step, header.step)
-        batch = Batch(header=header, tensor=tensor, seq=seq, source=self.source)
+        batch = Batch(
+            header=header, tensor=tensor, seq=seq, source=self.source, shared=view is not None
+        )
         if self._mapping is not None:
             self._proofs[seq] = proof
             if len(self._proofs) > 4 * MAX_WINDOW:  # a publisher numbering without end
