@@ -15,7 +15,8 @@ array of its own, and every tensor, frame and view made from it keeps it alive, 
 its ``weakref.finalize`` runs exactly when the last one goes. The publisher holds a
 block for each local subscriber until that subscriber acknowledges the message
 (credit), so a subscriber holds at most its window of the region. Blocks are placed
-in a ring: a block freed out of order is reused once those before it are free.
+first fit, lowest address first, and a freed block is reused at once whatever is held
+around it: a subscriber that keeps one view holds that block, not the region.
 
 The seals make the safety promises hold against peers of the same user too:
 ``F_SEAL_SHRINK``/``F_SEAL_GROW`` stop anyone from resizing the region (a shrunk
@@ -33,6 +34,7 @@ owner, mode, seals and a random token written at its start.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import logging
@@ -44,7 +46,6 @@ import struct
 import threading
 import warnings
 import weakref
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -149,7 +150,7 @@ class Region:
         self.base = int(self._buf.ctypes.data)
         self._ino = os.fstat(fd).st_ino
         self._lock = threading.Lock()
-        self._live: deque[list[int]] = deque()  # [start, end, freed] in placement order
+        self._holes: list[list[int]] = [[HEADER_BYTES, size]]  # free [start, end), by start
         self.used = 0  # bytes in blocks not yet freed
         self.peak = 0
         self.blocks = 0  # handed out, ever
@@ -187,11 +188,10 @@ class Region:
         n = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         with self._lock:
             start = None if self._closed else self._place(n)
-            if start is None or not self._reserve(start + n):
+            if start is None:
                 self.full += 1
                 return None
-            block = [start, start + n, 0]
-            self._live.append(block)
+            block = (start, start + n)
             self.used += n
             self.peak = max(self.peak, self.used)
             self.blocks += 1
@@ -226,18 +226,19 @@ class Region:
         return None
 
     def _place(self, n: int) -> int | None:
-        live = self._live
-        if not live:
-            return HEADER_BYTES if HEADER_BYTES + n <= self.size else None
-        first, last = live[0][0], live[-1][1]
-        if last > first:  # one run [first, last): room after it, or before it (wrap)
-            wrap = HEADER_BYTES + n <= first
-            # Wrapping early keeps the ring in memory it already has (and so the
-            # region's footprint the size of what is in flight, not of the region).
-            if last + n <= self.size and not (wrap and last + n > self._reserved):
-                return last
-            return HEADER_BYTES if wrap else None
-        return last if last + n <= first else None  # wrapped: room between
+        """The lowest hole ``n`` fits in, taken (None: none, or no memory to back it).
+        Lowest first keeps the region's footprint the size of what is in flight."""
+        for i, hole in enumerate(self._holes):
+            start, end = hole
+            if end - start >= n:
+                if not self._reserve(start + n):
+                    return None
+                if end - start == n:
+                    del self._holes[i]
+                else:
+                    hole[0] = start + n
+                return start
+        return None
 
     def _reserve(self, end: int) -> bool:
         """Back the region with memory up to ``end`` (False: tmpfs is full)."""
@@ -259,13 +260,19 @@ class Region:
         with contextlib.suppress(OSError, ValueError):
             self._map.madvise(MADV_POPULATE_WRITE, start, length)
 
-    def _free(self, block: list[int]) -> None:
+    def _free(self, block: tuple[int, int]) -> None:
+        start, end = block
         with self._lock:
-            block[2] = 1
-            self.used -= block[1] - block[0]
-            live = self._live
-            while live and live[0][2]:
-                live.popleft()
+            self.used -= end - start
+            holes = self._holes
+            i = bisect.bisect_left(holes, [start])
+            if i < len(holes) and holes[i][0] == end:  # joins the hole after it
+                holes[i][0] = start
+            else:
+                holes.insert(i, [start, end])
+            if i > 0 and holes[i - 1][1] == start:  # and the one before
+                holes[i - 1][1] = holes[i][1]
+                del holes[i]
 
     def stats(self) -> dict[str, Any]:
         return {
