@@ -74,6 +74,9 @@ from actbus.wire import (
 )
 
 log = logging.getLogger("actbus.subscriber")
+IDLE_COPY_S = 0.1
+"""Region batches still kept this long after the last message are copied out, so
+their acknowledgement does not wait on the consumer (``Subscriber._shm_service``)."""
 WAITING_LOG_S = 5.0
 """While no publisher answers, a line every this many seconds says what we wait for."""
 
@@ -256,6 +259,7 @@ class Subscriber:
         self._released: deque[tuple[int, int]] = deque()  # (epoch, seq): finalizers, any thread
         self._epoch = 0  # the publisher run's number here: an old run's views free nothing new
         self._proofs: dict[int, bytes] = {}  # receipts of messages above the held ones
+        self._last_data = 0.0  # when the last data message arrived
         self._owed = 0  # messages received since the last acknowledgement
         self._owed_bytes = 0
         self._publisher_id: str | None = None
@@ -690,10 +694,13 @@ class Subscriber:
 
     def _shm_service(self) -> None:
         """Nothing waits on the socket: return what the consumer let go (credit), and
-        copy out what it keeps once that holds back half the credit."""
+        copy out what it keeps once that holds back half the credit, or all of it once
+        the stream pauses (``IDLE_COPY_S``: a publisher closing waits for its acks)."""
         if self._held:
             sub = self.subscription
-            if (
+            if time.monotonic() - self._last_data > IDLE_COPY_S:
+                self._copy_out(everything=True)
+            elif (
                 self._next_seq - min(self._held) >= max(1, sub.window // 2)
                 or self._held_bytes >= sub.window_bytes // 2
             ):
@@ -764,6 +771,7 @@ class Subscriber:
             if len(self._proofs) > 4 * MAX_WINDOW:  # a publisher numbering without end
                 del self._proofs[min(self._proofs)]
         if view is not None:
+            self._last_data = time.monotonic()
             self.stats.shm_received += 1
             self._held[seq] = [header.nbytes, weakref.ref(batch), False]
             self._held_bytes += header.nbytes
