@@ -130,6 +130,10 @@ class CaptureConfig:
     this key."""
     http_return_fetch_ttl_s: float = 300.0
     """How long rows kept for ``GET /v1/actbus/returns/ID`` wait to be fetched (once)."""
+    shm_mb: float = 1024.0
+    """The shared-memory region subscribers on this host read rows from, in MiB
+    (``actbus.bus.shm``; made when the first subscribes, backed as it fills). 0: they
+    read from the socket, as remote ones do."""
     steer: SteerConfig | None = None
     """Steering (``actbus.steer.config``): which points can be steered, named vectors
     and global steering; None: the graph has no steering at all."""
@@ -195,6 +199,7 @@ class CaptureConfig:
             ("http_return_max_request_mb", (int, float), 0.001, "MiB >= 0.001"),
             ("http_return_max_server_mb", (int, float), 0.001, "MiB >= 0.001"),
             ("http_return_fetch_ttl_s", (int, float), 1.0, "seconds >= 1"),
+            ("shm_mb", (int, float), 0, "MiB >= 0 (0: no shared memory)"),
         ):
             if name in raw:
                 v = raw[name]

@@ -27,6 +27,7 @@ SCHEMA_VERSION = 1
 
 # Frame tags: the first frame of every message names its kind.
 DATA = b"D"  # publisher -> subscriber: seq (u64), header, tensor
+REGION = b"R"  # publisher -> local subscriber: seq, header, where the rows lie in its region
 HEARTBEAT = b"H"  # publisher -> subscriber: status header
 END = b"E"  # publisher -> subscriber: the publisher is shutting down
 WELCOME = b"W"  # publisher -> subscriber: reply to HELLO

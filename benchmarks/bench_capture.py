@@ -8,7 +8,12 @@ engine), with vLLM's defaults (torch.compile, CUDA graphs):
     none         actbus loaded, no capture configured
     1_layer      layer 16, all tokens, to a `null` subscriber that keeps up (block)
     4_layers     layers 4, 12, 20, 28, same subscriber
+    4_layers_x3  the same layers to three such subscribers (fan-out)
+    all_layers   all 32 layers to one block subscriber: lossless, every row delivered
     all_layers_drop  all 32 layers, subscriber with drop_newest (drops counted)
+
+Subscribers run on the engine's host, so they read rows from its shared memory
+(``ACTBUS_SHM=0`` in the environment: from the socket, for comparison).
 
 Prints a table, then one JSON line with every figure and ratio. ``--tp``, ``--pp``
 and ``--dp`` set every arm's parallelism alike (``engine_arms.add_parallel_args``);
@@ -50,12 +55,14 @@ from benchmarks.engine_arms import (
 )
 
 __all__ = ["LLAMA3_8B"]  # bench_journey takes the model shape from here
-CONFIGS = {
+CONFIGS = {  # layers, policy, subscribers
     "plain": None,
     "none": None,
-    "1_layer": ([16], "block"),
-    "4_layers": ([4, 12, 20, 28], "block"),
-    "all_layers_drop": ("all", "drop_newest"),
+    "1_layer": ([16], "block", 1),
+    "4_layers": ([4, 12, 20, 28], "block", 1),
+    "4_layers_x3": ([4, 12, 20, 28], "block", 3),
+    "all_layers": ("all", "block", 1),
+    "all_layers_drop": ("all", "drop_newest", 1),
 }
 TINY_LAYERS = {16: 2, 4: 0, 12: 1, 20: 2, 28: 3}  # the tiny Llama has 4 layers
 DEFAULTS = {
@@ -71,12 +78,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     extra: dict = {}
     subs = []
     if CONFIGS[name] is not None:
-        layers, policy = CONFIGS[name]
+        layers, policy, count = CONFIGS[name]
         if args.tiny and layers != "all":
             layers = [TINY_LAYERS[x] for x in layers]
         address = bus_template(tempfile.mkdtemp(), "bus", par)
         extra = {"actbus": {"publish": address, "layers": layers, "queue_mb": 4096}}
-        subs = start_bus_subscribers(address, policy, par)
+        for _ in range(count):  # counters summed over them (and over dp ranks)
+            subs += start_bus_subscribers(address, policy, par)
     from vllm import SamplingParams
 
     t0 = time.monotonic()

@@ -79,6 +79,7 @@ class NullConsumer(Consumer):
                     "rows": self.rows,
                     "bytes": self.bytes,
                     "seconds": round(span, 3),
+                    "last_monotonic": self.last,  # the system's clock: benchmarks time to it
                     "dropped_by_publisher": self.publisher_dropped,
                 }
             ),

@@ -363,7 +363,8 @@ class BusSource(threading.Thread):
         ri = h.rows
         tags = ri.tags or [{}] * len(ri.request_ids)
         labels, bad = parse_labels(tags, self.cfg.label_tags)
-        rows = TrainingRows.from_message(batch.tensor, ri, labels)
+        # Queued for the training loop: never a view of the shared memory (``keep``).
+        rows = TrainingRows.from_message(batch.keep(), ri, labels)
         if bad:
             counts = np.diff(np.asarray(ri.offsets, dtype=np.int64))
             keep = torch.ones(len(ri.request_ids), dtype=torch.bool)

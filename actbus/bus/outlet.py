@@ -8,7 +8,8 @@ Per step the worker asks ``admit`` which taps are worth copying (one ``TapOffer`
 per tap, in the order it will publish them), then for each verdict either copies
 and ``publish``es the rows, or calls ``drop`` (nothing copied; the drop is
 counted and leaves a gap), or does nothing. ``count_step`` is called once per
-engine step, captured or not.
+engine step, captured or not. ``host_tensor`` gives the memory the rows' host copy
+lands in, when the outlet has memory its local subscribers read directly.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class Outlet(Protocol):
 
     def publish(self, header: Header, tensor: torch.Tensor, *, ready: Any = None) -> None:
         """Queue one message; ``ready`` (an event) completes before ``tensor`` is read."""
+        ...
+
+    def host_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Fresh host memory for a message's rows where local subscribers read them
+        without a copy (the publisher's shared-memory region); None: ordinary memory."""
         ...
 
     def count_step(self, tokens: int, capture_s: float = 0.0) -> None:

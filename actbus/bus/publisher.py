@@ -9,6 +9,11 @@ know no sockets: this module gives them a ``send`` and runs them on its thread.
 spent); lossy policies never make the engine wait, and ``admit`` lets the engine
 skip copying what they would drop anyway.
 
+Subscribers on this host read rows from a shared-memory region instead of the
+socket (``shm.py``): negotiated in HELLO/WELCOME, one copy per message for all of
+them, its block held for each until it acknowledges the message (``Route.reading``).
+The engine's host copies land in the region (``host_tensor``).
+
 Dead subscribers are found two ways: ``ROUTER_MANDATORY`` makes a send to a peer
 whose connection closed fail at once (heartbeats go out every ``heartbeat_s``, so
 a killed process is noticed within that), and a subscriber silent for
@@ -54,6 +59,7 @@ from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.protocol import MAX_WINDOW, Subscription
 from actbus.bus.routing import Item, Route, Router
 from actbus.bus.security import ServerAuth
+from actbus.bus.shm import DEFAULT_SHM_MB, DESCRIPTOR, Region, ShmError, same_host
 from actbus.logcap import LogRate, capped, capped_text
 from actbus.wire import (
     BYE,
@@ -120,10 +126,13 @@ class Publisher:
         insecure_allow_any_interface: bool = False,
         max_window_mb: float = DEFAULT_MAX_WINDOW_MB,
         max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
+        shm_mb: float = DEFAULT_SHM_MB,
     ) -> None:
         """``max_window_mb``: the credit in MiB one subscriber may ask for (what it may
         have in flight, unread); ``max_subscribers``: how many may subscribe at once.
-        A HELLO beyond either is refused with a REJECT naming the bound."""
+        A HELLO beyond either is refused with a REJECT naming the bound. ``shm_mb``:
+        the shared-memory region that subscribers on this host read from (made when
+        the first of them subscribes; 0: they use the socket too)."""
         self.address = address
         self.id = uuid.uuid4().hex
         self._info = {**info, "publisher_id": self.id, "heartbeat_s": heartbeat_s}
@@ -131,6 +140,9 @@ class Publisher:
         self._max_window_mb = max_window_mb
         self._max_window_bytes = int(max_window_mb * (1 << 20))
         self._max_subscribers = max_subscribers
+        self._shm_bytes = int(shm_mb * (1 << 20))
+        self._region: Region | None = None  # made by the publisher thread, read by any
+        self._shm_failed = False
         self._heartbeat_s = heartbeat_s
         self._timeout_s = subscriber_timeout_s
         # Refuses a non-loopback bind without CURVE keys (ConfigError), before any socket.
@@ -249,6 +261,16 @@ class Publisher:
             if was_empty and self._queue:
                 self._wake()
 
+    def host_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Fresh host memory for a message's rows, in the shared-memory region when
+        subscribers on this host read from one (pinned on CUDA): what the engine's
+        device-to-host copy lands in, so local subscribers read it with no further
+        copy. None: no region, or no room in it now (use ordinary memory)."""
+        region = self._region
+        if region is None or self._closing:
+            return None
+        return region.tensor(shape, dtype)
+
     def publish(self, header: Header, tensor: torch.Tensor, *, ready: Any = None) -> None:
         """Queue one message; waits (lossless) only while the byte budget is spent.
 
@@ -275,8 +297,8 @@ class Publisher:
             for s in item.counted:
                 s.queued_in += 1
             self._queue.append(item)
-            if item.ready is not None:  # a device copy into pinned staging memory
-                self._pinned.append(item)
+            if item.ready is not None and not self._in_region(item.tensor):
+                self._pinned.append(item)  # a device copy into torch's pinned staging memory
             self._queued_bytes += item.nbytes
             self._queued_bytes_peak = max(self._queued_bytes_peak, self._queued_bytes)
             if was_empty:
@@ -324,6 +346,7 @@ class Publisher:
                 "stall_s": round(self.stall_s, 3),
                 "capture_s": round(self._capture_s, 4),
                 "publisher_cpu_s": round(self._thread_cpu_s, 4),
+                "shm": region.stats() if (region := self._region) is not None else {},
                 "auth_denied": self._auth.denied,  # CURVE keys refused (see security.py)
                 "log_lines_held": self._peer_log.held_total,
                 "latency": self._router.latency.summary(),
@@ -414,6 +437,9 @@ class Publisher:
             log.exception("actbus publisher thread failed; capture data is no longer sent")
         finally:
             self._router.close()  # deletes every spill
+            region, self._region = self._region, None  # the engine allocates no more
+            if region is not None:
+                region.close()  # its memory goes with the last block and mapping
             self._socket_events.close(linger=0)
             self._sock.close(linger=CLOSE_LINGER_MS)  # END reaches live subscribers
             self._auth.close()  # only now: without it, a CURVE socket admits anyone
@@ -579,6 +605,8 @@ class Publisher:
             return
         with self._cond:
             s, new = self._router.subscribe(ident, sub, now)
+        region = self._local_region(msg.get("shm"))
+        s.share = self._share if region is not None else None
         if new:
             self._peer_log.log(
                 log,
@@ -596,8 +624,46 @@ class Publisher:
             "step": self.last_step,
             "next_seq": s.next_unsent,
         }
+        if region is not None:
+            welcome["shm"] = region.offer()
         if self._send_session(ident, WELCOME, welcome):  # else it was dropped
             s.flush()
+
+    # ------------------------------------------------------------- shared memory
+    def _local_region(self, facts: Any) -> Region | None:
+        """The region for a subscriber whose HELLO says it runs on this host as this
+        user (``shm.host_facts``), made on first use; None: it gets the socket path."""
+        if not same_host(facts) or self._shm_bytes <= 0 or self._shm_failed:
+            return None
+        if self._region is None:
+            try:
+                pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+                self._region = Region(self._shm_bytes, pin=pin)
+            except ShmError as e:
+                self._shm_failed = True
+                log.warning("actbus: subscribers on this host use the socket: %s", e)
+                return None
+        return self._region
+
+    def _in_region(self, t: torch.Tensor | None) -> bool:
+        region = self._region
+        return region is not None and t is not None and region.offset(t) is not None
+
+    def _share(self, m: Item) -> tuple[bytes, torch.Tensor] | None:
+        """``m``'s rows in the region: where the engine copied them, or copied in here
+        once for every local subscriber (None: no room now; they go over the socket)."""
+        if m.shared is None:
+            region, t = self._region, m.tensor
+            if region is None or t is None:
+                return None
+            off = region.offset(t)
+            if off is None:
+                t = region.stage(t)  # one copy, whoever reads it
+                if t is None:
+                    return None
+                off = region.offset(t)
+            m.shared = (DESCRIPTOR.pack(off, m.nbytes), t)
+        return m.shared
 
     # -------------------------------------------------------------------- routing
     def _take_items(self) -> bool:

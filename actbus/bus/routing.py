@@ -41,6 +41,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +55,16 @@ from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import Clock, Policy, policy_of
 from actbus.bus.protocol import Subscription
 from actbus.bus.spill import SpillLog
-from actbus.wire import DATA, PROOF_BYTES, Header, RowIndex, WireError, pack_seq, tensor_to_frame
+from actbus.wire import (
+    DATA,
+    PROOF_BYTES,
+    REGION,
+    Header,
+    RowIndex,
+    WireError,
+    pack_seq,
+    tensor_to_frame,
+)
 
 log = logging.getLogger("actbus.publisher")
 
@@ -65,6 +75,10 @@ PENDING_LIMIT = 8
 Send = Callable[[list[Any]], bool]
 """Sends one data message's frames (``[ident, DATA, seq, header, payload]``); False:
 the subscriber is gone (the sender has already dealt with it)."""
+Share = Callable[["Item"], "tuple[bytes, torch.Tensor] | None"]
+"""A message's rows in the publisher's shared-memory region: its descriptor frame and
+the region tensor that holds them (held until acknowledged); None: no room now, and
+the message goes over the socket."""
 
 
 @dataclass
@@ -78,11 +92,14 @@ class Item:
     t_published: float = 0.0
     header_bytes: bytes = b""
     payload: memoryview | None = None
-    root: Item | None = None  # a filtered copy: the message it was cut from
+    # A filtered copy: the message it was cut from. Weak: the message keeps its cuts
+    # (``variants``), and a cycle would keep its rows' region block past its use.
+    root: weakref.ref[Item] | None = None
     sent_once: bool = False
     variants: dict[str, Item | None] | None = None  # per match filter, made once
     counted: tuple[Route, ...] = ()  # subscribers whose queued_in counts it
     left_queue: bool = False  # taken from the publisher's queue (routed or dropped)
+    shared: tuple[bytes, torch.Tensor] | None = None  # its rows in the shared region
 
     def materialize(self) -> None:
         """Wait for the device copy, then encode: done on the publisher thread."""
@@ -138,6 +155,11 @@ class Route:
         self.next_seq = 0  # the seq the next routed message gets
         self._proof_key = os.urandom(16)  # receipts are keyed per route: not guessable
         self.inflight: deque[tuple[int, int, int]] = deque()  # seq, nbytes, step
+        # The region blocks a local subscriber reads its messages from, by seq: held
+        # until acknowledged (a block is reused only once nothing refers to it).
+        self.reading: deque[tuple[int, torch.Tensor]] = deque()
+        self.share: Share | None = None  # set: the shared-memory path (a local subscriber)
+        self.shm_fallback = 0  # messages it got over the socket: no room in the region
         self.inflight_bytes = 0
         self.spill: SpillLog | None = None
         self.spiller: Policy | None = None  # whose overflow ``spill`` holds (it decides)
@@ -172,6 +194,7 @@ class Route:
         self.last_seen = now
         self.inflight.clear()
         self.inflight_bytes = 0
+        self.reading.clear()
 
     # -------------------------------------------------------------- accounting
     @property
@@ -246,6 +269,9 @@ class Route:
                 f"CREDIT acked={acked} is beyond the messages sent (the next is seq "
                 f"{self.next_seq}); acknowledge only what arrived"
             )
+        reading = self.reading  # what it no longer reads (only it can lose by lying)
+        while reading and reading[0][0] < acked:
+            reading.popleft()
         if not self.inflight or self.inflight[0][0] >= acked:
             return  # frees nothing: no receipt needed
         if proof != self.proof(acked - 1):
@@ -308,13 +334,23 @@ class Route:
                 nbytes, step = m.nbytes, m.header.step
                 if not self.may_send(nbytes):
                     return
-                frames = [
-                    self.ident,
-                    DATA,
-                    pack_seq(seq, self.proof(seq)),
-                    m.header_bytes,
-                    m.payload,
-                ]
+                held = None
+                if self.share is not None and nbytes:
+                    shared = self.share(m)
+                    if shared is None:
+                        self.shm_fallback += 1
+                    else:
+                        desc, held = shared
+                        frames = [self.ident, REGION, pack_seq(seq, self.proof(seq))]
+                        frames += [m.header_bytes, desc]
+                if held is None:
+                    frames = [
+                        self.ident,
+                        DATA,
+                        pack_seq(seq, self.proof(seq)),
+                        m.header_bytes,
+                        m.payload,
+                    ]
             elif self.spill:
                 rec = self.spill.head()
                 nbytes, step, seq = rec.payload_len, rec.step, rec.seq
@@ -328,6 +364,7 @@ class Route:
                     self.c.dropped["spill_error"] += 1
                     continue
                 frames = [self.ident, DATA, pack_seq(seq, self.proof(seq)), header_bytes, payload]
+                held = None
             else:
                 return
             if not self._send(frames):
@@ -336,12 +373,14 @@ class Route:
                 self.spill.discard()  # type: ignore[union-attr]
                 self.c.replayed += 1
             else:
-                root = m.root or m
-                if not root.sent_once:
+                root = m.root() if m.root is not None else m
+                if root is not None and not root.sent_once:
                     root.sent_once = True
                     self._latency.add(time.monotonic() - root.t_published)
                 pending.popleft()
             self.inflight.append((seq, nbytes, step))
+            if held is not None:
+                self.reading.append((seq, held))
             self.inflight_bytes += nbytes
             self.c.sent += 1
             self.c.bytes_sent += nbytes
@@ -355,6 +394,7 @@ class Route:
         self.pending.clear()
         if self.spill is not None:
             self.spill.close()
+        self.reading.clear()  # its region blocks are free once nobody else reads them
         return len(self.inflight)
 
     def stats(self, last_step: int) -> dict[str, Any]:
@@ -364,6 +404,8 @@ class Route:
             "name": self.sub.name,
             "policy": str(self.policy),
             "group": self.sub.group,
+            "path": "shm" if self.share is not None else "socket",
+            "shm_fallback": self.shm_fallback,
             **self.c.as_dict(),
             "sampled_out": self.c.sampled_out + self.sampled_at_source,
             "pending": len(self.pending),
@@ -398,7 +440,9 @@ def _variant(item: Item, sub: Subscription, key: str) -> Item | None:
         header = dataclasses.replace(
             item.header, rows=sub_rows, shape=(len(idx), *item.header.shape[1:])
         )
-        variant = Item(header, tensor, header.nbytes, t_published=item.t_published, root=item)
+        variant = Item(
+            header, tensor, header.nbytes, t_published=item.t_published, root=weakref.ref(item)
+        )
         variant.materialize()
     item.variants[key] = variant
     return variant
@@ -508,8 +552,9 @@ class Router:
         return got
 
     def close(self) -> None:
-        """Delete every spill."""
+        """Delete every spill; let go of the region blocks held for subscribers."""
         for route in self.routes.values():
+            route.reading.clear()
             if route.spill is not None:
                 route.spill.close()
         if self._spill_root is not None:

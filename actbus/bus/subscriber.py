@@ -1,8 +1,12 @@
 """The subscriber: a DEALER that asks for a subscription and grants credit.
 
 Iterating a ``Subscriber`` yields ``Batch`` objects whose tensors are made
-zero-copy over the received frames. Credit is a cumulative acknowledgement ("all
-below seq N arrived or is known lost"), sent after half a window and at least
+zero-copy over the received frames, or, on the publisher's host, over its
+shared-memory region (``shm.py``: the socket then carries only descriptors). Credit
+is a cumulative acknowledgement ("all below seq N arrived or is known lost"; on the
+region path, "and is no longer viewed": a region message is acknowledged only once
+every view of it is gone, so its block is never reused under a reader), sent after
+half a window and at least
 every 0.5 s while ``recv`` is called; it doubles as the subscriber's heartbeat.
 While the consumer is busy between ``recv`` calls (a slow ``on_batch``), a
 background thread keeps the publisher informed with KEEPALIVE messages on a socket
@@ -33,6 +37,8 @@ import logging
 import threading
 import time
 import uuid
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +46,9 @@ from typing import Any
 import torch
 import zmq
 
-from actbus.bus.protocol import Subscription
+from actbus.bus.protocol import MAX_WINDOW, Subscription
 from actbus.bus.security import ClientAuth
+from actbus.bus.shm import Mapping, ShmError, host_facts, wanted_by_default
 from actbus.logcap import capped, capped_text
 from actbus.wire import (
     BYE,
@@ -53,6 +60,7 @@ from actbus.wire import (
     KEEPALIVE,
     MARK,
     MONITOR_HOOK,
+    REGION,
     REJECT,
     STATS,
     WELCOME,
@@ -66,6 +74,9 @@ from actbus.wire import (
 )
 
 log = logging.getLogger("actbus.subscriber")
+IDLE_COPY_S = 0.1
+"""Region batches still kept this long after the last message are copied out, so
+their acknowledgement does not wait on the consumer (``Subscriber._shm_service``)."""
 WAITING_LOG_S = 5.0
 """While no publisher answers, a line every this many seconds says what we wait for."""
 
@@ -134,6 +145,16 @@ class Batch:
     seq: int
     source: Source | None = None
     """The publisher it came from (several under fan-in: ``actbus.bus.fanin``)."""
+    shared: bool = False
+    """``tensor`` is a view of the publisher's shared memory (``Subscriber``): held, it
+    holds back this subscriber's credit; ``keep`` gives rows to hold for long."""
+
+    def keep(self) -> torch.Tensor:
+        """The rows, to hold past this batch (buffered for seconds, encoded zero-copy
+        into something kept): a private copy when they are a view of the publisher's
+        shared memory, so neither its blocks nor this subscriber's credit wait on
+        them; the tensor itself when it came on the socket."""
+        return self.tensor.clone() if self.shared else self.tensor
 
     @property
     def step(self) -> int:
@@ -173,6 +194,14 @@ class SubscriberStats:
     publisher_view: dict[str, Any] = field(default_factory=dict)
     """The publisher's counters for this subscriber (sent, dropped by reason, spilled,
     replayed, queue depth, lag), from the latest heartbeat."""
+    path: str = "socket"
+    """How rows arrive: ``shm`` (read from the publisher's shared-memory region, on its
+    host) or ``socket`` (the bytes on the socket), as the last WELCOME settled."""
+    shm_received: int = 0
+    """Messages read from the region (the rest of ``received`` came on the socket)."""
+    copied_out: int = 0
+    """Region messages copied into private memory because the consumer kept them while
+    they held half its credit (so the publisher could reuse their blocks)."""
 
 
 class Subscriber:
@@ -190,13 +219,19 @@ class Subscriber:
         client_secret_key: str | None = None,
         context: zmq.Context | None = None,
         waiting_for: str | None = None,
+        shm: bool | None = None,
     ) -> None:
         """``context``: a ZeroMQ context to share (a ``FanIn``'s, whose subscribers then
         cost no I/O threads of their own); without one, the subscriber has its own.
         ``keepalive=False``: the caller sends the KEEPALIVEs (``keepalive_socket`` and
         ``beat``), as a ``FanIn`` does for all its subscribers from one thread.
         ``waiting_for``: what the waiting and connected lines say this subscriber is
-        for (default: what ``subscription`` asks)."""
+        for (default: what ``subscription`` asks). ``shm``: read rows from the
+        publisher's shared memory when it runs on this host (None: unless
+        ``ACTBUS_SHM=0``); a batch's tensor is then a view of that memory, mapped
+        read-only (writing into it is a SIGSEGV: clone first), valid while referenced:
+        the publisher reuses it only after every view of it is gone (and kept batches
+        are copied out once they hold back half the credit)."""
         self.address = address
         self._waiting_for = waiting_for
         # CURVE keys (checked now: ConfigError names a bad path), and handshake watching.
@@ -213,6 +248,18 @@ class Subscriber:
         self._sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
         self._next_seq = 0  # lowest seq not yet received (or known lost)
         self._receipt: tuple[int, bytes] | None = None  # the newest message read: seq, proof
+        self._shm = wanted_by_default() if shm is None else shm
+        self._mapping: Mapping | None = None
+        self._mapped_for: str | None = None  # the publisher run the mapping is of
+        # Region messages whose views are still referenced: seq -> (nbytes, the batch);
+        # below the lowest of them nothing is acknowledged (their blocks stay ours).
+        # Each: [nbytes, the batch (weak), copied out already].
+        self._held: dict[int, list[Any]] = {}
+        self._held_bytes = 0
+        self._released: deque[tuple[int, int]] = deque()  # (epoch, seq): finalizers, any thread
+        self._epoch = 0  # the publisher run's number here: an old run's views free nothing new
+        self._proofs: dict[int, bytes] = {}  # receipts of messages above the held ones
+        self._last_data = 0.0  # when the last data message arrived
         self._owed = 0  # messages received since the last acknowledgement
         self._owed_bytes = 0
         self._publisher_id: str | None = None
@@ -245,6 +292,8 @@ class Subscriber:
             try:  # a busy stream has a message waiting: no poll call needed
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                if self._held or self._released:
+                    self._shm_service()
                 wait = (
                     250 if deadline is None else min(250, max(0, deadline - time.monotonic()) * 1e3)
                 )
@@ -265,6 +314,8 @@ class Subscriber:
         self._check_publisher()
         if why := self._auth.failure():
             raise SubscriptionRejected(why)
+        if self._held or self._released:
+            self._shm_service()
 
     def take(self) -> tuple[bool, Batch | Event | None]:
         """One message if one is waiting (never blocks): (whether one was read, what
@@ -335,6 +386,7 @@ class Subscriber:
         """Say goodbye and release the sockets. Idempotent."""
         if self._sock.closed:
             return
+        self._mapping = None  # the region goes with the last view handed out
         self._stop.set()
         if self._keeper is not None:
             self._keeper.join(timeout=5)
@@ -398,7 +450,10 @@ class Subscriber:
 
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
-        self._send([HELLO, pack_map(self.subscription.to_wire())])
+        hello = self.subscription.to_wire()
+        if self._shm:
+            hello["shm"] = host_facts()  # the publisher offers its region if they match
+        self._send([HELLO, pack_map(hello)])
 
     def _silent(self, now: float) -> bool:
         if self.welcome is None:
@@ -428,6 +483,10 @@ class Subscriber:
                 )
             silent = False
         if silent and now - self._last_hello > 1.0:
+            if self._held:
+                # A new HELLO starts its credit afresh: the publisher may then reuse
+                # the blocks of whatever it had sent, so nothing handed out relies on them.
+                self._copy_out(everything=True)
             if self.welcome is not None:
                 log.warning("publisher at %s went quiet; subscribing again", self.address)
                 self.stats.lost += 1
@@ -460,6 +519,8 @@ class Subscriber:
         # Acknowledges what was read, with the last message's receipt (the publisher
         # frees nothing without it); messages known lost need no acknowledgement.
         seq, proof = self._receipt if self._receipt else (-1, b"")
+        if self._held or self._released:
+            seq, proof = self._acknowledgeable(seq, proof)
         self._send([CREDIT, pack_map({"acked": seq + 1, "proof": proof})])
         self._owed = 0
         self._owed_bytes = 0
@@ -469,7 +530,7 @@ class Subscriber:
         self._last_heard = time.monotonic()
         self._busy_logged = False
         tag = frames[0].bytes if frames else b""
-        if tag == DATA:
+        if tag in (DATA, REGION):
             self._owed += 1
             self._owed_bytes += len(frames[-1].buffer)
             try:
@@ -539,8 +600,14 @@ class Subscriber:
                 self.source = Source(self.address, pid, dp_rank)
                 self._next_seq = next_seq
                 self._receipt = None
+                # Numbering starts afresh: views of the old run's messages free nothing.
+                self._epoch += 1
+                self._held.clear()
+                self._held_bytes = 0
+                self._proofs.clear()
             else:
                 self._skip_to(next_seq)
+            self._settle_path(body)
             self._auth.settle()  # this WELCOME came over the latest handshake
             self._welcome_handshakes = self._auth.handshakes
             if repeat:
@@ -574,11 +641,106 @@ class Subscriber:
             raise SubscriptionRejected(f"publisher at {self.address} refused: {reason}")
         raise WireError(f"unknown message tag {tag[:8]!r}")
 
+    def _acknowledgeable(self, seq: int, proof: bytes) -> tuple[int, bytes]:
+        """The newest message below every region message still viewed, and its receipt:
+        acknowledging it lets the publisher reuse the blocks of what it covers."""
+        self._collect_released()
+        if self._held:
+            below = min(self._held)
+            older = [s for s in self._proofs if s < below]
+            if not older:
+                return -1, b""  # frees nothing yet: the publisher ignores it
+            seq = max(older)
+            proof = self._proofs[seq]
+        for s in [s for s in self._proofs if s <= seq]:
+            del self._proofs[s]
+        return seq, proof
+
+    def _collect_released(self) -> None:
+        while self._released:
+            epoch, released = self._released.popleft()
+            gone = self._held.pop(released, None) if epoch == self._epoch else None
+            if gone is not None:
+                self._held_bytes -= gone[0]
+
+    def _copy_out(self, *, everything: bool = False) -> None:
+        """Region batches the consumer keeps hold back the acknowledgement of every
+        message after them (it is cumulative): once they hold back half the credit,
+        in messages or bytes, copy the oldest into private memory, so their blocks go
+        back to the publisher. A view made from a batch's tensor still holds its
+        block until it goes (``Subscriber``'s docstring)."""
+        self._collect_released()
+        sub = self.subscription
+        oldest_kept = self._next_seq - max(1, sub.window // 2)  # copy out what is older
+        nbytes = self._held_bytes
+        for seq in sorted(self._held):
+            if not everything and seq > oldest_kept and nbytes < sub.window_bytes // 2:
+                break
+            entry = self._held[seq]
+            nbytes -= entry[0]
+            batch = entry[1]()
+            if batch is None or entry[2]:
+                continue  # only the consumer's own views of it are left
+            entry[2] = True
+            private = batch.tensor.clone()
+            try:
+                batch.tensor.set_(private)  # whoever holds this tensor sees the copy
+            except RuntimeError:
+                batch.tensor = private
+            self.stats.copied_out += 1
+            # Drops the last reference to the region view unless the consumer made
+            # views of its own (then the block stays held until they go).
+            del batch, private
+
+    def _shm_service(self) -> None:
+        """Nothing waits on the socket: return what the consumer let go (credit), and
+        copy out what it keeps once that holds back half the credit, or all of it once
+        the stream pauses (``IDLE_COPY_S``: a publisher closing waits for its acks)."""
+        if self._held:
+            sub = self.subscription
+            if time.monotonic() - self._last_data > IDLE_COPY_S:
+                self._copy_out(everything=True)
+            elif (
+                self._next_seq - min(self._held) >= max(1, sub.window // 2)
+                or self._held_bytes >= sub.window_bytes // 2
+            ):
+                self._copy_out()
+        if self._released and not self._sock.poll(0):
+            self._grant()
+
     def _skip_to(self, seq: int) -> None:
         if seq > self._next_seq:
             self.stats.missed += seq - self._next_seq
             self._next_seq = seq
             self._grant()
+
+    def _settle_path(self, welcome: dict[str, Any]) -> None:
+        """Map the region a WELCOME offers (once per publisher run), or read from the
+        socket. A region that cannot be mapped is refused with one warning, and the
+        subscription asked again without it (what was sent meanwhile is counted lost)."""
+        offer = welcome.get("shm")
+        if offer is None or not self._shm:
+            self._mapping, self._mapped_for = None, None
+            self.stats.path = "socket"
+            return
+        run = welcome.get("publisher_id")
+        if self._mapping is None or self._mapped_for != run:
+            try:
+                self._mapping = Mapping.attach(offer)
+                self._mapped_for = run
+            except ShmError as e:
+                log.warning(
+                    "cannot read the shared memory of the publisher at %s (%s); "
+                    "reading from its socket instead",
+                    self.address,
+                    capped_text(str(e)),
+                )
+                self._shm = False
+                self._mapping, self._mapped_for = None, None
+                self.stats.path = "socket"
+                self._hello()
+                return
+        self.stats.path = "shm"
 
     def _data(self, frames: list[zmq.Frame]) -> Batch:
         """Check the whole message first: a bad one changes no state but ``rejected``."""
@@ -586,7 +748,13 @@ class Subscriber:
             raise WireError(f"data message has {len(frames)} frames, expected 4")
         seq, proof = unpack_seq(frames[1].buffer)
         header = Header.decode(frames[2].buffer)
-        tensor = frame_to_tensor(frames[3].buffer, header)
+        view = None
+        if frames[0].bytes == REGION:
+            if self._mapping is None:
+                raise WireError("a region message, but no region is mapped", "descriptor")
+            tensor, view = self._mapping.tensor(frames[3].buffer, header)
+        else:
+            tensor = frame_to_tensor(frames[3].buffer, header)
         if seq > self._next_seq:
             self.stats.missed += seq - self._next_seq
         self._next_seq = max(self._next_seq, seq + 1)
@@ -595,4 +763,19 @@ class Subscriber:
         self.stats.received += 1
         self.stats.bytes_received += header.nbytes
         self.stats.last_step = max(self.stats.last_step, header.step)
-        return Batch(header=header, tensor=tensor, seq=seq, source=self.source)
+        batch = Batch(
+            header=header, tensor=tensor, seq=seq, source=self.source, shared=view is not None
+        )
+        if self._mapping is not None:
+            self._proofs[seq] = proof
+            if len(self._proofs) > 4 * MAX_WINDOW:  # a publisher numbering without end
+                del self._proofs[min(self._proofs)]
+        if view is not None:
+            self._last_data = time.monotonic()
+            self.stats.shm_received += 1
+            self._held[seq] = [header.nbytes, weakref.ref(batch), False]
+            self._held_bytes += header.nbytes
+            # Runs when the last view of these rows goes, in whatever thread drops it.
+            weakref.finalize(view, self._released.append, (self._epoch, seq))
+            del view
+        return batch

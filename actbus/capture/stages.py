@@ -102,6 +102,9 @@ class StageForwarder:
         capture time)."""
         pass
 
+    def host_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        return None  # the rows go to the first stage over a socket
+
     def drop(self, header: Header) -> None:  # never asked: admit sends everything
         raise AssertionError("a forwarding stage does not drop")
 

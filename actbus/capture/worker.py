@@ -192,6 +192,7 @@ class CaptureWorker:
             insecure_allow_any_interface=cfg.insecure_allow_any_interface,
             max_window_mb=cfg.max_window_mb,
             max_subscribers=cfg.max_subscribers,
+            shm_mb=cfg.shm_mb,
         )
         if stage[1] > 1:
             self._stages = StageInbox(self.publisher, stage_address(address))
@@ -441,11 +442,18 @@ class CaptureWorker:
         copy is one transfer.
         """
         bufs = [self.taps.buffers[k] for k in keys]
-        if whole:  # every row of every tap: one stacking copy
-            return torch.stack([b[:n] for b in bufs])
         held = p.held
-        m = 0 if idx is None else len(idx)
-        acts = bufs[0].new_empty((len(keys), m + len(held), bufs[0].shape[1]))
+        m = n if whole else (0 if idx is None else len(idx))
+        shape = (len(keys), m + (0 if whole else len(held)), bufs[0].shape[1])
+        # On CPU the rows are gathered straight into the memory local subscribers
+        # read (the publisher's shared region), so they are copied once, here.
+        acts = None if bufs[0].is_cuda else self.publisher.host_tensor(shape, bufs[0].dtype)
+        if whole:  # every row of every tap: one stacking copy
+            if acts is None:
+                return torch.stack([b[:n] for b in bufs])
+            return torch.stack([b[:n] for b in bufs], out=acts)
+        if acts is None:
+            acts = bufs[0].new_empty(shape)
         if idx is not None:
             for i, b in enumerate(bufs):
                 torch.index_select(b, 0, idx, out=acts[i, :m])
@@ -466,7 +474,8 @@ class CaptureWorker:
 
         ``tensors`` are fresh device tensors (copies or gathers made on the compute
         stream, so the tap buffers are free for the next forward in stream order);
-        the device-to-host copy into pinned memory runs on a side stream, overlapping
+        the device-to-host copy into pinned memory (the publisher's shared region when
+        subscribers on this host read it) runs on a side stream, overlapping
         the next step. Returns the host tensors and an event the publisher thread
         waits on before reading them.
         """
@@ -478,7 +487,11 @@ class CaptureWorker:
         hosts = []
         with torch.cuda.stream(self._side):
             for t in staged:
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                # Into the shared region local subscribers read (pinned), else torch's
+                # pinned cache.
+                h = self.publisher.host_tensor(tuple(t.shape), t.dtype)
+                if h is None:
+                    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 h.copy_(t, non_blocking=True)
                 t.record_stream(self._side)  # keep the staging memory until copied
                 hosts.append(h)

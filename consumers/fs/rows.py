@@ -43,7 +43,9 @@ class TapRows:
             positions=np.asarray(ri.positions, dtype=np.int64),
             token_ids=np.asarray(ri.token_ids, dtype=np.int64),
             tags=ri.row_tags(),
-            tensor=batch.tensor,
+            # Buffered for up to --flush-s and encoded zero-copy: never a view of the
+            # publisher's shared memory, which would hold back the sink's credit.
+            tensor=batch.keep(),
         )
 
     def __len__(self) -> int:

@@ -38,6 +38,7 @@ def _msg(step: int, layer: int = 0, rows: int = 4, hidden: int = 64):
     return hdr, torch.full((rows, hidden), float(step))
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_block_subscriber_receives_everything_in_order(publisher, address):
     with Subscriber(address, Subscription(window=4, name="a")) as sub:
         sub.wait_welcome(10)
@@ -52,6 +53,7 @@ def test_block_subscriber_receives_everything_in_order(publisher, address):
     assert all(float(b.tensor[0, 0]) == b.step for b in got)
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_drop_newest_is_counted_and_does_not_slow_block(publisher, address):
     fast = Subscriber(address, Subscription(policy="block", window=8, name="fast"))
     slow = Subscriber(address, Subscription(policy="drop_newest", window=2, name="slow"))
@@ -74,6 +76,7 @@ def test_drop_newest_is_counted_and_does_not_slow_block(publisher, address):
     slow.close()
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_layer_filter(publisher, address):
     with Subscriber(address, Subscription(layers=(1,), name="l1")) as sub:
         sub.wait_welcome(10)
@@ -83,6 +86,7 @@ def test_layer_filter(publisher, address):
     assert [b.layer for b in got] == [1] * 5 and [b.seq for b in got] == list(range(5))
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_late_joiner_starts_at_current_step(publisher, address):
     for i in range(20):
         publisher.publish(*_msg(i))
@@ -127,6 +131,7 @@ def test_malformed_session_messages_are_counted_not_fatal(publisher, address):
         assert len(recv_batches(sub, 1)) == 1
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_killed_blocking_subscriber_stops_blocking(publisher, address):
     stuck = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "support" / "stuck_subscriber.py"), address],
@@ -153,6 +158,7 @@ def test_killed_blocking_subscriber_stops_blocking(publisher, address):
         stuck.kill()
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_end_and_resubscribe_after_publisher_restart(address):
     pub = Publisher(address, info={"model": "a"}, heartbeat_s=0.1)
     sub = Subscriber(address, Subscription(name="s"), silence_s=1.0)
@@ -173,6 +179,7 @@ def test_end_and_resubscribe_after_publisher_restart(address):
         pub.close(timeout=2)
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_byte_credit_bounds_bytes_in_flight(publisher, address):
     """With 1 KiB-row messages and 8 KiB of byte credit, at most 8 are ever unacknowledged."""
     with Subscriber(address, Subscription(window=1000, window_bytes=8 * 1024, name="b")) as sub:
@@ -187,6 +194,7 @@ def test_byte_credit_bounds_bytes_in_flight(publisher, address):
     assert [b.step for b in got] == list(range(40))
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_oversized_message_goes_alone(publisher, address):
     with Subscriber(address, Subscription(window_bytes=100, name="tiny")) as sub:
         sub.wait_welcome(10)
@@ -196,6 +204,7 @@ def test_oversized_message_goes_alone(publisher, address):
     assert [b.step for b in got] == [0, 1, 2]
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_drop_newest_sends_a_burst_it_has_credit_for(publisher, address):
     with Subscriber(address, Subscription(policy="drop_newest", window=64, name="d")) as sub:
         sub.wait_welcome(10)
@@ -206,6 +215,7 @@ def test_drop_newest_sends_a_burst_it_has_credit_for(publisher, address):
     assert [b.step for b in got] == list(range(40))
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_every_drop_is_a_visible_gap(publisher, address):
     with Subscriber(address, Subscription(policy="drop_newest", window=2, name="g")) as sub:
         sub.wait_welcome(10)
@@ -251,6 +261,7 @@ def test_subscriber_without_publisher_times_out_and_closes(tmp_path):
     assert time.monotonic() - t0 < 6
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_drop_oldest_keeps_the_newest_and_counts_evictions(publisher, address):
     with Subscriber(address, Subscription(policy="drop_oldest", window=2, name="o")) as sub:
         sub.wait_welcome(10)
@@ -265,6 +276,7 @@ def test_drop_oldest_keeps_the_newest_and_counts_evictions(publisher, address):
     assert evicted == 40 and sub.stats.missed == 40
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_sample_takes_every_nth_step(publisher, address):
     with Subscriber(address, Subscription(policy="sample", sample_every=5, name="s")) as sub:
         sub.wait_welcome(10)

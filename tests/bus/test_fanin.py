@@ -85,6 +85,7 @@ def test_one_address_stays_a_plain_subscriber(tmp_path):
 
 
 # ---------------------------------------------------------------- delivery
+@pytest.mark.usefixtures("bus_path")
 def test_two_publishers_each_message_once_and_in_order(tmp_path):
     addrs = [f"ipc://{tmp_path}/p{i}.sock" for i in range(2)]
     pubs = [_pub(a) for a in addrs]
@@ -123,6 +124,7 @@ def test_two_publishers_each_message_once_and_in_order(tmp_path):
         assert per[a]["publisher_id"] == pubs[k].id
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_end_comes_once_every_publisher_ended(tmp_path):
     addrs = [f"ipc://{tmp_path}/p{i}.sock" for i in range(2)]
     pubs = [_pub(a) for a in addrs]

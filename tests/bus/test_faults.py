@@ -95,6 +95,7 @@ def test_a_frozen_blocking_subscriber_stops_blocking_at_the_timeout(publisher, a
         stuck.wait(timeout=10)
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_subscriber_resumes_after_the_publisher_is_killed_and_restarted(address):
     """kill -9 of the publisher process: no END is sent; the subscriber notices the
     silence, subscribes again, and the new publisher's stream flows."""

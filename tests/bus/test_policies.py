@@ -123,6 +123,7 @@ def test_every_policy_beside_a_fast_lossless_subscriber(tmp_path):
     assert list(spill_root.iterdir()) == [], "the publisher left its spill directory behind"
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_spill_is_deleted_and_counted_when_the_subscriber_leaves(tmp_path):
     address = f"ipc://{tmp_path}/bus.sock"
     pub = Publisher(address, info={"model": "t"}, heartbeat_s=0.1, spill_dir=tmp_path)
@@ -168,6 +169,7 @@ def test_spill_replays_across_segments_in_order(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.usefixtures("bus_path")
 def test_spill_block_fallback_holds_the_stream_at_the_cap(tmp_path):
     """Cap reached with fallback block: nothing dropped, the publisher waits instead."""
     address = f"ipc://{tmp_path}/bus.sock"

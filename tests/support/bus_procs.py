@@ -9,6 +9,8 @@ python -m tests.bus_procs subscribers ADDR NAME[@GROUP]:POLICY:DELAY_S:WINDOW ..
     (POLICY may itself contain colons: the spec is split from both ends.)
 python -m tests.bus_procs publisher ADDR HZ
     Publishes a step every 1/HZ s until killed; prints "ready ID" once bound.
+python -m tests.bus_procs holder ADDR N
+    Reads N batches and keeps them (views of shared memory) until killed.
 """
 
 from __future__ import annotations
@@ -165,9 +167,26 @@ def publisher(address: str, hz: float) -> None:
         time.sleep(1 / hz)
 
 
+def holder(address: str, n: int) -> None:
+    """Read ``n`` batches from shared memory and keep them (views of the publisher's
+    region) until killed; prints "ready" once welcomed, then "held N PATH"."""
+    sub = Subscriber(address, Subscription(window=64, name="holder"), silence_s=30)
+    sub.wait_welcome(60)
+    say("ready holder")
+    kept = []
+    while len(kept) < n:
+        out = sub.recv(timeout=1.0)
+        if isinstance(out, Batch):
+            kept.append(out)
+    say(f"held {len(kept)} {sub.stats.path}")
+    time.sleep(600)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "subscribers":
         subscribers(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "holder":
+        holder(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "publisher":
         publisher(sys.argv[2], float(sys.argv[3]))
     else:
