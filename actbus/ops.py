@@ -63,5 +63,7 @@ def tap_router(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, scal
 
 
 @tap_router.register_fake
-def _tap_router_fake(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, scale: float) -> None:
+def _tap_router_fake(
+    out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, scale: float
+) -> None:
     return None

@@ -89,7 +89,6 @@ def build_tiny_model(arch: str = "llama", cache: Path | None = None, **overrides
 
 
 def _write_model(path: Path, cfg: dict[str, Any]) -> None:
-    import torch
     import transformers
 
     tokenizer = _train_tokenizer(cfg["vocab_size"])

@@ -36,9 +36,9 @@ from actbus.engine.internals import (
     vllm_version,
 )
 from actbus.engine.layers import find_decoder_layers, owned_layers, wrap_layer
-from actbus.engine.moe import model_experts, wrap_router
 from actbus.engine.mode import log as mode_log
 from actbus.engine.mode import mode_line
+from actbus.engine.moe import model_experts, wrap_router
 from actbus.engine.parts import EngineParts
 from actbus.errors import ConfigError
 from actbus.monitor.config import MonitorConfig
