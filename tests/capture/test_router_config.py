@@ -21,7 +21,7 @@ def _config(arch: str) -> dict:
 
 
 def test_dense_model_refuses_router_by_name():
-    with pytest.raises(ConfigError, match="'router'.*LlamaForCausalLM has no experts"):
+    with pytest.raises(ConfigError, match=r"'router'.*LlamaForCausalLM has no experts"):
         check_router(_config("llama"), ("post_block", "router"), "LlamaForCausalLM")
     check_router(_config("llama"), ("post_block",), "LlamaForCausalLM")  # untouched
     check_router(_config("qwen3_moe"), ("router",), "Qwen3MoeForCausalLM")

@@ -73,7 +73,6 @@ def main() -> int:
     import torch
 
     from actbus.streams import point_key
-
     from actbus.tiny_models import MOE_ARCHITECTURES, build_tiny_model
     from tests.support.oracle import hf_activations, max_rel_error
     from tests.support.recorder import RowRecorder
