@@ -103,9 +103,7 @@ def main() -> int:
         pipeline_parallel_size=args.pp,
         **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         seed=0,
-        additional_config={
-            "actbus": {"publish": address, "layers": LAYERS, "hooks": engine_hooks}
-        },
+        additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": engine_hooks}},
     )
     start_s = time.monotonic() - t0
     col = RowRecorder(address)
