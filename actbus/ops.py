@@ -66,3 +66,22 @@ def stream_copy(x: torch.Tensor) -> torch.Tensor:
 @stream_copy.register_fake
 def _stream_copy_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("actbus::tap_router", mutates_args=("out",))
+def tap_router(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, scale: float) -> None:
+    """``out[:n] = [ids, weights * scale]`` in float32: a router's top-k choice per token
+    (expert ids are small integers, exact in float32), read where the router returns
+    it (``actbus.engine.moe``). ``scale``: a routed scaling factor the MoE block applies
+    to the experts' output rather than to the weights, so the row holds the weight each
+    expert's output is multiplied by."""
+    n, k = ids.shape[0], ids.shape[1]
+    out[:n, :k].copy_(ids)
+    out[:n, k : 2 * k].copy_(weights * scale)
+
+
+@tap_router.register_fake
+def _tap_router_fake(
+    out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, scale: float
+) -> None:
+    return None

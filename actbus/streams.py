@@ -16,6 +16,11 @@ POSITION_MODES = ("all", "prompt", "generated", "last_prompt", "last")
 HOOKS = ("pre_attn", "post_attn", "mlp_out", "post_block")
 """Per decoder layer: the residual stream entering it, after attention is added,
 what the MLP block adds, and the stream leaving it (``post_attn + mlp_out``)."""
+ROUTER_HOOK = "router"
+"""Opt-in, mixture-of-experts layers only: per token the top-k expert ids and their
+routing weights, as the layer's own router chose them (``actbus.router``)."""
+CAPTURE_HOOKS = (*HOOKS, ROUTER_HOOK)
+"""Every stream capture can publish: the four points of the stream and the router."""
 STEER_HOOKS = ("pre_attn", "post_attn", "post_block")
 """Where a vector can be added: the stream entering a layer, after attention is added,
 and leaving it (``mlp_out`` is not a point of the stream)."""
@@ -83,8 +88,10 @@ def parse_hooks(
     if not isinstance(raw, (list, tuple)) or not raw:
         raise ConfigError(f"{where}: expected a hook name or a non-empty list of them, got {raw!r}")
     for i, h in enumerate(raw):
-        if steerable is None and h not in HOOKS:
-            raise ConfigError(f"{where}[{i}]: unknown hook {h!r}; supported: {', '.join(HOOKS)}")
+        if steerable is None and h not in CAPTURE_HOOKS:
+            raise ConfigError(
+                f"{where}[{i}]: unknown hook {h!r}; supported: {', '.join(CAPTURE_HOOKS)}"
+            )
         if steerable is not None and h not in STEER_HOOKS:
             raise ConfigError(
                 f"{where}[{i}]: {h!r} is not a steering point; use one of {', '.join(STEER_HOOKS)}"
@@ -170,14 +177,14 @@ def parse_point_key(s: str) -> tuple[int, str]:
     if m is None:
         raise ConfigError(
             f"stream name {s!r:.80} is not a (layer, hook) name; write it as "
-            f"L<layer>.<hook>, e.g. L3.post_block (hooks: {', '.join(HOOKS)})"
+            f"L<layer>.<hook>, e.g. L3.post_block (hooks: {', '.join(CAPTURE_HOOKS)})"
         )
     digits = m["new"] or m["slash"] or m["dir"]
     hook = m["new_hook"] or m["slash_hook"] or m["dir_hook"]
     layer = int(digits)
-    if hook not in HOOKS:
+    if hook not in CAPTURE_HOOKS:
         raise ConfigError(
-            f"stream name {s!r:.80}: unknown hook {hook!r}; supported: {', '.join(HOOKS)}"
+            f"stream name {s!r:.80}: unknown hook {hook!r}; supported: {', '.join(CAPTURE_HOOKS)}"
         )
     if layer > MAX_INT32:
         raise ConfigError(f"stream name {s!r:.80}: layer {show_int(layer)} is past int32")

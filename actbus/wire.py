@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from actbus.logcap import capped
-from actbus.streams import HOOKS, MAX_INT32
+from actbus.streams import HOOKS, MAX_INT32, ROUTER_HOOK
 
 SCHEMA_VERSION = 1
 
@@ -81,9 +81,13 @@ MONITOR_HOOK = "monitor"
 """The monitors' score hook: the hook name of a data message of float32 ``[rows, width]`` scores
 whose header's ``monitor`` field names the monitor, its weights' version and its point
 (``layer`` is the point's layer). Only subscribers that name this hook get them."""
-KNOWN_HOOKS = frozenset(HOOKS) | {MONITOR_HOOK}
-"""The hook names a header may carry: the hook points capture taps, and the monitors'
-score hook."""
+KNOWN_HOOKS = frozenset(HOOKS) | {MONITOR_HOOK, ROUTER_HOOK}
+"""The hook names a header may carry: the hook points capture taps, the router's, and
+the monitors' score hook."""
+NAMED_ONLY_HOOKS = frozenset({MONITOR_HOOK, ROUTER_HOOK})
+"""Streams whose rows are not the residual stream's width (monitor scores; the router's
+``[rows, 2 * top_k]`` float32 rows, ``actbus.router``): only a subscriber that names the
+hook gets them, so a consumer of activations never receives rows of another width."""
 MAX_MONITOR_NAME_CHARS = 200
 
 
@@ -479,6 +483,12 @@ class Header:
                     f"header field 'dtype': monitor scores are float32, not {dtype}", "dtype"
                 )
             hdr.monitor = MonitorInfo.from_wire(d["monitor"], hdr.shape[1])
+        elif hook == ROUTER_HOOK and (dtype != "float32" or hdr.shape[1] % 2):
+            raise WireError(
+                f"header field 'dtype'/'shape': router rows are float32 [rows, 2 * top_k], "
+                f"not {dtype} of width {hdr.shape[1]}",
+                "shape",
+            )
         elif "monitor" in d:
             raise WireError(
                 f"header field 'monitor': set on a message of hook {hook!r}, not {MONITOR_HOOK!r}",

@@ -23,6 +23,10 @@ subscriber.
     python benchmarks/bench_capture.py [--prompts 512 --input 256 --output 256]
     python benchmarks/bench_capture.py --tp 2          # every arm at tensor parallel 2
     python benchmarks/bench_capture.py --tiny      # a CPU check with the tiny Llama
+
+``--moe``: the Qwen3-30B-A3B shape (48 layers, 128 experts, top 8; dummy bf16 weights;
+``--tiny``: the tiny Qwen3-MoE) and its arms: plain, none, 1_layer (layer 24),
+4_layers (6, 18, 30, 42) and router_all (the ``router`` hook on every layer).
 """
 
 from __future__ import annotations
@@ -65,6 +69,14 @@ CONFIGS = {  # layers, policy, subscribers
     "all_layers_drop": ("all", "drop_newest", 1),
 }
 TINY_LAYERS = {16: 2, 4: 0, 12: 1, 20: 2, 28: 3}  # the tiny Llama has 4 layers
+MOE_CONFIGS = {  # name -> (layers, policy, hooks)
+    "plain": None,
+    "none": None,
+    "1_layer": ([24], "block", None),
+    "4_layers": ([6, 18, 30, 42], "block", None),
+    "router_all": ("all", "block", ["router"]),
+}
+MOE_TINY_LAYERS = {24: 2, 6: 0, 18: 1, 30: 2, 42: 3}  # the tiny Qwen3-MoE has 4 layers
 DEFAULTS = {
     "gpu": {"prompts": 512, "input": 256, "output": 256},
     "tiny": {"prompts": 16, "input": 32, "output": 32},
@@ -73,18 +85,23 @@ DEFAULTS = {
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """One configuration, in this process: start the engine, generate, time it."""
-    model_dir, config = model(args.tiny)
+    model_dir, config = model(args.tiny, args.moe)
     par = Parallel.of(args)
     extra: dict = {}
     subs = []
-    if CONFIGS[name] is not None:
-        layers, policy, count = CONFIGS[name]
+    arm = (MOE_CONFIGS if args.moe else CONFIGS)[name]
+    if arm is not None:
+        # CONFIGS: (layers, policy, subscribers); MOE_CONFIGS: (layers, policy, hooks)
+        layers, policy, hooks, count = (*arm, 1) if args.moe else (*arm[:2], None, arm[2])
+        tiny_map = MOE_TINY_LAYERS if args.moe else TINY_LAYERS
         if args.tiny and layers != "all":
-            layers = [TINY_LAYERS[x] for x in layers]
+            layers = [tiny_map[x] for x in layers]
         address = bus_template(tempfile.mkdtemp(), "bus", par)
         extra = {"actbus": {"publish": address, "layers": layers, "queue_mb": 4096}}
+        if hooks:
+            extra["actbus"]["hooks"] = hooks
         for _ in range(count):  # counters summed over them (and over dp ranks)
-            subs += start_bus_subscribers(address, policy, par)
+            subs += start_bus_subscribers(address, policy, par, ",".join(hooks or []))
     from vllm import SamplingParams
 
     t0 = time.monotonic()
@@ -124,7 +141,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=None, help="512 (--tiny: 16)")
     ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
     ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B shape and its arms")
+    ap.add_argument("--configs", default=None, help="default: every arm")
     add_parallel_args(ap)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -134,13 +152,15 @@ def main() -> int:
     if args.one:
         print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
+    arms = MOE_CONFIGS if args.moe else CONFIGS
+    names = (args.configs or ",".join(arms)).split(",")
+    unknown = [n for n in names if n not in arms]
     if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+        ap.error(f"--configs: unknown {unknown}; choose from {list(arms)}")
     par = Parallel.of(args)
     argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
     argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else []) + par.argv()
+    argv += ["--moe"] if args.moe else []
     results = run_arms(
         __file__,
         names,

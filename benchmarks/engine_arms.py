@@ -49,20 +49,47 @@ LLAMA3_8B = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
 RESULT = "RESULT "
 """The prefix of an arm process's one line of results on stdout."""
 
 
-def model(tiny: bool) -> tuple[Path, dict[str, Any]]:
-    """The model directory and its config: the tiny Llama, or the Llama-3-8B shape."""
+def model(tiny: bool, moe: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The model directory and its config: the tiny Llama, or the Llama-3-8B shape
+    (``moe``: the tiny Qwen3-MoE, or the Qwen3-30B-A3B shape)."""
     if tiny:
         from actbus.tiny_models import build_tiny_model
 
-        path = build_tiny_model("llama")
+        path = build_tiny_model("qwen3_moe" if moe else "llama")
         return path, json.loads((path / "config.json").read_text())
-    path = Path(tempfile.mkdtemp(prefix="bench-8b-"))
-    (path / "config.json").write_text(json.dumps(LLAMA3_8B))
-    return path, LLAMA3_8B
+    shape = QWEN3_30B_A3B if moe else LLAMA3_8B
+    path = Path(tempfile.mkdtemp(prefix="bench-moe-" if moe else "bench-8b-"))
+    (path / "config.json").write_text(json.dumps(shape))
+    return path, shape
 
 
 @dataclass(frozen=True)
@@ -240,10 +267,12 @@ def timed_generate(llm: Any, prompts: list[Any], params: Any) -> tuple[list[Any]
     }
 
 
-def start_bus_subscriber(address: str, policy: str) -> subprocess.Popen:
-    """A ``null`` consumer in its own process: receives every message and counts it."""
+def start_bus_subscriber(address: str, policy: str, hooks: str = "") -> subprocess.Popen:
+    """A ``null`` consumer in its own process: receives every message and counts it
+    (``hooks``: the hooks it names, e.g. ``router``, which only a naming subscriber gets)."""
+    extra = ["--hooks", hooks] if hooks else []
     return subprocess.Popen(
-        consumer_command("null", address, "--policy", policy, "--log-level", "WARNING"),
+        consumer_command("null", address, "--policy", policy, "--log-level", "WARNING", *extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -277,9 +306,11 @@ def stop_bus_subscriber(name: str, sub: subprocess.Popen) -> dict[str, Any]:
     return stats
 
 
-def start_bus_subscribers(template: str, policy: str, par: Parallel) -> list[subprocess.Popen]:
+def start_bus_subscribers(
+    template: str, policy: str, par: Parallel, hooks: str = ""
+) -> list[subprocess.Popen]:
     """``start_bus_subscriber`` for each data-parallel rank's publisher, in rank order."""
-    return [start_bus_subscriber(a, policy) for a in par.addresses(template)]
+    return [start_bus_subscriber(a, policy, hooks) for a in par.addresses(template)]
 
 
 def wait_all_subscribed(template: str, name: str, par: Parallel) -> None:

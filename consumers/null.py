@@ -9,6 +9,7 @@ subscriber for benchmarks and drills.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -24,7 +25,8 @@ class NullConsumer(Consumer):
     name = "null"
     default_policy = "block"
 
-    def __init__(self, fail_at: int = 0, work_ms: float = 0.0) -> None:
+    def __init__(self, fail_at: int = 0, work_ms: float = 0.0, hooks: str = "") -> None:
+        self.hooks = tuple(h for h in hooks.split(",") if h)
         self.fail_at = fail_at
         self.work_s = work_ms / 1e3
         self.messages = 0
@@ -50,10 +52,20 @@ class NullConsumer(Consumer):
             metavar="T",
             help="hold each batch T ms, like a consumer with real work (default 0)",
         )
+        parser.add_argument(
+            "--hooks",
+            default="",
+            help="comma-separated hooks to receive (default: every activation hook; "
+            "router rows and monitor scores come only when named)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NullConsumer:
-        return cls(fail_at=args.fail_at, work_ms=args.work_ms)
+        return cls(fail_at=args.fail_at, work_ms=args.work_ms, hooks=args.hooks)
+
+    def subscription(self, *args: Any, **kwargs: Any):
+        sub = super().subscription(*args, **kwargs)
+        return dataclasses.replace(sub, hooks=self.hooks) if self.hooks else sub
 
     def on_batch(self, batch: Batch) -> None:
         if self.messages + 1 == self.fail_at:

@@ -24,7 +24,7 @@ from actbus.bus.policies import (
     SPILL_FALLBACKS,
     parse_policy,
 )
-from actbus.wire import MONITOR_HOOK, SCHEMA_VERSION, WireError
+from actbus.wire import NAMED_ONLY_HOOKS, SCHEMA_VERSION, WireError
 
 __all__ = [
     "DASHBOARD_POLICY",
@@ -183,10 +183,10 @@ class Subscription:
         )
 
     def wants(self, layer: int, hook: str) -> bool:
-        """Monitor scores (the monitors' score hook, ``MONITOR_HOOK``) go only to
-        subscribers that name that hook: ``hooks=None`` means every activation hook, so
-        consumers of activations never receive rows of another width."""
-        if hook == MONITOR_HOOK and (self.hooks is None or hook not in self.hooks):
+        """Monitor scores and router rows (``NAMED_ONLY_HOOKS``) go only to subscribers
+        that name that hook: ``hooks=None`` means every activation hook, so consumers of
+        activations never receive rows of another width."""
+        if hook in NAMED_ONLY_HOOKS and (self.hooks is None or hook not in self.hooks):
             return False
         return (self.layers is None or layer in self.layers) and (
             self.hooks is None or hook in self.hooks

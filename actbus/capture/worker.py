@@ -180,6 +180,11 @@ class CaptureWorker:
                 "requests": cfg.requests,
                 "engine": engine or {},
                 "pipeline_stages": stage[1],
+                **(
+                    {"router": {"num_experts": taps.experts[0], "top_k": taps.experts[1]}}
+                    if taps.experts
+                    else {}
+                ),
                 "dp_rank": dp[0],
                 "dp_size": dp[1],
                 **({"monitors": monitors} if monitors else {}),
@@ -369,23 +374,31 @@ class CaptureWorker:
                 p = parts[key] = _Part(list(old.entries), list(old.index))  # parts share
                 p.entries.append((st, np.array([st.last["pos"]], dtype=np.int64)))
                 p.index.append(None)  # marks a held row
-        pub, hidden = self.publisher, self.taps.hidden_size
-        row_bytes = hidden * self.taps.dtype.itemsize
+        pub, ts = self.publisher, self.taps
         none = _Part()
-        taps = [(k, parts.get(k, none)) for k in self.taps.keys if k in parts or ended]
+        taps = [(k, parts.get(k, none)) for k in ts.keys if k in parts or ended]
         offers = [
-            TapOffer(k[0], k[1], p.num_rows * row_bytes, bool(ended) or p.returning)
+            TapOffer(
+                k[0],
+                k[1],
+                p.num_rows * ts.width(k) * ts.dtype_of(k).itemsize,
+                bool(ended) or p.returning,
+            )
             for k, p in taps
         ]
-        groups: dict[int, tuple[_Part, list[tuple[int, str]]]] = {}  # taps sharing rows
+        # Taps sharing rows, and row width and dtype (the router's differ), share a copy.
+        groups: dict[tuple, tuple[_Part, list[tuple[int, str]]]] = {}
         for (key, p), verdict in zip(taps, pub.admit(self.step, offers), strict=True):
             if verdict is Admission.SEND:
-                groups.setdefault(id(p), (p, []))[1].append(key)
+                kind = (id(p), ts.width(key), ts.dtype_of(key))
+                groups.setdefault(kind, (p, []))[1].append(key)
             elif verdict is Admission.DROP:  # no copy: counted as a drop by the bus
-                pub.drop(self._header(key, (p.num_rows, hidden), RowIndex.empty(), ended))
+                pub.drop(self._header(key, (p.num_rows, ts.width(key)), RowIndex.empty(), ended))
         whole = full and not lasts
         for p, keys in groups.values():
-            shape = (p.num_rows, hidden)
+            width = ts.width(keys[0])
+            row_bytes = width * ts.dtype_of(keys[0]).itemsize
+            shape = (p.num_rows, width)
             idx, toks = self._rows(p, tok, whole=whole)  # once for every tap of the group
             # Staged in tensors of at most STAGE_BYTES: one block per step for every
             # tap would need GiBs of contiguous device memory next to the KV cache.
@@ -409,7 +422,7 @@ class CaptureWorker:
             step=self.step,
             layer=key[0],
             hook=key[1],
-            dtype=DTYPE_NAMES[self.taps.dtype],
+            dtype=DTYPE_NAMES[self.taps.dtype_of(key)],
             shape=shape,
             model=self.model_name,
             rows=rows,

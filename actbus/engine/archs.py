@@ -20,7 +20,33 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    # Mixture-of-experts (``mlp_out`` is the whole MoE block's output, shared experts
+    # included; the ``router`` hook reads their routers: ``actbus.engine.moe``).
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "DeepseekV2ForCausalLM",
 )
+
+_TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_router(config: dict, hooks: tuple[str, ...], architecture: str) -> None:
+    """Refuse the ``router`` hook on a model whose config names no experts (dense);
+    ``config`` is the model's config.json (or vLLM's ``hf_config`` as a dict)."""
+    if "router" not in hooks:
+        return
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    fields = {**text, **config}
+    experts = next((fields[f] for f in _EXPERT_FIELDS if fields.get(f)), 0)
+    top_k = next((fields[f] for f in _TOP_K_FIELDS if fields.get(f)), 0)
+    if not experts or not top_k:
+        raise ConfigError(
+            f"actbus.hooks: 'router' is a hook of mixture-of-experts models only; "
+            f"{architecture} has no experts (a dense model); drop 'router' from actbus.hooks"
+        )
 
 
 def check_architecture(architectures: list[str] | None) -> str:

@@ -26,7 +26,7 @@ from actbus.capture.taps import install_taps
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
 from actbus.engine import dataparallel
-from actbus.engine.archs import check_architecture
+from actbus.engine.archs import check_architecture, check_router
 from actbus.engine.internals import (
     STEER_METHODS,
     require,
@@ -38,6 +38,7 @@ from actbus.engine.internals import (
 from actbus.engine.layers import find_decoder_layers, owned_layers, wrap_layer
 from actbus.engine.mode import log as mode_log
 from actbus.engine.mode import mode_line
+from actbus.engine.moe import model_experts, wrap_router
 from actbus.engine.parts import EngineParts
 from actbus.errors import ConfigError
 from actbus.hooks import HookRunner, install_hooks
@@ -75,7 +76,8 @@ def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
     if cfg is None:
         return None
     mc = vllm_config.model_config
-    check_architecture(getattr(mc.hf_config, "architectures", None))
+    arch = check_architecture(getattr(mc.hf_config, "architectures", None))
+    check_router(mc.hf_config.to_dict(), cfg.hooks, arch)
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ConfigError(
             "actbus: speculative decoding is not supported with capture (draft tokens that "
@@ -234,6 +236,8 @@ def _capture_worker(
     mc = vllm_config.model_config
     cc = vllm_config.compilation_config
     mine = owned_layers(model, num_layers(mc), layers)  # this pipeline stage's
+    router = "router" in cfg.hooks
+    arch = check_architecture(getattr(mc.hf_config, "architectures", None))
     taps = install_taps(
         decoder,
         layers=mine,
@@ -242,9 +246,12 @@ def _capture_worker(
         max_rows=max_rows,
         dtype=mc.dtype,
         device=device,
+        experts=model_experts(decoder, mine, arch) if router else None,
     )
     for i in mine:
         wrap_layer(decoder[i])
+        if router:
+            wrap_router(decoder[i])
     name = cfg.model_name or _served_name(mc)
     engine = {
         "runner": runner,

@@ -59,6 +59,11 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     ap.add_argument("--attention-backend", default=None, help="e.g. FLEX_ATTENTION")
+    ap.add_argument(
+        "--arch",
+        default="llama",
+        help="the tiny model's builder (actbus.tiny_models); an MoE one adds the router hook",
+    )
     args = ap.parse_args()
     from tests.support.installed import require_actbus_plugin
 
@@ -68,14 +73,16 @@ def main() -> int:
     import torch
 
     from actbus.streams import point_key
-    from actbus.tiny_models import build_tiny_model
+    from actbus.tiny_models import MOE_ARCHITECTURES, build_tiny_model
     from tests.support.oracle import hf_activations, max_rel_error
     from tests.support.recorder import RowRecorder
 
     # head_dim 64: what GPU attention kernels support in every dtype.
     path = build_tiny_model(
-        "llama", hidden_size=256, intermediate_size=512, initializer_range=args.init
+        args.arch, hidden_size=256, intermediate_size=512, initializer_range=args.init
     )
+    moe = args.arch in MOE_ARCHITECTURES
+    engine_hooks = HOOKS + (["router"] if moe else [])
     address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -96,10 +103,13 @@ def main() -> int:
         pipeline_parallel_size=args.pp,
         **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         seed=0,
-        additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": HOOKS}},
+        additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": engine_hooks}},
     )
     start_s = time.monotonic() - t0
     col = RowRecorder(address)
+    from actbus.bus.protocol import Subscription
+
+    routes = RowRecorder(address, Subscription(window=1024, hooks=("router",))) if moe else None
     info = col.sub.welcome or {}
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(64)]
@@ -152,6 +162,25 @@ def main() -> int:
                 problems.append(f"{o.request_id}/{child.index}: rows returned unasked")
             if col.tags.get((o.request_id, child.index)) != sel.get("tags", {}):
                 problems.append(f"{o.request_id}: tags {col.tags.get((o.request_id, 0))}")
+            if routes is not None and "hooks" not in sel and "positions" not in sel:
+                from tests.support.router_oracle import hf_routing, split_sorted
+
+                routing = hf_routing(path, fed)
+                for layer in LAYERS:
+                    pos, _, rows = routes.get(o.request_id, layer, "router", child.index)
+                    if pos.tolist() != want:
+                        problems.append(f"{o.request_id} L{layer} router: positions")
+                        continue
+                    ids, weights = split_sorted(rows)
+                    ref_ids, ref_w = routing[layer]
+                    same = (ids == ref_ids).all(dim=-1)
+                    # bf16 near-ties may swap an expert: count rows, compare weights where equal
+                    worst["router_id_mismatch_frac"] = max(
+                        worst.get("router_id_mismatch_frac", 0.0), 1.0 - float(same.float().mean())
+                    )
+                    if same.any():
+                        err = float((weights[same] - ref_w[same]).abs().max())
+                        worst["router_weight_abs"] = max(worst.get("router_weight_abs", 0.0), err)
             for layer in LAYERS:
                 for hook in HOOKS:
                     pos, tok, acts = col.get(o.request_id, layer, hook, child.index)
@@ -186,6 +215,7 @@ def main() -> int:
                 "tp": args.tp,
                 "pp": args.pp,
                 "attention_backend": args.attention_backend or "default",
+                "arch": args.arch,
                 "engine": info.get("engine"),
                 "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 "engine_start_s": round(start_s, 1),

