@@ -1,6 +1,7 @@
 """The decoder layers of a loaded vLLM model, and what runs at each hook point.
 
-``find_decoder_layers`` finds the model's list of decoder layers; ``wrap_layer``
+``find_decoder_layers`` finds the model's list of decoder layers (by structure:
+``actbus.engine.anatomy``, which also reads each layer's form); ``wrap_layer``
 wraps one layer's forward so that, at each hook point, the features' in-graph work
 runs in one fixed order: steering (``actbus.steer.graph``) changes the stream, then
 the tap (``actbus.capture.taps``) copies it and the monitors
@@ -15,20 +16,16 @@ import torch
 from torch import nn
 
 from actbus import ops  # noqa: F401  (registers torch.ops.actbus.*)
-from actbus.errors import ConfigError
+from actbus.engine.anatomy import RESIDUAL, LayerForm, find_layers
 from actbus.monitor.graph import monitor_point
 from actbus.steer.graph import steer_point
 
 
 def find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The model's decoder-layer list (``model.model.layers`` in vLLM's families)."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and name.endswith("layers") and len(mod) == num_layers:
-            return mod
-    raise ConfigError(
-        f"actbus: could not find a list of {num_layers} decoder layers in "
-        f"{type(model).__name__}; this architecture is not supported for capture"
-    )
+    """The model's decoder-layer list (``model.model.layers`` in vLLM's own families,
+    ``language_model.model.layers`` in a multimodal wrapper); the engine reads their
+    form with ``actbus.engine.anatomy.anatomy``."""
+    return find_layers(model, num_layers)[1]
 
 
 def owned_layers(model: nn.Module, num_layers: int, layers: tuple[int, ...]) -> tuple[int, ...]:
@@ -37,54 +34,82 @@ def owned_layers(model: nn.Module, num_layers: int, layers: tuple[int, ...]) -> 
     return tuple(i for i in layers if type(decoder[i]).__name__ != "PPMissingLayer")
 
 
-def wrap_layer(layer: nn.Module) -> None:
+def wrap_layer(layer: nn.Module, form: LayerForm = RESIDUAL) -> None:
     """Wrap a decoder layer's forward once; what it does is read at trace time from
     ``_actbus_taps`` (hooks to capture), ``_actbus_steer_hooks`` (points to steer,
     ``actbus.steer.graph``) and ``_actbus_monitor`` (points to score,
     ``actbus.monitor.graph``). Steering comes first at a point, so captured rows and
-    monitor scores both read the steered stream."""
+    monitor scores both read the steered stream. ``form``: the layer's, as
+    ``actbus.engine.anatomy`` read it."""
     if getattr(layer, "_actbus_wrapped", False):
         return
     layer._actbus_wrapped = True
     inner = layer.forward
-    tap_sum, tap_copy = torch.ops.actbus.tap_sum, torch.ops.actbus.tap_copy
-    stream_sum = torch.ops.actbus.stream_sum
+    if form.adapter is None:  # the residual form: the points are the layer's own in and out
 
-    def forward(positions, hidden_states, residual=None, *args, **kwargs):
-        hooks = getattr(layer, "_actbus_taps", ())
-        steer = getattr(layer, "_actbus_steer_hooks", ())
-        mon = getattr(layer, "_actbus_monitor", {})
-        if "pre_attn" in steer:
-            if residual is None:  # the first layer: the stream is the embeddings
-                hidden_states = steer_point(layer, "pre_attn", hidden_states, hidden_states)
-            else:
-                residual = steer_point(layer, "pre_attn", hidden_states + residual, residual)
-        if "pre_attn" in hooks:
-            if residual is None:
-                tap_copy(layer._actbus_pre_attn, hidden_states)
-            else:
-                tap_sum(layer._actbus_pre_attn, hidden_states, residual)
-        if "pre_attn" in mon:  # the sum rounded as capture rounds it (``stream_sum``)
-            monitor_point(
-                layer,
-                "pre_attn",
-                hidden_states if residual is None else stream_sum(hidden_states, residual),
-            )
-        hidden, resid = inner(positions, hidden_states, residual, *args, **kwargs)
-        if "post_attn" in hooks:
-            tap_copy(layer._actbus_post_attn, resid)
-        if "post_attn" in mon:
-            monitor_point(layer, "post_attn", resid)
-        if "mlp_out" in hooks:
-            tap_copy(layer._actbus_mlp_out, hidden)
-        if "mlp_out" in mon:
-            monitor_point(layer, "mlp_out", hidden)
-        if "post_block" in steer:  # after post_attn is read: that stream is unchanged
-            resid = steer_point(layer, "post_block", hidden + resid, resid)
-        if "post_block" in hooks:
-            tap_sum(layer._actbus_post_block, hidden, resid)
-        if "post_block" in mon:
-            monitor_point(layer, "post_block", stream_sum(hidden, resid))
-        return hidden, resid
+        def forward(positions, hidden_states, residual=None, *args, **kwargs):
+            def run(h, r):
+                return inner(positions, h, r, *args, **kwargs)
+
+            return _points(layer, run, hidden_states, residual)
+
+    else:  # the stream in, the stream out: the adapter splits the layer's work
+        adapter, at = form.adapter, form.stream_arg
+
+        def forward(*args, **kwargs):
+            args = list(args)
+            stream = args[at] if len(args) > at else kwargs.pop("hidden_states")
+            batched = stream.dim() == 3  # HF's layers (Transformers backend): [1, tokens, hidden]
+            if batched:
+                stream = stream[0]
+
+            def run(h, _r):
+                return adapter(layer, inner, args[:at] + args[at + 1 :], kwargs, h)
+
+            hidden, resid = _points(layer, run, stream, None)
+            out = hidden + resid
+            return out[None] if batched else out
 
     layer.forward = forward
+
+
+def _points(layer: nn.Module, run, hidden_states, residual):
+    """Steering, taps and monitors around ``run(hidden_states, residual) -> (what the MLP
+    block adds, the stream after attention)``: the residual form's in and out."""
+    tap_sum, tap_copy = torch.ops.actbus.tap_sum, torch.ops.actbus.tap_copy
+    stream_sum = torch.ops.actbus.stream_sum
+    hooks = getattr(layer, "_actbus_taps", ())
+    steer = getattr(layer, "_actbus_steer_hooks", ())
+    mon = getattr(layer, "_actbus_monitor", {})
+    if "pre_attn" in steer:
+        if residual is None:  # the first layer: the stream is the embeddings
+            hidden_states = steer_point(layer, "pre_attn", hidden_states, hidden_states)
+        else:
+            residual = steer_point(layer, "pre_attn", hidden_states + residual, residual)
+    if "pre_attn" in hooks:
+        if residual is None:
+            tap_copy(layer._actbus_pre_attn, hidden_states)
+        else:
+            tap_sum(layer._actbus_pre_attn, hidden_states, residual)
+    if "pre_attn" in mon:  # the sum rounded as capture rounds it (``stream_sum``)
+        monitor_point(
+            layer,
+            "pre_attn",
+            hidden_states if residual is None else stream_sum(hidden_states, residual),
+        )
+    hidden, resid = run(hidden_states, residual)
+    if "post_attn" in hooks:
+        tap_copy(layer._actbus_post_attn, resid)
+    if "post_attn" in mon:
+        monitor_point(layer, "post_attn", resid)
+    if "mlp_out" in hooks:
+        tap_copy(layer._actbus_mlp_out, hidden)
+    if "mlp_out" in mon:
+        monitor_point(layer, "mlp_out", hidden)
+    if "post_block" in steer:  # after post_attn is read: that stream is unchanged
+        resid = steer_point(layer, "post_block", hidden + resid, resid)
+    if "post_block" in hooks:
+        tap_sum(layer._actbus_post_block, hidden, resid)
+    if "post_block" in mon:
+        monitor_point(layer, "post_block", stream_sum(hidden, resid))
+    return hidden, resid
