@@ -39,9 +39,9 @@ In the beginning was the token, and the token was embedded, normalised and atten
 
 def default_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
     """A small config: 4 layers, hidden 128, head_dim 32 (CPU attention needs >= 32)."""
-    if arch not in ARCHITECTURES + MOE_ARCHITECTURES:
-        known = ", ".join(ARCHITECTURES + MOE_ARCHITECTURES)
-        raise ValueError(f"arch: {arch!r} is not one of {known}")
+    known = (*ARCHITECTURES, *MOE_ARCHITECTURES, *FAMILY_ARCHITECTURES)
+    if arch not in known:
+        raise ValueError(f"arch: {arch!r} is not one of {', '.join(known)}")
     cfg: dict[str, Any] = {
         "arch": arch,
         "hidden_size": 128,
@@ -54,7 +54,8 @@ def default_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "initializer_range": 0.2,
-        "tie_word_embeddings": arch.startswith("gemma"),  # vLLM's Gemma always ties them
+        # vLLM's Gemma always ties them
+        "tie_word_embeddings": arch.startswith(("gemma", "paligemma")),
         "seed": 0,
     }
     cfg.update(overrides)
@@ -114,6 +115,8 @@ def _write_model(path: Path, cfg: dict[str, Any]) -> None:
         config, model_cls = _moe_config(arch, cfg, common)
         _save(path, config, model_cls, cfg, tokenizer)
         return
+    if arch in FAMILY_ARCHITECTURES:
+        return _write_family(path, cfg, tokenizer, common)
     conf_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -234,6 +237,112 @@ def _moe_config(arch: str, cfg: dict[str, Any], common: dict[str, Any]) -> tuple
 
 
 # ---- end of the mixture-of-experts builders ----
+
+
+# --- The families of issue 36 (dense and multimodal): each built by its HF classes. ---
+
+FAMILY_ARCHITECTURES = ("phi3", "granite", "olmo2", "gemma3mm", "paligemma", "gpt2")
+"""Tiny models of the other families actbus reads (``actbus.engine.anatomy``): Phi-3
+(Llama's layers), Granite (its own layer form, with multipliers), OLMo 2 (vLLM's
+Transformers backend, HF's layers), and two multimodal wrappers whose language model
+is a supported family (Gemma 3 4B+'s ``Gemma3ForConditionalGeneration``, PaliGemma 2);
+and GPT-2, whose blocks fit no form, for the refusal at start."""
+
+
+def _write_family(path: Path, cfg: dict[str, Any], tokenizer: Any, common: dict[str, Any]) -> None:
+    import torch
+    import transformers as tf
+
+    arch = cfg["arch"]
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    if arch == "phi3":
+        config = tf.Phi3Config(**common, rope_parameters=rope)
+        model_cls = tf.Phi3ForCausalLM
+    elif arch == "granite":  # multipliers away from 1, so each is exercised
+        config = tf.GraniteConfig(
+            **common,
+            rope_parameters=rope,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=1.0 / head_dim,
+            logits_scaling=2.0,
+        )
+        model_cls = tf.GraniteForCausalLM
+    elif arch == "gpt2":
+        config = tf.GPT2Config(
+            vocab_size=common["vocab_size"],
+            n_embd=cfg["hidden_size"],
+            n_layer=cfg["num_hidden_layers"],
+            n_head=cfg["num_attention_heads"],
+            n_positions=cfg["max_position_embeddings"],
+            bos_token_id=common["bos_token_id"],
+            eos_token_id=common["eos_token_id"],
+        )
+        model_cls = tf.GPT2LMHeadModel
+    elif arch == "olmo2":
+        config = tf.Olmo2Config(**common, rope_parameters=rope)
+        model_cls = tf.Olmo2ForCausalLM
+    else:  # a multimodal wrapper: a tiny vision tower, the text model as the others
+        text = {k: v for k, v in common.items() if k != "torch_dtype"}
+        vision = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        if arch == "gemma3mm":
+            n = cfg["num_hidden_layers"]
+            tc = tf.Gemma3TextConfig(
+                **text,
+                head_dim=head_dim,
+                query_pre_attn_scalar=head_dim,
+                hidden_activation="gelu_pytorch_tanh",
+                sliding_window=cfg.get("sliding_window", 64),
+                layer_types=["sliding_attention", "full_attention"] * (n // 2)
+                + ["sliding_attention"] * (n % 2),
+            )
+            tc.rope_parameters = {"full_attention": rope, "sliding_attention": dict(rope)}
+            config = tf.Gemma3Config(
+                text_config=tc.to_dict(),
+                vision_config=vision,
+                mm_tokens_per_image=4,
+                boi_token_index=common["bos_token_id"],
+                eoi_token_index=common["eos_token_id"],
+                image_token_index=common["vocab_size"] - 1,
+                torch_dtype="float32",
+            )
+            model_cls = tf.Gemma3ForConditionalGeneration
+        else:  # PaliGemma 2: Gemma 2's layers behind a SigLIP tower
+            tc = tf.Gemma2Config(
+                **text,
+                head_dim=head_dim,
+                query_pre_attn_scalar=head_dim,
+                hidden_activation="gelu_pytorch_tanh",
+                sliding_window=cfg.get("sliding_window", 64),
+                attn_logit_softcapping=None,  # as the gemma2 tiny model
+                final_logit_softcapping=None,
+                rope_parameters=rope,
+            )
+            config = tf.PaliGemmaConfig(
+                text_config=tc.to_dict(),
+                vision_config={**vision, "model_type": "siglip_vision_model"},
+                image_token_index=common["vocab_size"] - 1,
+                projection_dim=cfg["hidden_size"],
+                torch_dtype="float32",
+            )
+            config.text_config.num_image_tokens = 16
+            model_cls = tf.PaliGemmaForConditionalGeneration
+        config.tie_word_embeddings = common["tie_word_embeddings"]
+    torch.manual_seed(cfg["seed"])
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+# --- end of issue 36's families ---
 
 
 def _train_tokenizer(vocab_size: int):

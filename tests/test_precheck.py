@@ -66,13 +66,15 @@ def _refused(capsys, argv: list[str]) -> str:
 
 def test_what_config_json_and_the_sources_rule_out_is_refused_by_name(tmp_path, capsys):
     model = str(_model(tmp_path))
-    gpt2 = tmp_path / "gpt2"
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(
-        json.dumps({"architectures": ["GPT2LMHeadModel"], "num_hidden_layers": 2, "hidden_size": 8})
+    minicpm = tmp_path / "minicpm"
+    minicpm.mkdir()
+    (minicpm / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["MiniCPMForCausalLM"], "num_hidden_layers": 2, "hidden_size": 8}
+        )
     )
-    assert "architecture ['GPT2LMHeadModel'] is not supported for capture" in _refused(
-        capsys, [str(gpt2), "--layers", "0"]
+    assert "architecture MiniCPMForCausalLM is not supported for capture" in _refused(
+        capsys, [str(minicpm), "--layers", "0"]
     )
     monitor = {"monitor": {"monitors": {"m": {"weight": [0.5] * 64, "layers": [1]}}}}
     assert _refused(capsys, [model, "--layers", "1", "--actbus-config", json.dumps(monitor)]) == (

@@ -1,33 +1,31 @@
-"""The architectures capture supports, and the check, with no torch: ``actbus serve``
-refuses another one from the model's config.json before vLLM starts
-(``actbus.precheck``), the engine again from vLLM's config."""
+"""What is known of model families without torch, for ``actbus serve``'s check from the
+model's config.json before vLLM starts (``actbus.precheck``) and the engine's before
+weights load.
+
+Capture does not keep a list of the architectures it allows: the engine reads each
+model's decoder layers by structure once they load (``actbus.engine.anatomy``) and
+refuses, naming what it found, a layer of no form it reads. ``REFUSED`` holds that
+verdict for the families known to fit no form (each entry is checked against vLLM's
+source by ``tests/capture/test_anatomy.py``), so that ``actbus serve`` says it in a
+second instead of after an engine start; an architecture not named here is left to the
+engine's structural check.
+"""
 
 from __future__ import annotations
 
 from actbus.errors import ConfigError
 
-# Architectures whose vLLM decoder layers take ``(positions, hidden_states,
-# residual)`` and return ``(hidden_states, residual)`` where, on the way out,
-# ``residual`` is the stream after attention was added and ``hidden_states`` is what
-# the MLP block adds (Gemma: after its post-feedforward norm). On the way in the
-# stream is ``hidden_states + residual`` (the first layer gets ``residual=None``
-# and the embeddings). Every hook point is read off the layer's own inputs and
-# outputs, so no attention or MLP module is touched.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    # Mixture-of-experts (``mlp_out`` is the whole MoE block's output, shared experts
-    # included; the ``router`` hook reads their routers: ``actbus.engine.moe``).
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "OlmoeForCausalLM",
-    "DeepseekV2ForCausalLM",
-)
+REFUSED: dict[str, str] = {
+    "CohereForCausalLM": (
+        "its layer (vLLM's CohereDecoderLayer) takes a residual but never reads it: the "
+        "residual stream entering a layer is not its input"
+    ),
+    "MiniCPMForCausalLM": (
+        "its layer (vLLM's MiniCPMDecoderLayer) returns (hidden_states, None): the stream "
+        "after attention is never handed on"
+    ),
+}
+"""Architecture -> why no form actbus reads fits its decoder layers."""
 
 _TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -49,13 +47,11 @@ def check_router(config: dict, hooks: tuple[str, ...], architecture: str) -> Non
         )
 
 
-def check_architecture(architectures: list[str] | None) -> str:
-    """The supported architecture of a model, or a ConfigError naming it."""
-    archs = list(architectures or [])
-    for a in archs:
-        if a in SUPPORTED_ARCHITECTURES:
-            return a
-    raise ConfigError(
-        f"actbus: architecture {archs or '(unknown)'} is not supported for capture; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+def check_architecture(architectures: list[str] | None) -> None:
+    """Refuse, naming it and why, an architecture known to fit no form."""
+    for a in architectures or []:
+        if a in REFUSED:
+            raise ConfigError(
+                f"actbus: architecture {a} is not supported for capture: {REFUSED[a]} "
+                "(docs/families.md)"
+            )

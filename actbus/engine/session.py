@@ -26,6 +26,7 @@ from actbus.capture.taps import install_taps
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
 from actbus.engine import dataparallel
+from actbus.engine.anatomy import RESIDUAL, Anatomy, LayerForm, anatomy
 from actbus.engine.archs import check_architecture, check_router
 from actbus.engine.internals import (
     STEER_METHODS,
@@ -35,7 +36,7 @@ from actbus.engine.internals import (
     signature_problems,
     vllm_version,
 )
-from actbus.engine.layers import find_decoder_layers, owned_layers, wrap_layer
+from actbus.engine.layers import owned_layers, wrap_layer
 from actbus.engine.mode import log as mode_log
 from actbus.engine.mode import mode_line
 from actbus.engine.moe import model_experts, wrap_router
@@ -76,8 +77,9 @@ def _checked(vllm_config: Any) -> tuple[CaptureConfig, tuple[int, ...]] | None:
     if cfg is None:
         return None
     mc = vllm_config.model_config
-    arch = check_architecture(getattr(mc.hf_config, "architectures", None))
-    check_router(mc.hf_config.to_dict(), cfg.hooks, arch)
+    archs = getattr(mc.hf_config, "architectures", None)
+    check_architecture(archs)
+    check_router(mc.hf_config.to_dict(), cfg.hooks, next(iter(archs or []), "this model"))
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ConfigError(
             "actbus: speculative decoding is not supported with capture (draft tokens that "
@@ -173,7 +175,10 @@ def attach(
     # CUDA-graph batches are padded up to a capture size; the tables hold padded rows.
     cc = vllm_config.compilation_config
     max_rows = max(max_rows, int(getattr(cc, "max_cudagraph_capture_size", 0) or 0))
-    decoder = find_decoder_layers(model, n)
+    anat = anatomy(model, n)  # the layers and their form, or a ConfigError saying why not
+    _check_hooks(anat, cfg)
+    decoder, form = anat.layers, anat.form
+    log.info("actbus: decoder layers %s (%s), form %s", anat.path, anat.layer_class, form.name)
     parts = EngineParts()
     monitors: _Monitors | None = None
     if cfg.steer is not None:  # every rank: TP ranks add the same vectors, stages their own
@@ -181,7 +186,7 @@ def attach(
         max_seqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 256) or 256)
         tables = install_steering(
             decoder,
-            architecture=check_architecture(getattr(mc.hf_config, "architectures", None)),
+            post_attn_norm=form.post_attn_norm,
             layers=steer_layers,
             hooks=cfg.steer.hooks,
             hidden_size=hidden,
@@ -193,19 +198,19 @@ def attach(
             ops=cfg.steer.ops,
         )
         for i in steer_layers:
-            wrap_layer(decoder[i])
+            wrap_layer(decoder[i], form)
         log.info("actbus: steering layers %s at %s", list(steer_layers), list(cfg.steer.hooks))
         live = LiveVectors.of(cfg.steer, hidden) if cfg.steer.live else None
         if cfg.monitor is None:
             parts.steer = Steerer(tables, live=live)
         else:  # gates read monitor scores: every rank scores, before the first forward
-            monitors = _install_monitors(model, decoder, cfg.monitor, mc, max_rows, device)
+            monitors = _install_monitors(model, decoder, cfg.monitor, mc, max_rows, device, form)
             parts.steer = _gated_steerer(tables, decoder, monitors, max_seqs, live)
     if _rank("tensor") == 0:  # TP ranks hold the same residual stream: one publishes
         if cfg.monitor is not None and monitors is None:
-            monitors = _install_monitors(model, decoder, cfg.monitor, mc, max_rows, device)
+            monitors = _install_monitors(model, decoder, cfg.monitor, mc, max_rows, device, form)
         parts.capture = _capture_worker(
-            cfg, layers, model, decoder, vllm_config, monitors, max_rows, device, runner
+            cfg, layers, model, decoder, vllm_config, monitors, max_rows, device, runner, form
         )
         if parts.steer is not None:  # rows name the live versions they steered with
             parts.capture.live_versions = parts.steer.live_versions
@@ -220,6 +225,17 @@ def attach(
     return parts
 
 
+def _check_hooks(anat: Anatomy, cfg: CaptureConfig) -> None:
+    """Refuse, by name, a hook the config taps, steers or monitors that these layers
+    lack (``post_attn`` where attention and the MLP run in parallel)."""
+    anat.check_hooks(cfg.hooks, "actbus.hooks")
+    if cfg.steer is not None:
+        anat.check_hooks(cfg.steer.hooks, "actbus.steer.hooks")
+    if cfg.monitor is not None:
+        for name, d in cfg.monitor.monitors.items():
+            anat.check_hooks([d.hook], f"actbus.monitor.monitors.{name}.hook")
+
+
 def _capture_worker(
     cfg: CaptureConfig,
     layers: tuple[int, ...],
@@ -230,6 +246,7 @@ def _capture_worker(
     max_rows: int,
     device: torch.device,
     runner: str,
+    form: LayerForm = RESIDUAL,
 ) -> CaptureWorker:
     """Capture's taps on this pipeline stage's layers, and the worker that publishes
     them (with the monitors' harvest beside it)."""
@@ -237,7 +254,7 @@ def _capture_worker(
     cc = vllm_config.compilation_config
     mine = owned_layers(model, num_layers(mc), layers)  # this pipeline stage's
     router = "router" in cfg.hooks
-    arch = check_architecture(getattr(mc.hf_config, "architectures", None))
+    arch = next(iter(getattr(mc.hf_config, "architectures", None) or []), type(model).__name__)
     taps = install_taps(
         decoder,
         layers=mine,
@@ -249,7 +266,7 @@ def _capture_worker(
         experts=model_experts(decoder, mine, arch) if router else None,
     )
     for i in mine:
-        wrap_layer(decoder[i])
+        wrap_layer(decoder[i], form)
         if router:
             wrap_router(decoder[i])
     name = cfg.model_name or _served_name(mc)
@@ -307,6 +324,7 @@ def _install_monitors(
     mc: Any,
     max_rows: int,
     device: torch.device,
+    form: LayerForm = RESIDUAL,
 ) -> _Monitors:
     """The monitor tables on this stage's layers, what the publisher tells subscribers
     of them, and what each publishes. Installed once per rank: on TP rank 0 for the
@@ -322,7 +340,7 @@ def _install_monitors(
         decoder, weights, points, hidden_size=mc.get_hidden_size(), max_rows=max_rows, device=device
     )
     for layer, _hook in tables.points:
-        wrap_layer(decoder[layer])
+        wrap_layer(decoder[layer], form)
     info = {
         name: {
             "layers": list(d.layers),

@@ -49,11 +49,9 @@ from torch import nn
 
 # The norm of each family's decoder layer that takes (attention output, residual) and
 # returns (normed MLP input, residual after attention): vLLM's fused add-RMSNorm.
-POST_ATTN_NORM = {
-    "Gemma2ForCausalLM": "pre_feedforward_layernorm",
-    "Gemma3ForCausalLM": "pre_feedforward_layernorm",
-}
 DEFAULT_POST_ATTN_NORM = "post_attention_layernorm"
+"""The norm that adds attention's output into the stream in Llama's layers; a model's
+own is read from its layers' form (``actbus.engine.anatomy``)."""
 STREAM_BOUND = 2.0**32
 """What a steered stream's components are clamped to (``stream_bound``). A request's
 scale and vector are finite as float32, yet a stream steered to 1e30 overflows
@@ -233,7 +231,7 @@ def bounded_add(target: torch.Tensor, delta: torch.Tensor, touched: torch.Tensor
 def install_steering(
     decoder: nn.ModuleList,
     *,
-    architecture: str,
+    post_attn_norm: str | None = DEFAULT_POST_ATTN_NORM,
     layers: tuple[int, ...],
     hooks: tuple[str, ...],
     hidden_size: int,
@@ -245,8 +243,9 @@ def install_steering(
     ops: tuple[str, ...] = ("add",),
 ) -> SteerTables:
     """Register the tables on ``layers`` of ``decoder`` and wrap their post-attention
-    norms; the layer's own forward is wrapped by ``actbus.engine.layers.wrap_layer``,
-    which reads ``_actbus_steer_hooks``. ``ops``: the operations the graph can do
+    norms (``post_attn_norm``; None: the layer's form steers ``post_attn`` itself); the
+    layer's own forward is wrapped by ``actbus.engine.layers.wrap_layer``, which reads
+    ``_actbus_steer_hooks``. ``ops``: the operations the graph can do
     (``actbus.steer.config.OPS``); each beyond ``add`` adds its terms to every point."""
     table = torch.zeros(max_vectors, hidden_size, dtype=dtype, device=device)
     project = "ablate" in ops or "clamp" in ops
@@ -267,8 +266,8 @@ def install_steering(
             tables.index[(layer_idx, hook)] = index
             tables.coef[(layer_idx, hook)] = coef
         layer._actbus_steer_hooks = tuple(hooks)
-        if "post_attn" in hooks:
-            _wrap_post_attn_norm(layer, POST_ATTN_NORM.get(architecture, DEFAULT_POST_ATTN_NORM))
+        if "post_attn" in hooks and post_attn_norm is not None:
+            _wrap_post_attn_norm(layer, post_attn_norm)
     return tables
 
 

@@ -119,7 +119,6 @@ def test_extreme_coefficients_in_the_compiled_graph_stay_finite():
     decoder = find_decoder_layers(model, N_LAYERS)
     tables = install_steering(
         decoder,
-        architecture="LlamaForCausalLM",
         layers=(0, 1),
         hooks=("pre_attn", "post_block"),
         hidden_size=D,

@@ -26,7 +26,6 @@ def _build():
     cpu = torch.device("cpu")
     tables = install_steering(
         decoder,
-        architecture="LlamaForCausalLM",
         layers=(0, 1, 2),
         hooks=("pre_attn", "post_attn", "post_block"),
         hidden_size=D,

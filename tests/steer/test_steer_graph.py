@@ -96,7 +96,6 @@ def test_steering_compiles_once_and_matches_eager():
     hooks = ("pre_attn", "post_attn", "post_block")
     tables = install_steering(
         decoder,
-        architecture="LlamaForCausalLM",
         layers=(0, 2),
         hooks=hooks,
         hidden_size=D,

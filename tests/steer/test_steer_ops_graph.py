@@ -36,7 +36,6 @@ def test_ops_compile_once_and_match_eager():
     decoder = find_decoder_layers(model, N_LAYERS)
     tables = install_steering(
         decoder,
-        architecture="LlamaForCausalLM",
         layers=(0, 1, 2),
         hooks=("pre_attn", "post_attn", "post_block"),
         hidden_size=D,

@@ -323,7 +323,8 @@ class ScoreLog:
 def raw_monitor(model_path: Path, seed: int, layers: list[int], **kw) -> dict:
     """A ``weight`` monitor (a random direction of the model's width) for engines that
     need a monitor without checkpoints; ``kw``: ``bias``, ``sigmoid``, ``hook``."""
-    hidden = json.loads((Path(model_path) / "config.json").read_text())["hidden_size"]
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    hidden = cfg.get("text_config", cfg)["hidden_size"]  # a multimodal wrapper's text model's
     w = torch.randn(hidden, generator=torch.Generator().manual_seed(seed))
     return {"weight": (w / w.norm()).tolist(), "layers": layers, **kw}
 

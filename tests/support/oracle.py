@@ -9,12 +9,14 @@ import torch
 
 # Where each hook point is in HF's decoder layers: (module, "in" | "out").
 # ``pre_attn``/``post_block`` are the layer's own input/output.
-_HF_POINTS = {
+HF_POINTS = {
     "llama": {"post_attn": ("post_attention_layernorm", "in"), "mlp_out": ("mlp", "out")},
     "gemma": {
         "post_attn": ("pre_feedforward_layernorm", "in"),
         "mlp_out": ("post_feedforward_layernorm", "out"),
     },
+    # OLMo 2 normalises after attention and after the MLP: the MLP reads the stream.
+    "olmo2": {"post_attn": ("mlp", "in"), "mlp_out": ("post_feedforward_layernorm", "out")},
 }
 
 
@@ -22,8 +24,29 @@ _HF_POINTS = {
 def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     import transformers
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except ValueError:  # a multimodal wrapper that no causal-LM class maps (PaliGemma)
+        m = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     return m.to(device).eval()
+
+
+def hf_family(model) -> str:
+    """Which ``HF_POINTS`` entry names the points of ``model``'s layers."""
+    name = type(model).__name__
+    return "olmo2" if "Olmo2" in name else "gemma" if "Gemma" in name else "llama"
+
+
+def hf_layers(model):
+    """HF's decoder layers, the language model's in a multimodal wrapper."""
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers
+
+
+def hf_mlp_scale(model) -> float:
+    """What the MLP's output is multiplied by before it joins the stream (Granite's
+    ``residual_multiplier``; 1 elsewhere): ``mlp_out`` is what the stream gains."""
+    return float(getattr(model.config, "residual_multiplier", 1.0))
 
 
 def _first(x):
@@ -47,7 +70,7 @@ def hf_activations(
     ``hidden_states[layer]``, and ``post_block == post_attn + mlp_out``.
     """
     model = hf_model(str(path), dtype, device)
-    family = "gemma" if "Gemma" in type(model).__name__ else "llama"
+    family, scale = hf_family(model), hf_mlp_scale(model)
     outs: dict[tuple[int, str], torch.Tensor] = {}
     handles = []
 
@@ -57,7 +80,7 @@ def hf_activations(
         )
 
     for layer in layers:
-        mod = model.model.layers[layer]
+        mod = hf_layers(model)[layer]
         handles.append(
             mod.register_forward_pre_hook(
                 lambda _m, args, kwargs, key=(layer, "pre_attn"): outs.__setitem__(
@@ -71,7 +94,7 @@ def hf_activations(
                 lambda _m, _i, out, key=(layer, "post_block"): outs.__setitem__(key, _first(out))
             )
         )
-        for hook, (name, where) in _HF_POINTS[family].items():
+        for hook, (name, where) in HF_POINTS[family].items():
             sub = getattr(mod, name)
             if where == "in":
                 handles.append(
@@ -82,7 +105,9 @@ def hf_activations(
             else:
                 handles.append(
                     sub.register_forward_hook(
-                        lambda _m, _i, out, key=(layer, hook): outs.__setitem__(key, _first(out))
+                        lambda _m, _i, out, key=(layer, hook): outs.__setitem__(
+                            key, _first(out) * scale if key[1] == "mlp_out" else _first(out)
+                        )
                     )
                 )
     try:
@@ -91,7 +116,7 @@ def hf_activations(
     finally:
         for h in handles:
             h.remove()
-    n_layers = model.config.num_hidden_layers
+    n_layers = len(hf_layers(model))
     for layer in layers if dtype == torch.float32 else ():
         torch.testing.assert_close(outs[(layer, "pre_attn")], res.hidden_states[layer][0])
         if layer < n_layers - 1:

@@ -19,11 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.support.oracle import hf_model
-
-_POST_ATTN = {"llama": "post_attention_layernorm", "gemma": "pre_feedforward_layernorm"}
-_MLP_OUT = {"llama": ("mlp", "out"), "gemma": ("post_feedforward_layernorm", "out")}
-
+from tests.support.oracle import HF_POINTS, hf_family, hf_layers, hf_mlp_scale, hf_model
 
 _STEER_RANK = {"pre_attn": 0, "post_attn": 2, "post_block": 5}
 _MONITOR_RANK = {"pre_attn": 1, "post_attn": 3, "mlp_out": 4, "post_block": 6}
@@ -130,7 +126,7 @@ def hf_steered_forward(
     """Logits ``[seq, vocab]`` and the captured points of ``capture`` layers (every hook).
     ``history``: the gates' scores of the previous forward, replaced by this one's."""
     model = hf_model(str(path), dtype, device)
-    family = "gemma" if "Gemma" in type(model).__name__ else "llama"
+    points, scale = HF_POINTS[hf_family(model)], hf_mlp_scale(model)
     acts: dict[tuple[int, str], torch.Tensor] = {}
     handles = []
     history = {} if history is None else history
@@ -138,7 +134,7 @@ def hf_steered_forward(
     at = {}
     for s in steers:
         at.setdefault((s.layer, s.hook), []).append(s)
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(hf_layers(model)):
 
         def pre(_m, args, kwargs, i=i):
             x = args[0] if args else kwargs["hidden_states"]
@@ -160,11 +156,11 @@ def hf_steered_forward(
             return (h, *out[1:]) if isinstance(out, tuple) else h
 
         def mlp(_m, _args, out, i=i):
-            acts[(i, "mlp_out")] = (out[0] if isinstance(out, tuple) else out)[0].clone()
+            acts[(i, "mlp_out")] = (out[0] if isinstance(out, tuple) else out)[0].clone() * scale
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(getattr(layer, _POST_ATTN[family]).register_forward_pre_hook(mid))
-        handles.append(getattr(layer, _MLP_OUT[family][0]).register_forward_hook(mlp))
+        handles.append(getattr(layer, points["post_attn"][0]).register_forward_pre_hook(mid))
+        handles.append(getattr(layer, points["mlp_out"][0]).register_forward_hook(mlp))
         handles.append(layer.register_forward_hook(post))
     try:
         with torch.no_grad():
