@@ -91,13 +91,14 @@ _OBJECTS: dict[str, tuple[Hook, str]] = {}
 
 
 def take_hooks(raw: Any, cfg: HooksConfig | None, *, over_http: bool) -> tuple[Any, list | None]:
-    """``raw`` without its ``hooks`` key, and the request's hooks as the worker reads
-    them (``[kind, token or name, layer, point]``); None: no hooks."""
-    if not (isinstance(raw, dict) and "hooks" in raw):
+    """``raw`` without its ``user_hooks`` key, and the request's hooks as the worker
+    reads them (``[kind, token or name, layer, point]``); None: no hooks. The key is
+    the config's name for them: ``hooks`` is the capture selection's hook points."""
+    if not (isinstance(raw, dict) and "user_hooks" in raw):
         return raw, None
     raw = dict(raw)
-    hooks = raw.pop("hooks")
-    where = "extra_args.actbus.hooks"
+    hooks = raw.pop("user_hooks")
+    where = "extra_args.actbus.user_hooks"
     if cfg is None:
         raise ConfigError(f"{where}: this engine runs no hooks; add an actbus.user_hooks entry")
     if not isinstance(hooks, (list, tuple)) or not 1 <= len(hooks) <= MAX_HOOKS:

@@ -189,7 +189,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         from actbus.hooks import Hook
 
         hook = Hook(lambda call: None, layer=layer)  # the trivial hook: called, reads nothing
-        params = [SamplingParams(**base, extra_args={"actbus": {"hooks": [hook]}}) for _ in prompts]
+        params = [SamplingParams(**base, extra_args={"actbus": {"user_hooks": [hook]}}) for _ in prompts]
     elif name == "lens_hook_1":
         from vllm_lens import Hook
 

@@ -13,7 +13,7 @@ import torch
 from actbus.config import HooksConfig
 from actbus.errors import ConfigError
 from actbus.hooks import Hook, take_hooks
-from tests.support.engine import DYNAMO_ONLY, scoped_env
+from tests.support.engine import IN_PROCESS, scoped_env
 from tests.support.oracle import max_rel_error
 from tests.support.steer_oracle import HFSteer, hf_steered_greedy
 
@@ -25,21 +25,21 @@ def test_who_may_pass_what():
     h = Hook(lambda call: None, layer=1)
     with (
         scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
-        pytest.raises(ConfigError, match=r"hooks\[0\]: a Hook object runs only in"),
+        pytest.raises(ConfigError, match=r"user_hooks\[0\]: a Hook object runs only in"),
     ):
-        take_hooks({"hooks": [h]}, cfg, over_http=False)
+        take_hooks({"user_hooks": [h]}, cfg, over_http=False)
     with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
-        assert take_hooks({"hooks": [h]}, cfg, over_http=False)[1][0][0] == "obj"
-    with pytest.raises(ConfigError, match=r"hooks\[0\].name: 'theirs' is not a hook"):
-        take_hooks({"hooks": [{"name": "theirs", "layer": 1}]}, cfg, over_http=True)
-    with pytest.raises(ConfigError, match=r"hooks\[0\].layer: expected one of the hookable"):
-        take_hooks({"hooks": [{"name": "mine", "layer": 2}]}, cfg, over_http=True)
+        assert take_hooks({"user_hooks": [h]}, cfg, over_http=False)[1][0][0] == "obj"
+    with pytest.raises(ConfigError, match=r"user_hooks\[0\].name: 'theirs' is not a hook"):
+        take_hooks({"user_hooks": [{"name": "theirs", "layer": 1}]}, cfg, over_http=True)
+    with pytest.raises(ConfigError, match=r"user_hooks\[0\].layer: expected one of the hookable"):
+        take_hooks({"user_hooks": [{"name": "mine", "layer": 2}]}, cfg, over_http=True)
     raw, hooks = take_hooks(
-        {"hooks": [{"name": "mine", "layer": 1}], "return": True}, cfg, over_http=True
+        {"user_hooks": [{"name": "mine", "layer": 1}], "return": True}, cfg, over_http=True
     )
     assert raw == {"return": True} and hooks[0][:4] == ["name", "mine", 1, "post_block"]
     with pytest.raises(ConfigError, match="this engine runs no hooks"):
-        take_hooks({"hooks": [h]}, None, over_http=False)
+        take_hooks({"user_hooks": [h]}, None, over_http=False)
 
 
 class _HFScale(HFSteer):
@@ -59,8 +59,7 @@ def test_hooks_match_hf_and_leave_others_alone(tiny_models, tmp_path):
     from vllm.inputs import TokensPrompt
 
     path = tiny_models["llama"]
-    env = {**DYNAMO_ONLY, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with scoped_env(env):
+    with scoped_env(IN_PROCESS):
         llm = LLM(
             str(path),
             dtype="float32",
@@ -95,7 +94,7 @@ def test_hooks_match_hf_and_leave_others_alone(tiny_models, tmp_path):
             def params(hooks=None):
                 actbus = {"return": True}
                 if hooks:
-                    actbus["hooks"] = hooks
+                    actbus["user_hooks"] = hooks
                 return SamplingParams(
                     temperature=0,
                     max_tokens=MAX_TOKENS,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from actbus.errors import ConfigError
-from tests.support.engine import DYNAMO_ONLY, HOOKS, preemptions, scoped_env
+from tests.support.engine import HOOKS, IN_PROCESS, preemptions, scoped_env
 from tests.support.monitors import max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.steer_oracle import HFSteer, hf_steered_greedy
@@ -35,7 +35,6 @@ MAX_TOKENS = 8
 CHUNK = 32  # max_num_batched_tokens: the longer prompts are prefilled in chunks
 BLOCKS = 5  # x 32 tokens: two of these requests at a time, then one must yield
 LENGTHS = [58, 60, 61, 59, 62, 7]  # two blocks of 32 each, a third while decoding
-IN_PROCESS = {**DYNAMO_ONLY, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # (request index, steering entries; "vector": an index into the run's vectors)
 STEERED = {
     1: [{"vector": 0, "layers": 0, "hooks": "pre_attn"}],

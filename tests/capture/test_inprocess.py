@@ -9,7 +9,7 @@ import gc
 import pytest
 from vllm import SamplingParams
 
-from tests.support.engine import DYNAMO_ONLY, scoped_env
+from tests.support.engine import IN_PROCESS, scoped_env
 from tests.support.recorder import RowRecorder
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
@@ -20,7 +20,7 @@ def test_the_last_requests_end_when_generate_returns(tiny_models, engine_pool, t
 
     engine_pool.close()  # at most one engine's memory at a time
     address = f"ipc://{tmp_path}/bus.sock"
-    with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **DYNAMO_ONLY}):
+    with scoped_env(IN_PROCESS):
         llm = LLM(
             str(tiny_models["qwen2"]),
             dtype="float32",

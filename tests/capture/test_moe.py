@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from actbus.tiny_models import build_tiny_model
-from tests.support.engine import DYNAMO_ONLY, preemptions, scoped_env
+from tests.support.engine import IN_PROCESS, preemptions, scoped_env
 from tests.support.monitors import raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.recorder import RowRecorder
@@ -38,7 +38,7 @@ MAX_TOKENS = 40  # 3 requests grow past the 4 x 32-token KV cache: preemption
 def _engine(arch: str, address: str, monitor: dict):
     from vllm import LLM
 
-    with scoped_env({**DYNAMO_ONLY, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+    with scoped_env(IN_PROCESS):
         return LLM(
             str(build_tiny_model(arch)),
             dtype="float32",

