@@ -178,10 +178,11 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(90 + 20 * i)] for i in range(4)]
     sel = {"layers": [3], "hooks": ["post_block"], "return": True}
+    MAX_TOKENS = 24
 
     async def stream(i: int, kind: RequestOutputKind, pause: float = 0.0):
         params = SamplingParams(
-            temperature=0, max_tokens=12, ignore_eos=True, output_kind=kind,
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=kind,
             extra_args={"actbus": sel},
         )  # fmt: skip
         outs = []
@@ -201,12 +202,12 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
     t0 = time.monotonic()
     results = engine.actbus_loop.run_until_complete(main())
     assert time.monotonic() - t0 < 120
+    # vLLM merges the outputs a reader has not taken yet, and on a loaded machine even a
+    # prompt reader can lag a whole (short) generation: one stream may come as a single
+    # output. Streaming is shown when the prompt readers, together, saw it.
+    assert sum(len(outs) > 1 for outs in results[:3]) >= 2, [len(o) for o in results]
+    assert len(results[3]) < MAX_TOKENS, "the slow reader's outputs were not merged"
     for i, outs in enumerate(results):
-        # vLLM merges the outputs a reader has not taken yet, and a loaded machine makes
-        # even the prompt readers lag, so only "more than one output" is certain.
-        assert len(outs) > 1, "expected streamed outputs, got only the final one"
-        if i == 3:
-            assert len(outs) < 12, "the slow reader's outputs were not merged"
         acts = [o.outputs[0].activations for o in outs]
         assert all(a is not None for a in acts)
         assert acts[-1].complete and not any(a.complete for a in acts[:-1])
@@ -218,7 +219,7 @@ def test_streamed_outputs_carry_their_rows_as_they_arrive(async_engine):
             assert seen <= len(prompts[i]) + generated - 1, (i, seen, generated)
         if i == 1:  # cumulative: each output holds all rows so far, growing
             sizes = [len(a.positions) for a in acts]
-            assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+            assert sizes == sorted(sizes) and (len(sizes) == 1 or sizes[-1] > sizes[0])
             final, tokens = acts[-1], list(outs[-1].outputs[0].token_ids)
             positions, rows = final.positions, final.tensors[(3, "post_block")]
         else:  # delta: the pieces add up to every position once
@@ -308,7 +309,7 @@ def test_streamed_outputs_carry_their_monitor_scores(async_engine):
             assert got[-1].complete and not any(g.complete for g in got[:-1])
             if kind == K.CUMULATIVE:
                 sizes = [len(g.positions) for g in got]
-                assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+                assert sizes == sorted(sizes) and (len(sizes) == 1 or sizes[-1] > sizes[0])
                 tokens, final = list(pieces[-1].token_ids), got[-1]
                 pos, vals = final.positions, final.values
             else:
