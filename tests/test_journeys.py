@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from actbus.streams import point_key
+from tests.support.engine import IN_PROCESS
 from tests.support.procs import wait_for
 
 pytestmark = pytest.mark.engine
@@ -234,9 +235,10 @@ def test_return_activations_in_process(tmp_path):
     out = tmp_path / "return"
     # vLLM's own CPU CI switch: torch.compile traces the model (taps and all) with
     # dynamo but skips inductor's code generation, which is most of an engine start
-    # here; what comes back, not the compiled graph, is under test (the session
-    # engines capture with inductor).
-    r = _script("return_in_process.py", "--out", str(out), env={"VLLM_CPU_CI_ENV": "1"})
+    # here; and the engine core in the script's process. What comes back, not the
+    # compiled graph or the engine process, is under test (the Llama engine and the
+    # servers cover those).
+    r = _script("return_in_process.py", "--out", str(out), env=IN_PROCESS)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     saved = torch.load(out / "activations.pt")
     assert len(saved) == 8
@@ -466,7 +468,7 @@ def test_readme_steer_in_python(tmp_path):
 
     script = tmp_path / "steer.py"
     script.write_text(block("readme-steer-python").code)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1"}  # as journey 3
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **IN_PROCESS}  # as journey 3
     r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -485,7 +487,7 @@ def test_causal_tracing_matches_hf_hooks(tmp_path):
     from tests.support.oracle import hf_model
 
     out = tmp_path / "trace.json"
-    env = {"VLLM_CPU_CI_ENV": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = IN_PROCESS
     r = _script("causal_tracing.py", "--out", str(out), env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(out.read_text())

@@ -24,6 +24,10 @@ def _start(tmp_path: Path, model: Path, meddle: str) -> subprocess.CompletedProc
         "MEDDLER": meddle,
         "VLLM_LOGGING_LEVEL": "INFO",  # the mode line is INFO
         "VLLM_USE_V2_MODEL_RUNNER": "0",  # on a GPU too: the plugin's drop is on V1's runner
+        # The engine in the script's own process, Dynamo only: a start of seconds. What is
+        # under test (the plugins' hooks, the mode line, the guard) runs there as well.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_CI_ENV": "1",
     }
     env.pop("VLLM_PLUGINS", None)
     return subprocess.run(

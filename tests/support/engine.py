@@ -27,10 +27,12 @@ from pathlib import Path
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 SCHED_ARCH = "llama"
 INDUCTOR_ARCHS = frozenset({SCHED_ARCH})
-"""The engines compiled by Inductor. The others trace with Dynamo (taps, steering and
-monitors in the graph as vLLM splits it) and run that graph without Inductor's code
-generation (``DYNAMO_ONLY``): their tests are about where each architecture's taps sit,
-not about Inductor's kernels, which the Llama engine covers. A start halves on CPU."""
+"""The engines compiled by Inductor, each in its own engine-core process as a server
+runs it. The others trace with Dynamo (taps, steering and monitors in the graph as vLLM
+splits it), run that graph without Inductor's code generation, and run in the test
+process (``IN_PROCESS``): their tests are about where each architecture's taps sit, not
+about Inductor's kernels or the engine process, which the Llama engine covers. A start
+takes seconds, not half a minute."""
 DYNAMO_ONLY = {"VLLM_CPU_CI_ENV": "1"}
 """vLLM CPU's own CI switch (``vllm/platforms/cpu.py``): compile backend ``eager``, no
 warm-up run. Read by the front end when the config is built and by the workers it
@@ -82,7 +84,7 @@ def start_engine(arch: str, model_path: Path, sock_dir: Path) -> Engine:
         monitor = {"monitor": build_monitor_sources(model_path, sock_dir / "monitors", hidden)}
         control = _control_endpoint(sock_dir)
         monitor["control"] = {k: control[k] for k in ("address", *SERVER_KEYS)}
-    with scoped_env({} if arch in INDUCTOR_ARCHS else DYNAMO_ONLY):
+    with scoped_env({} if arch in INDUCTOR_ARCHS else IN_PROCESS):
         llm = _llm(arch, model_path, address, monitor)
     print(f"\n[engine {arch}] started in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return Engine(
