@@ -40,6 +40,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from actbus.capture.http import Ticket, parse_return, row_bytes
@@ -184,6 +185,28 @@ def _cleanly_gone(address: str) -> bool:
     return path != address and not path.startswith("@") and not os.path.exists(path)
 
 
+@dataclass(frozen=True)
+class RequestAsk:
+    """What one request asks of the engine, from its ``extra_args.actbus``, checked."""
+
+    selection: Selection | None
+    """Its capture selection (the engine's own under ``requests: all``), or None."""
+    steer: RequestSteer | None
+    """Its whole steering, global entries included, or None: the engine does not steer."""
+    monitors: tuple[str, ...]
+    """Its monitors, global ones included."""
+    scores_back: bool
+    """Whether its monitor scores come back with its output."""
+    http_mode: str | None
+    """How its rows go back over HTTP: "inline" or "fetch"; None when not over HTTP or
+    not returned."""
+    hooks: list | None
+    """Its user hooks (``user_hooks``), or None."""
+
+
+NOTHING_ASKED = RequestAsk(None, None, (), False, None, None)
+
+
 class _Frontend:
     """What the front end needs of the engine's capture config, parsed once."""
 
@@ -207,15 +230,8 @@ class _Frontend:
         self.vllm_config = vllm_config
         self.row_bytes: int | None = None  # a returned row's bytes, once asked over HTTP
 
-    def parse(
-        self, params: Any
-    ) -> tuple[
-        Selection | None, RequestSteer | None, tuple[str, ...], bool, str | None, list | None
-    ]:
-        """The request's capture selection, its whole steering, its monitors (global
-        ones included), whether their scores come back, how its rows go back over HTTP
-        (None: not over HTTP, or not returned; "inline" or "fetch"), and its user
-        hooks."""
+    def parse(self, params: Any) -> RequestAsk:
+        """What the request's ``extra_args.actbus`` asks of the engine, checked."""
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
         over_http = isinstance(raw, str)
@@ -245,11 +261,11 @@ class _Frontend:
             if self.steer is not None
             else None
         )
+        ask = RequestAsk(None, steer, monitors, scores_back, None, hooks)
         if raw is False:  # opts this request out of ``requests: all``
-            return None, steer, monitors, scores_back, None, hooks
+            return ask
         if raw is None:
-            base = self.base if self.requests == "all" else None
-            return base, steer, monitors, scores_back, None, hooks
+            return replace(ask, selection=self.base if self.requests == "all" else None)
         sel = parse_selection(
             raw,
             engine_layers=self.base.layers,
@@ -258,7 +274,7 @@ class _Frontend:
             base=self.base,
             max_len=self.max_len,
         )
-        return sel, steer, monitors, scores_back, http_mode if sel.returns else None, hooks
+        return replace(ask, selection=sel, http_mode=http_mode if sel.returns else None)
 
     def admit_http(self, sel: Selection, request: Any, sp: Any, fetch: bool) -> Ticket:
         """Reserve what an HTTP request's rows may take, or refuse it naming the limit."""
@@ -291,13 +307,11 @@ def _wrap_process_inputs(orig):
     def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
         fe = frontend_for(self)
         try:
-            sel, steer, monitors, scores_back, http_mode, hooks = (
-                fe.parse(params)
-                if fe.active and _is_sampling(params)
-                else (None, None, (), False, None, None)
-            )
+            ask = fe.parse(params) if fe.active and _is_sampling(params) else NOTHING_ASKED
         except ConfigError as e:
             raise _client_error(e) from None
+        sel, steer, monitors, scores_back = ask.selection, ask.steer, ask.monitors, ask.scores_back
+        http_mode, hooks = ask.http_mode, ask.hooks
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         sp = getattr(request, "sampling_params", None)
         if (sel is None and steer is None and not monitors and not hooks) or sp is None:
