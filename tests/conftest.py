@@ -22,6 +22,12 @@ os.environ.setdefault("ACTBUS_CHECK_POSITIONS", "1")
 # Tests read counters in the engine's worker with ``llm.collective_rpc(function)``,
 # which vLLM sends pickled only when this is set (tests/steer: no recompilation).
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+# Every engine the suite starts (servers, examples and README blocks in their own
+# processes included) gets 1 GiB of KV cache, unless it sets its blocks: unset,
+# ``gpu_memory_utilization=0.3`` gives each about 7 GiB of this machine's RAM, and two
+# or three at once (a data-parallel pair, a server beside an example's) ran the
+# 24 GiB machine out of memory.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.fixture(scope="session")
