@@ -44,16 +44,20 @@ from benchmarks.engine_arms import (
     FAILED,
     LLAMA3_8B,
     RESULT,
+    ArmFlags,
     Parallel,
-    add_parallel_args,
+    add_bench_args,
+    arm_argv,
     bus_template,
     make_llm,
     model,
+    parse_bench_args,
     random_prompts,
     run_arms,
     shutdown,
     start_bus_subscribers,
     stop_bus_subscribers,
+    throughput_table,
     timed_generate,
     warm_up,
 )
@@ -77,10 +81,6 @@ MOE_CONFIGS = {  # name -> (layers, policy, hooks)
     "router_all": ("all", "block", ["router"]),
 }
 MOE_TINY_LAYERS = {24: 2, 6: 0, 18: 1, 30: 2, 42: 3}  # the tiny Qwen3-MoE has 4 layers
-DEFAULTS = {
-    "gpu": {"prompts": 512, "input": 256, "output": 256},
-    "tiny": {"prompts": 16, "input": 32, "output": 32},
-}
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
@@ -137,63 +137,31 @@ def per_rank(s: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
-    ap.add_argument("--prompts", type=int, default=None, help="512 (--tiny: 16)")
-    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
-    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
+    moe = "--moe" in sys.argv
+    arms = ArmFlags(tuple(MOE_CONFIGS if moe else CONFIGS))
+    add_bench_args(ap, arms)
     ap.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B shape and its arms")
-    ap.add_argument("--configs", default=None, help="default: every arm")
-    add_parallel_args(ap)
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    args = parse_bench_args(ap, arms)
     if args.one:
         print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
-    arms = MOE_CONFIGS if args.moe else CONFIGS
-    names = (args.configs or ",".join(arms)).split(",")
-    unknown = [n for n in names if n not in arms]
-    if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {list(arms)}")
-    par = Parallel.of(args)
-    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
-    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else []) + par.argv()
-    argv += ["--moe"] if args.moe else []
-    results = run_arms(
-        __file__,
-        names,
-        argv,
-        # plain: no plugin at all; the others actbus alone, so an installed peer plugin
-        # (vllm-lens forces enforce_eager) cannot change how they run
-        lambda name: "no-plugin" if name == "plain" else "actbus",
-    )
-    base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{par.title()}")
-    print(f"{'config':16s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}  subscriber")
-    summary: dict = par.summary()
+    argv = arm_argv(args) + (["--moe"] if args.moe else [])
+    # plain: no plugin at all; the others actbus alone, so an installed peer plugin
+    # (vllm-lens forces enforce_eager) cannot change how they run
+    plugins = lambda name: "no-plugin" if name == "plain" else "actbus"  # noqa: E731
+    results = run_arms(__file__, args.arms, argv, plugins, args.arm_timeout)
+    summary = throughput_table(results, args)
     for name, r in results.items():
-        ratio = r["tok_per_s"] / base if base else float("nan")
-        s = r.get("subscriber", {})
-        sub_txt = (
-            (
-                f"{s.get('messages', 0)} msgs, {s.get('bytes', 0) / 2**30:.1f} GiB, "
+        if s := r.get("subscriber", {}):
+            print(
+                f"{name:16s} subscriber: {s.get('messages', 0)} msgs, "
+                f"{s.get('bytes', 0) / 2**30:.1f} GiB, "
                 f"dropped {s.get('dropped_by_publisher', {})}" + per_rank(s)
             )
-            if s
-            else ""
-        )
-        tps, start = r["tok_per_s"], r["engine_start_s"]
-        print(f"{name:16s} {tps:>10.1f} {ratio:>9.3f} {start:>8.1f}  {sub_txt}")
-        summary[f"tok_per_s_{name}"] = r["tok_per_s"]
-        if name != "plain":
-            summary[f"ratio_{name}"] = round(ratio, 4)
-        if s:
             summary[f"dropped_{name}"] = sum(s.get("dropped_by_publisher", {}).values())
             summary[f"received_msgs_{name}"] = s.get("messages", 0)
             if s.get("per_rank"):
-                summary[f"received_msgs_by_rank_{name}"] = [r["messages"] for r in s["per_rank"]]
+                summary[f"received_msgs_by_rank_{name}"] = [x["messages"] for x in s["per_rank"]]
     summary.update(FAILED)
     print(json.dumps(summary))
     return 0

@@ -55,25 +55,25 @@ from engine_arms import (
     FAILED,
     RESULT,
     ROOT,
+    ArmFlags,
     CostMeter,
     Parallel,
-    add_parallel_args,
+    add_bench_args,
+    arm_argv,
     bus_template,
     cost_line,
     make_llm,
     model,
+    parse_bench_args,
     random_prompts,
     run_arms,
     shutdown,
+    throughput_table,
     timed_generate,
     warm_up,
 )
 
 TINY_LAYERS = {16: 2, 4: 0, 12: 1, 20: 2, 28: 3}  # the tiny Llama has 4 layers
-DEFAULTS = {
-    "gpu": {"prompts": 512, "input": 256, "output": 256},
-    "tiny": {"prompts": 16, "input": 32, "output": 32},
-}
 
 
 @dataclass(frozen=True)
@@ -349,49 +349,19 @@ def _reader_stats(name: str, sub: subprocess.Popen) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
-    ap.add_argument("--prompts", type=int, default=None, help="512 (--tiny: 16)")
-    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
-    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated arms")
-    ap.add_argument("--arm-timeout", type=float, default=900.0)
-    add_parallel_args(ap)
-    ap.add_argument("--one", help=argparse.SUPPRESS)
+    arms = ArmFlags((*CONFIGS, *EXTRA_CONFIGS), default=tuple(CONFIGS))
+    add_bench_args(ap, arms)
     ap.add_argument("--read", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.read:
-        return read_scores(args.read)
-    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    if "--read" in sys.argv:
+        return read_scores(ap.parse_args().read)
+    args = parse_bench_args(ap, arms)
     if args.one:
         print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS and n not in EXTRA_CONFIGS]
-    if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {[*CONFIGS, *EXTRA_CONFIGS]}")
-    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
-    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
-    par = Parallel.of(args)
-    argv += par.argv()
-    results = run_arms(
-        __file__,
-        names,
-        argv,
-        lambda name: "no-plugin" if name == "plain" else "actbus",
-        args.arm_timeout,
-    )
-    base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{par.title()}")
-    print(f"{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
-    summary: dict = par.summary()
+    plugins = lambda name: "no-plugin" if name == "plain" else "actbus"  # noqa: E731
+    results = run_arms(__file__, args.arms, arm_argv(args), plugins, args.arm_timeout)
+    summary = throughput_table(results, args, width=18)
     for name, r in results.items():
-        ratio = r["tok_per_s"] / base if base else float("nan")
-        print(f"{name:18s} {r['tok_per_s']:>10.1f} {ratio:>9.3f} {r['engine_start_s']:>8.1f}")
-        summary[f"tok_per_s_{name}"] = r["tok_per_s"]
-        if name != "plain":
-            summary[f"ratio_{name}"] = round(ratio, 4)
         if r.get("returned"):
             summary[f"returned_rows_{name}"] = r["returned"]["rows"]
             summary[f"returned_exact_{name}"] = r["returned"]["exact"]
@@ -400,12 +370,12 @@ def main() -> int:
                 if k in r:
                     summary[k] = r[k]
             print(
-                f"{'':18s} swap ms p50 {r.get('swap_ms_p50')} p99 {r.get('swap_ms_p99')} "
+                f"{name:18s} swap ms p50 {r.get('swap_ms_p50')} p99 {r.get('swap_ms_p99')} "
                 f"({r['pushes_used']} of {r['pushes_sent']} pushes used)"
             )
         if c := r.get("cost"):
             summary.update({f"{k}_{name}": v for k, v in c.items() if k != "steps"})
-            print(f"{'':18s} {cost_line(c)}")
+            print(f"{name:18s} {cost_line(c)}")
         if r.get("subscriber"):
             summary[f"received_rows_{name}"] = r["subscriber"].get("rows", 0)
             summary[f"missed_{name}"] = r["subscriber"].get("missed", 0)

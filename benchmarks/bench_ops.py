@@ -38,14 +38,18 @@ import time
 from engine_arms import (
     FAILED,
     RESULT,
+    ArmFlags,
     Parallel,
-    add_parallel_args,
+    add_bench_args,
+    arm_argv,
     bus_template,
     make_llm,
     model,
+    parse_bench_args,
     random_prompts,
     run_arms,
     shutdown,
+    throughput_table,
     timed_generate,
     warm_up,
 )
@@ -58,10 +62,6 @@ FEATURE = 123
 ARMS = ("plain", "replace_1", "ablate_all", "clamp_1", "hook_1", "lens_hook_1")
 OPS = {"replace_1": "replace", "ablate_all": "ablate", "clamp_1": "clamp"}
 PLUGINS = {"plain": "no-plugin", "lens_hook_1": "activations"}  # else "actbus"
-DEFAULTS = {
-    "gpu": {"prompts": 512, "input": 256, "output": 256},
-    "tiny": {"prompts": 16, "input": 32, "output": 32},
-}
 
 
 def skip_reason(name: str, tiny: bool) -> str | None:
@@ -189,7 +189,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         from actbus.hooks import Hook
 
         hook = Hook(lambda call: None, layer=layer)  # the trivial hook: called, reads nothing
-        params = [SamplingParams(**base, extra_args={"actbus": {"user_hooks": [hook]}}) for _ in prompts]
+        params = [
+            SamplingParams(**base, extra_args={"actbus": {"user_hooks": [hook]}}) for _ in prompts
+        ]
     elif name == "lens_hook_1":
         from vllm_lens import Hook
 
@@ -206,44 +208,19 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
-    ap.add_argument("--prompts", type=int, default=None, help="512 (--tiny: 16)")
-    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
-    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
-    ap.add_argument("--configs", default=",".join(ARMS), help="comma-separated arms")
-    ap.add_argument("--arm-timeout", type=float, default=900.0)
-    add_parallel_args(ap)
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    arms = ArmFlags(ARMS)
+    add_bench_args(ap, arms)
+    args = parse_bench_args(ap, arms)
     if args.one:
         print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in ARMS]
-    if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {list(ARMS)}")
-    skipped = {n: why for n in names if (why := skip_reason(n, args.tiny)) is not None}
+    skipped = {n: why for n in args.arms if (why := skip_reason(n, args.tiny)) is not None}
     for n, why in skipped.items():
         print(f"  {n:16s} skipped: {why}", flush=True)
-    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
-    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
-    par = Parallel.of(args)
-    argv += par.argv()
-    run = [n for n in names if n not in skipped]
-    results = run_arms(__file__, run, argv, lambda n: PLUGINS.get(n, "actbus"), args.arm_timeout)
-    base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{par.title()}")
-    print(f"{'arm':14s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
-    summary: dict = par.summary()
-    for name, r in results.items():
-        ratio = r["tok_per_s"] / base if base else float("nan")
-        print(f"{name:14s} {r['tok_per_s']:>10.1f} {ratio:>9.3f} {r['engine_start_s']:>8.1f}")
-        summary[f"tok_per_s_{name}"] = r["tok_per_s"]
-        if name != "plain":
-            summary[f"ratio_{name}"] = round(ratio, 4)
+    run = [n for n in args.arms if n not in skipped]
+    plugins = lambda n: PLUGINS.get(n, "actbus")  # noqa: E731
+    results = run_arms(__file__, run, arm_argv(args), plugins, args.arm_timeout)
+    summary = throughput_table(results, args, width=14)
     for name, why in skipped.items():
         print(f"{name:14s} skipped: {why}")
         summary[f"skipped_{name}"] = why

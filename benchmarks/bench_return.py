@@ -45,19 +45,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_arms import (
     FAILED,
     RESULT,
+    ArmFlags,
     CostMeter,
     Parallel,
-    add_parallel_args,
+    add_bench_args,
+    arm_argv,
     bus_template,
     cost_line,
     make_llm,
     model,
+    parse_bench_args,
     random_prompts,
     rank_of,
     run_arms,
     shutdown,
     start_bus_subscribers,
     stop_bus_subscribers,
+    throughput_table,
     timed_generate,
     wait_all_subscribed,
     warm_up,
@@ -73,10 +77,6 @@ ARMS = {
 LAYERS = {
     "gpu": {"one": [16], "four": [4, 12, 20, 28]},
     "tiny": {"one": [3], "four": [0, 1, 2, 3]},
-}
-DEFAULTS = {
-    "gpu": {"prompts": 256, "input": 256, "output": 256},
-    "tiny": {"prompts": 16, "input": 32, "output": 32},
 }
 
 
@@ -198,49 +198,24 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
-    ap.add_argument("--prompts", type=int, default=None, help="256 (--tiny: 16)")
-    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
-    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
-    ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, in order")
-    ap.add_argument("--arm-timeout", type=float, default=1200.0)
-    add_parallel_args(ap)
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    arms = ArmFlags(tuple(ARMS), flag="--arms", arm_timeout=1200.0, gpu_prompts=256)
+    add_bench_args(ap, arms)
+    args = parse_bench_args(ap, arms)
     if args.one:
         print(RESULT + json.dumps(run_arm(args.one, args)), flush=True)
         return 0
-    arms = args.arms.split(",")
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
-    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
-    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
-    argv += Parallel.of(args).argv()
-    results = run_arms(
-        __file__,
-        arms,
-        argv,
-        lambda name: "no-plugin" if ARMS[name] is None else "actbus",
-        args.arm_timeout,
-    )
-    base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{Parallel.of(args).title()}")
-    print(f"{'arm':10s} {'layers':>14s} {'tok/s':>10s} {'vs plain':>9s} {'rows':>12s}  check")
+    plugins = lambda name: "no-plugin" if ARMS[name] is None else "actbus"  # noqa: E731
+    results = run_arms(__file__, args.arms, arm_argv(args), plugins, args.arm_timeout)
+    throughput_table(results, args, width=10)
     for name, r in results.items():
-        ratio = r["tok_per_s"] / base if base else float("nan")
-        rows = f"{r['rows']:,}" if "rows" in r else ""
-        check = "ok: prompt + generated - 1 per request per layer" if "rows" in r else ""
-        if "rows_by_rank" in r:
-            check += f"; by dp rank {r['rows_by_rank']}"
-        layers = ",".join(map(str, r["layers"]))
-        tps = r["tok_per_s"]
-        print(f"{name:10s} {layers:>14s} {tps:>10.1f} {ratio:>9.3f} {rows:>12s}  {check}")
+        if "rows" in r:
+            check = "ok: prompt + generated - 1 per request per layer"
+            if "rows_by_rank" in r:
+                check += f"; by dp rank {r['rows_by_rank']}"
+            layers = ",".join(map(str, r["layers"]))
+            print(f"{name:10s} layers {layers}: {r['rows']:,} rows, {check}")
         if c := r.get("cost"):
-            print(f"{'':10s} {cost_line(c)}")
+            print(f"{name:10s} {cost_line(c)}")
     print(json.dumps({**summarize(results, args), **FAILED}))
     return 0
 

@@ -37,16 +37,20 @@ from dataclasses import dataclass
 from engine_arms import (
     FAILED,
     RESULT,
+    ArmFlags,
     Parallel,
-    add_parallel_args,
+    add_bench_args,
+    arm_argv,
     bus_template,
     make_llm,
     model,
+    parse_bench_args,
     random_prompts,
     run_arms,
     shutdown,
     start_bus_subscribers,
     stop_bus_subscribers,
+    throughput_table,
     timed_generate,
     wait_all_subscribed,
     warm_up,
@@ -73,10 +77,6 @@ CONFIGS: dict[str, Arm | None] = {
     "lens_steer_1": None,  # vllm-lens, not actbus: see run_one
 }
 PLUGINS = {"plain": "no-plugin", "lens_steer_1": "activations"}  # else "actbus"
-DEFAULTS = {
-    "gpu": {"prompts": 512, "input": 256, "output": 256},
-    "tiny": {"prompts": 16, "input": 32, "output": 32},
-}
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
@@ -159,46 +159,18 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
-    ap.add_argument("--prompts", type=int, default=None, help="512 (--tiny: 16)")
-    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
-    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
-    ap.add_argument(
-        "--configs",
-        default=",".join(c for c in CONFIGS if not c.startswith("lens_")),
-        help="comma-separated arms; lens_steer_1 needs vllm-lens installed",
-    )
-    ap.add_argument("--arm-timeout", type=float, default=900.0)
-    add_parallel_args(ap)
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    for k, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    arms = ArmFlags(
+        tuple(CONFIGS), default=tuple(c for c in CONFIGS if not c.startswith("lens_"))
+    )  # lens_steer_1 needs vllm-lens installed
+    add_bench_args(ap, arms)
+    args = parse_bench_args(ap, arms)
     if args.one:
         print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
         return 0
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
-    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
-    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
-    par = Parallel.of(args)
-    argv += par.argv()
-    results = run_arms(
-        __file__, names, argv, lambda name: PLUGINS.get(name, "actbus"), args.arm_timeout
-    )
-    base = results.get("plain", {}).get("tok_per_s")
-    print(f"\n{par.title()}")
-    print(f"{'config':18s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
-    summary: dict = par.summary()
+    plugins = lambda name: PLUGINS.get(name, "actbus")  # noqa: E731
+    results = run_arms(__file__, args.arms, arm_argv(args), plugins, args.arm_timeout)
+    summary = throughput_table(results, args, width=18)
     for name, r in results.items():
-        ratio = r["tok_per_s"] / base if base else float("nan")
-        print(f"{name:18s} {r['tok_per_s']:>10.1f} {ratio:>9.3f} {r['engine_start_s']:>8.1f}")
-        summary[f"tok_per_s_{name}"] = r["tok_per_s"]
-        if name != "plain":
-            summary[f"ratio_{name}"] = round(ratio, 4)
         if r.get("subscriber"):
             summary[f"received_msgs_{name}"] = r["subscriber"].get("messages", 0)
             if ranks := r["subscriber"].get("per_rank"):

@@ -153,6 +153,87 @@ def add_parallel_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+SIZES = {
+    "gpu": {"prompts": 512, "input": 256, "output": 256},
+    "tiny": {"prompts": 16, "input": 32, "output": 32},
+}
+"""A run's prompts and lengths unless flags say otherwise: the GPU shape, or ``--tiny``."""
+
+
+@dataclass(frozen=True)
+class ArmFlags:
+    """How a benchmark names its arms on the command line."""
+
+    known: tuple[str, ...]
+    """Every arm it has, in the order they run by default."""
+    flag: str = "--configs"
+    default: tuple[str, ...] | None = None
+    """The arms run when the flag is not given (None: every known one)."""
+    arm_timeout: float = 900.0
+    gpu_prompts: int = 512
+
+
+def add_bench_args(ap: argparse.ArgumentParser, arms: ArmFlags) -> None:
+    """The flags every engine benchmark takes: the run's size (``--tiny`` for the CPU
+    check), its arms, a limit per arm, its parallelism and the arm process's ``--one``."""
+    ap.add_argument("--tiny", action="store_true", help="CPU check with the tiny Llama")
+    ap.add_argument("--prompts", type=int, default=None, help=f"{arms.gpu_prompts} (--tiny: 16)")
+    ap.add_argument("--input", type=int, default=None, help="prompt tokens: 256 (--tiny: 32)")
+    ap.add_argument("--output", type=int, default=None, help="new tokens: 256 (--tiny: 32)")
+    ap.add_argument(
+        arms.flag,
+        dest="arms",
+        default=",".join(arms.default or arms.known),
+        help=f"comma-separated arms, run in order; of {', '.join(arms.known)}",
+    )
+    ap.add_argument("--arm-timeout", type=float, default=arms.arm_timeout)
+    add_parallel_args(ap)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+
+
+def parse_bench_args(ap: argparse.ArgumentParser, arms: ArmFlags) -> argparse.Namespace:
+    """Parsed flags with the run's size filled in and ``args.arms`` a checked list."""
+    args = ap.parse_args()
+    sizes = dict(SIZES["tiny" if args.tiny else "gpu"])
+    if not args.tiny:
+        sizes["prompts"] = arms.gpu_prompts
+    for k, v in sizes.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.one is None:
+        args.arms = args.arms.split(",")
+        if unknown := [n for n in args.arms if n not in arms.known]:
+            ap.error(f"{arms.flag}: unknown {unknown}; choose from {list(arms.known)}")
+    return args
+
+
+def arm_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that give each arm's process this run's size and parallelism."""
+    argv = ["--prompts", str(args.prompts), "--input", str(args.input)]
+    argv += ["--output", str(args.output)] + (["--tiny"] if args.tiny else [])
+    return argv + Parallel.of(args).argv()
+
+
+def throughput_table(
+    results: dict[str, dict[str, Any]], args: argparse.Namespace, width: int = 16
+) -> dict[str, Any]:
+    """Print each arm's tokens per second against plain vLLM's of the same run (the
+    ``plain`` arm) and its engine start; return those figures for the JSON line."""
+    par = Parallel.of(args)
+    base = results.get("plain", {}).get("tok_per_s")
+    print(f"\n{par.title()}")
+    print(f"{'arm':{width}s} {'tok/s':>10s} {'vs plain':>9s} {'start s':>8s}")
+    summary: dict[str, Any] = par.summary()
+    for name, r in results.items():
+        ratio = r["tok_per_s"] / base if base else float("nan")
+        start = r.get("engine_start_s", float("nan"))
+        print(f"{name:{width}s} {r['tok_per_s']:>10.1f} {ratio:>9.3f} {start:>8.1f}")
+        summary[f"tok_per_s_{name}"] = r["tok_per_s"]
+        if name != "plain":
+            summary[f"ratio_{name}"] = round(ratio, 4)
+    return summary
+
+
 def bus_template(directory: str, name: str, par: Parallel) -> str:
     """An arm's publish (or control) address in ``directory``: a ``{dp_rank}``
     template under data parallelism, so each rank binds its own."""
