@@ -66,6 +66,8 @@ def decode_rows(entry: dict[str, Any]) -> tuple[tuple[int, str], torch.Tensor]:
     size = torch.empty(0, dtype=dtype).element_size()
     if len(raw) != shape[0] * shape[1] * size:
         raise ValueError(f"rows: {len(raw)} bytes do not make {shape} of {entry['dtype']}")
+    if not raw:  # a streamed chunk with no new rows (a byte view of nothing has no stride)
+        return (int(entry["layer"]), str(entry["hook"])), torch.empty(shape, dtype=dtype)
     data = np.frombuffer(raw, dtype="<u1").copy()  # little-endian bytes, owned
     t = torch.from_numpy(data).view(dtype).reshape(shape)
     return (int(entry["layer"]), str(entry["hook"])), t

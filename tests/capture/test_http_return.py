@@ -33,18 +33,19 @@ def _acts(n: int, dtype: torch.dtype, start: int = 0) -> Activations:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_inline_rows_read_back_bitwise_plain_and_streamed(dtype):
     """A choice's JSON rows decode to the same bits, whole or as a stream's pieces (SSE
-    text, chunks as dicts), each position once, in order."""
+    text, chunks as dicts; a chunk whose tokens brought no new rows among them), each
+    position once, in order."""
     whole = _acts(7, dtype)
     body = {"choices": [{"index": 0, "actbus": {"activations": to_json(whole, True)}}]}
     got = returned(json.loads(json.dumps(body)))[0]
     assert got.positions.tolist() == list(range(7)) and got.complete is True
     for k, t in whole.tensors.items():
         assert got[k].dtype == dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8))
-    first, then = _acts(3, dtype), _acts(4, dtype, start=3)
+    first, none, then = _acts(3, dtype), _acts(0, dtype, start=3), _acts(4, dtype, start=3)
     sse = "".join(
         "data: " + json.dumps({"choices": [{"index": 1, "actbus": {
             "activations": to_json(a, final)}}]}) + "\n\n"
-        for a, final in ((first, False), (then, True))
+        for a, final in ((first, False), (none, False), (then, True))
     ) + "data: [DONE]\n\n"  # fmt: skip
     got = returned(sse)[1]
     assert got.positions.tolist() == list(range(7)) and got.complete is True
