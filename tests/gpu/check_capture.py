@@ -82,6 +82,7 @@ def main() -> int:
         args.arch, hidden_size=256, intermediate_size=512, initializer_range=args.init
     )
     moe = args.arch in MOE_ARCHITECTURES
+    multimodal = "vision_config" in json.loads((path / "config.json").read_text())
     engine_hooks = HOOKS + (["router"] if moe else [])
     address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
     from vllm import LLM, SamplingParams
@@ -102,6 +103,9 @@ def main() -> int:
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
+        # a multimodal wrapper (gemma3mm, paligemma, idefics3): text-only prompts, and no
+        # image processor (none is saved with the tiny models)
+        **({"limit_mm_per_prompt": {"image": 0}} if multimodal else {}),
         seed=0,
         additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": engine_hooks}},
     )

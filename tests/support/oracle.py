@@ -22,12 +22,31 @@ HF_POINTS = {
 
 @functools.lru_cache(maxsize=2)
 def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """HF's model of ``path``, attending as vLLM does: causally over text.
+
+    PaliGemma's config marks its text model's attention non-causal
+    (``use_bidirectional_attention``, set by ``PaliGemmaConfig`` when a checkpoint leaves
+    it unset): a prefix-LM over image and prompt when ``token_type_ids`` says where the
+    prefix ends. Without them HF builds a causal mask, but SDPA drops a mask it can
+    express as ``is_causal`` and then reads the module's flag: HF's text-only forward
+    attends bidirectionally on every layer whose mask was dropped (all of them on short
+    prompts, the full-attention ones past the sliding window) and causally elsewhere;
+    eager attention is causal throughout. vLLM's Gemma 2 is causal over text (its
+    multimodal prefix covers image tokens only), so the oracle computes HF's causal
+    forward, the one eager attention gives, on every attention backend.
+    """
     import transformers
 
+    config = transformers.AutoConfig.from_pretrained(path)
+    text = config.get_text_config()
+    if getattr(text, "use_bidirectional_attention", None) is True:
+        text.use_bidirectional_attention = False
     try:
-        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     except ValueError:  # a multimodal wrapper that no causal-LM class maps (PaliGemma)
-        m = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+        m = transformers.AutoModelForImageTextToText.from_pretrained(
+            path, config=config, dtype=dtype
+        )
     return m.to(device).eval()
 
 
@@ -38,9 +57,12 @@ def hf_family(model) -> str:
 
 
 def hf_layers(model):
-    """HF's decoder layers, the language model's in a multimodal wrapper."""
+    """HF's decoder layers, the language model's in a multimodal wrapper (Idefics3 names
+    it ``text_model``)."""
     inner = model.model
-    return getattr(inner, "language_model", inner).layers
+    for name in ("language_model", "text_model"):
+        inner = getattr(inner, name, inner)
+    return inner.layers
 
 
 def hf_mlp_scale(model) -> float:
