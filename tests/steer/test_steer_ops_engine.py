@@ -7,8 +7,6 @@ decode-only ones, and bad numbers refused naming the field."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -19,41 +17,20 @@ from tests.steer.test_steer_requests import _generate
 from tests.support.compile_counts import compile_counts
 from tests.support.engine import preemptions
 from tests.support.oracle import hf_activations
-from tests.support.steer_oracle import HFAblate, HFClamp, HFReplace, HFSteer
+from tests.support.steer_oracle import (
+    HFAblate,
+    HFClamp,
+    HFReplace,
+    HFSteer,
+    ops_params,
+    write_sae,
+)
 
 pytestmark = pytest.mark.engine
 
 
 def _params(steer=None, *, ret="all", n=1):
-    from vllm import SamplingParams
-
-    actbus = {} if steer is None else {"steer": steer}
-    if ret is not None:
-        actbus.update({"return": True, "positions": ret})
-    # n > 1 needs sampling; top_k=1 keeps it greedy
-    sampling = {"temperature": 0} if n == 1 else {"temperature": 1.0, "top_k": 1}
-    return SamplingParams(
-        n=n, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"actbus": actbus}, **sampling
-    )
-
-
-def _sae(path, hidden: int, d_sae: int, seed: int) -> dict[str, torch.Tensor]:
-    """A JumpReLU SAE checkpoint in SAELens' inference format, written by hand."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    t = {
-        "W_enc": torch.randn(hidden, d_sae, generator=g) / hidden**0.5,
-        "b_enc": torch.randn(d_sae, generator=g) * 0.1,
-        "b_dec": torch.randn(hidden, generator=g) * 0.1,
-        "W_dec": torch.randn(d_sae, hidden, generator=g) / d_sae**0.5,
-        "threshold": torch.rand(d_sae, generator=g) * 0.05,
-    }
-    path.mkdir()
-    save_file(t, str(path / "sae_weights.safetensors"))
-    cfg = {"architecture": "jumprelu", "d_in": hidden, "d_sae": d_sae}
-    (path / "cfg.json").write_text(json.dumps({**cfg, "apply_b_dec_to_input": True}))
-    return t
+    return ops_params(steer, max_tokens=MAX_TOKENS, ret=ret, n=n)
 
 
 def test_ops_match_hf_composed_n2_and_leave_others_bitwise_alone(sched_engine, tmp_path):
@@ -65,7 +42,7 @@ def test_ops_match_hf_composed_n2_and_leave_others_bitwise_alone(sched_engine, t
     prompts = _prompts(vocab, 6, seed=61, length=90)
     norm = _stream_norm(path, prompts[0])
     d = _vectors(hidden, 3, 1.0, seed=9)
-    sae = _sae(tmp_path / "sae", hidden, 4 * hidden, seed=3)
+    sae = write_sae(tmp_path / "sae", hidden, 4 * hidden, seed=3)
     clean = hf_activations(path, prompts[5], [2], ["post_block"])[(2, "post_block")]
     # patching across prompts: prompt 5's clean rows at layer 2 into prompt 1
     patch = {p: clean[p] for p in (3, 7, 30)}
