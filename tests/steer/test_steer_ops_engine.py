@@ -15,8 +15,9 @@ from actbus.steer.patch import from_capture
 from tests.steer.test_steer_engine import MAX_TOKENS, _check, _prompts, _stream_norm, _vectors
 from tests.steer.test_steer_requests import _generate
 from tests.support.compile_counts import compile_counts
-from tests.support.engine import preemptions
-from tests.support.oracle import hf_activations
+from tests.support.engine import CAPTURE_LAYERS, preemptions
+from tests.support.oracle import hf_activations, max_rel_error
+from tests.support.procs import manifest, start_sink, stop, wait_for, wait_rows
 from tests.support.steer_oracle import (
     HFAblate,
     HFClamp,
@@ -215,3 +216,35 @@ def test_bad_numbers_are_refused_naming_the_field(sched_engine, tmp_path):
     out = _generate(llm, [prompt], [_params(ret=None)])[0]
     assert len(out.outputs[0].token_ids) == MAX_TOKENS
     assert np.isfinite(np.asarray(out.outputs[0].token_ids)).all()
+
+
+def test_replace_from_a_stored_run(sched_engine, tmp_path):
+    """Patching from the fs sink's files: a clean request's rows, published by the engine
+    and stored by a real ``actbus run fs-sink`` process, read back by
+    ``consumers.fs.patching.from_run`` (run directory, request id, layer and hook,
+    positions; moved to other positions and another layer) and replaced into another
+    prompt: HF with those rows set by a hook gives the same."""
+    from consumers.fs import ActivationRun
+    from consumers.fs.patching import from_run
+
+    llm = sched_engine.llm
+    path = sched_engine.model_path
+    prompts = _prompts(llm.get_tokenizer().vocab_size, 2, seed=81)
+    out = tmp_path / "run"
+    sink = start_sink(sched_engine.address, out)
+    try:
+        wait_for(lambda: manifest(out), 60, "the sink to subscribe")
+        clean = _generate(llm, [prompts[0]], [_params(ret=None)])[0]
+        wait_rows(out, CAPTURE_LAYERS[0], len(prompts[0]) + MAX_TOKENS - 1)
+    finally:
+        assert stop(sink) == 0, (out.parent / "run.log").read_text()[-3000:]
+    entry = from_run(out, clean.request_id, 0, "post_block", [2, 5, 11], at=[4, 9, 1], to_layer=1)
+    assert entry["layers"] == 1 and entry["positions"] == [4, 9, 1]
+    _, stored = ActivationRun(out).request_rows(clean.request_id, 0, "post_block")
+    hf = hf_activations(path, prompts[0], [0], ["post_block"])[(0, "post_block")]
+    assert max_rel_error(stored[[2, 5, 11]], hf[[2, 5, 11]]) <= 1e-3  # the clean run's rows
+    got = _generate(llm, [prompts[1]], [_params([entry])])[0]
+    rows = {4: stored[2], 9: stored[5], 1: stored[11]}
+    _check(got, path, [HFReplace(1, "post_block", None, rows=rows)])
+    with pytest.raises(KeyError, match=r"has no rows at positions \[500\]"):
+        from_run(out, clean.request_id, 0, "post_block", [2, 500])
