@@ -21,6 +21,7 @@ from tests.support.procs import manifest, start_sink, stop, wait_for, wait_rows
 from tests.support.steer_oracle import (
     HFAblate,
     HFClamp,
+    HFGate,
     HFReplace,
     HFSteer,
     ops_params,
@@ -248,3 +249,51 @@ def test_replace_from_a_stored_run(sched_engine, tmp_path):
     _check(got, path, [HFReplace(1, "post_block", None, rows=rows)])
     with pytest.raises(KeyError, match=r"has no rows at positions \[500\]"):
         from_run(out, clean.request_id, 0, "post_block", [2, 500])
+
+
+def test_gated_ops_match_hf(sched_engine, tmp_path):
+    """Each operation under a gate (``test_steer_gate_engine.py``'s monitors): its change
+    times the gate, as HF's hooks apply it; a hard gate on the same token's score, a
+    sigmoid one, a hard one on the previous token's."""
+    from tests.steer.test_steer_gate_engine import _scorer
+
+    llm = sched_engine.llm
+    path = sched_engine.model_path
+    mons = sched_engine.monitor["monitors"]
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    prompts = _prompts(llm.get_tokenizer().vocab_size, 3, seed=93, length=40)
+    norm = _stream_norm(path, prompts[0])
+    row, d = _vectors(hidden, 2, 1.0, seed=17)
+    sae = write_sae(tmp_path / "sae", hidden, 4 * hidden, seed=4)
+    value = norm / float(sae["W_dec"][6].norm())
+    raw = _scorer(mons, "raw")  # layer 2 post_block
+    stream = hf_activations(path, prompts[0], [2], ["post_block"])[(2, "post_block")]
+    scores = raw(stream).sort().values
+    thr = float(scores[len(scores) // 2 - 1] + scores[len(scores) // 2]) / 2  # splits them
+    gates = [
+        ({"monitor": "raw", "threshold": thr}, HFGate((2, "post_block"), raw, thr)),
+        (
+            {"monitor": "probe", "layer": 1, "threshold": 0.5, "sharpness": 8.0},
+            HFGate((1, "post_block"), _scorer(mons, "probe"), 0.5, 8.0),
+        ),
+        (
+            {"monitor": "raw", "threshold": thr, "source": "previous"},
+            HFGate((2, "post_block"), raw, thr, None, "previous"),
+        ),
+    ]
+    entries = [
+        {"op": "replace", "layers": 3, "hooks": "post_attn", "vector": (row * norm).tolist()},
+        {"op": "ablate", "layers": 2, "hooks": "pre_attn", "directions": d.tolist()},
+        {"op": "clamp", "layers": 3, "hooks": "pre_attn", "sae": str(tmp_path / "sae"),
+         "feature": 6, "value": value},
+    ]  # fmt: skip
+    hf = [
+        HFReplace(3, "post_attn", row * norm),
+        HFAblate(2, "pre_attn", d),
+        HFClamp(3, "pre_attn", None, sae=sae, feature=6, value=value),
+    ]
+    params = [_params([{**e, "gate": g}]) for e, (g, _) in zip(entries, gates, strict=True)]
+    outs = _generate(llm, prompts, params)
+    for out, h, (_, gate) in zip(outs, hf, gates, strict=True):
+        h.gate = gate
+        _check(out, path, [h])

@@ -104,12 +104,17 @@ class HFSteer:
             coef = self.scale * s.norm(dim=-1, keepdim=True) / v.norm()
         else:
             coef = torch.full((s.shape[0], 1), self.scale, device=s.device)
+        return (coef * self.weight(s, prompt_len, ctx) * v).to(stream.dtype)
+
+    def weight(self, s: torch.Tensor, prompt_len: int, ctx) -> torch.Tensor:
+        """``[seq, 1]``: 1 at the selected tokens, 0 elsewhere, times the gate if any
+        (every operation's change is multiplied by it)."""
         mask = self.mask(s.shape[0], prompt_len)[:, None].to(s.device, torch.float32)
         if self.gate is not None:
             acts, history = ctx
             g = self.gate.values((self.layer, self.hook), acts, history, prompt_len, s.shape[0])
             mask = mask * g[:, None].to(s.device)
-        return (coef * mask * v).to(stream.dtype)
+        return mask.to(s.dtype)
 
 
 def _sum(steers, stream, prompt_len, ctx=None):
@@ -213,7 +218,7 @@ class HFReplace(HFSteer):
                     want[p] = r.float()
         else:
             want[mask] = self.vector.float()
-        return (want - s).to(stream.dtype)
+        return (self.weight(s, prompt_len, ctx) * (want - s)).to(stream.dtype)
 
 
 @dataclass
@@ -225,8 +230,7 @@ class HFAblate(HFSteer):
         s = stream.double()
         d = self.vector.double().reshape(-1, s.shape[1])
         proj = s @ torch.linalg.pinv(d) @ d  # [n, hidden]
-        mask = self.mask(s.shape[0], prompt_len)[:, None].double()
-        return (-mask * proj).to(stream.dtype)
+        return (-self.weight(s, prompt_len, ctx) * proj).to(stream.dtype)
 
 
 @dataclass
@@ -246,8 +250,7 @@ class HFClamp(HFSteer):
         g = f.clone()
         g[:, self.feature] = self.value
         change = (g - f) @ t["W_dec"]  # dec(f') - dec(f): b_dec cancels
-        mask = self.mask(s.shape[0], prompt_len)[:, None].double()
-        return (mask * change).to(stream.dtype)
+        return (self.weight(s, prompt_len, ctx) * change).to(stream.dtype)
 
 
 @dataclass
