@@ -38,6 +38,8 @@ def test_who_may_pass_what():
         {"user_hooks": [{"name": "mine", "layer": 1}], "return": True}, cfg, over_http=True
     )
     assert raw == {"return": True} and hooks[0][:4] == ["name", "mine", 1, "post_block"]
+    with pytest.raises(ConfigError, match=r"points\[1\]: 'post_attn' is not a point user hooks"):
+        HooksConfig.from_dict({"layers": [1], "points": ["pre_attn", "post_attn"]})
     with pytest.raises(ConfigError, match="this engine runs no hooks"):
         take_hooks({"user_hooks": [h]}, None, over_http=False)
 

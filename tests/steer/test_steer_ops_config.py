@@ -90,7 +90,9 @@ def test_clamp_reads_one_latent_and_confines_http_callers(tmp_path):
     with pytest.raises(ConfigError, match=r"feature: 99 is out of range; the SAE has 32"):
         f.request([{**out, "feature": 99}], True, "s", trusted=True)
     _sae(tmp_path / "topk", arch="topk")
-    with pytest.raises(ConfigError, match="cannot be clamped one latent at a time"):
+    with pytest.raises(
+        ConfigError, match="architecture 'topk' cannot be clamped one latent at a time"
+    ):
         f.request([{**out, "sae": str(tmp_path / "topk")}], True, "s", trusted=True)
 
 
