@@ -261,6 +261,7 @@ def ops_run(tmp_path_factory) -> OpsRun:
 def test_ops_and_a_hook_match_hf_on_gemma2(ops_run):
     run = ops_run
     assert run.preemptions > 0, "the tiny KV cache did not force a preemption"
+    assert all(len(o.prompt_token_ids) > CHUNK for o in run.outs)  # chunked prefill
     for i, (out, hf) in enumerate(zip(run.outs, run.hf, strict=True)):
         _, want = check_hf(out, run.path, hf, MAX_TOKENS, LAYERS, HOOKS)
         if hf:  # the operations show: ones that did nothing would pass above
