@@ -68,8 +68,15 @@ class HooksConfig:
         layers = parse_layers(raw["layers"], f"{where}.layers")
         points = raw.get("points", ["post_block"])
         points = [points] if isinstance(points, str) else points
-        if not isinstance(points, list) or not points or any(p not in HOOK_POINTS for p in points):
+        if not isinstance(points, list) or not points:
             raise ConfigError(f"{where}.points: expected a list of {', '.join(HOOK_POINTS)}")
+        for i, p in enumerate(points):
+            if p not in HOOK_POINTS:
+                raise ConfigError(
+                    f"{where}.points[{i}]: {p!r:.40} is not a point user hooks run at (they "
+                    f"run at {' and '.join(HOOK_POINTS)}; post_attn and mlp_out are read "
+                    "by capture and changed by steering's operations, actbus.steer.ops)"
+                )
         named = raw.get("named", [])
         if not isinstance(named, list) or not all(isinstance(n, str) and n for n in named):
             raise ConfigError(f"{where}.named: expected a list of entry-point names")

@@ -15,7 +15,7 @@ from actbus.errors import ConfigError
 from actbus.hooks import Hook, take_hooks
 from tests.support.engine import IN_PROCESS, scoped_env
 from tests.support.oracle import max_rel_error
-from tests.support.steer_oracle import HFSteer, hf_steered_greedy
+from tests.support.steer_oracle import HFScale, hf_steered_greedy
 
 MAX_TOKENS = 5
 
@@ -38,19 +38,14 @@ def test_who_may_pass_what():
         {"user_hooks": [{"name": "mine", "layer": 1}], "return": True}, cfg, over_http=True
     )
     assert raw == {"return": True} and hooks[0][:4] == ["name", "mine", 1, "post_block"]
+    with pytest.raises(ConfigError, match=r"points\[1\]: 'post_attn' is not a point user hooks"):
+        HooksConfig.from_dict({"layers": [1], "points": ["pre_attn", "post_attn"]})
     with pytest.raises(ConfigError, match="this engine runs no hooks"):
         take_hooks({"user_hooks": [h]}, None, over_http=False)
 
 
-class _HFScale(HFSteer):
-    """The oracle of a hook returning ``scale * rows``: the stream's change."""
-
-    def __init__(self, layer, hook, scale):
-        super().__init__(layer, hook, torch.zeros(1))
-        self.factor = scale
-
-    def delta(self, stream, prompt_len, ctx=None):
-        return (self.factor - 1.0) * stream
+def _scale(layer: int, point: str, factor: float) -> HFScale:
+    return HFScale(layer, point, torch.zeros(1), factor=factor)
 
 
 @pytest.mark.engine
@@ -113,7 +108,7 @@ def test_hooks_match_hf_and_leave_others_alone(tiny_models, tmp_path):
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
-    oracle = [[], [_HFScale(1, "post_block", 0.5)], [_HFScale(0, "pre_attn", 1.5)], []]
+    oracle = [[], [_scale(1, "post_block", 0.5)], [_scale(0, "pre_attn", 1.5)], []]
     for out, hf in zip(outs, oracle, strict=True):
         prompt = list(out.prompt_token_ids)
         want_tokens, want = hf_steered_greedy(path, prompt, MAX_TOKENS, hf, [0, 1, 3])

@@ -16,7 +16,7 @@ import torch
 
 from tests.support.engine import CAPTURE_LAYERS, HOOKS
 from tests.support.oracle import hf_activations, max_rel_error
-from tests.support.steer_oracle import HFSteer, hf_steered_greedy
+from tests.support.steer_oracle import HFSteer, check_hf, hf_steered_greedy
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 6
@@ -85,20 +85,7 @@ def _params(steer=None, *, ret: str | None = "all", **extra):
 
 def _check(out, model_path, steers: list[HFSteer], positions="all"):
     """The engine's tokens and returned activations against HF with the same steering."""
-    prompt = list(out.prompt_token_ids)
-    want_tokens, want = hf_steered_greedy(model_path, prompt, MAX_TOKENS, steers, CAPTURE_LAYERS)
-    got_tokens = list(out.outputs[0].token_ids)
-    assert got_tokens == want_tokens, (steers, got_tokens, want_tokens)
-    acts = out.outputs[0].activations
-    assert acts is not None and acts.complete
-    fed = len(prompt) + MAX_TOKENS - 1
-    rows = list(range(fed)) if positions == "all" else list(range(len(prompt), fed))
-    assert acts.positions.tolist() == rows
-    for layer in CAPTURE_LAYERS:
-        for hook in HOOKS:
-            err = max_rel_error(acts[(layer, hook)], want[(layer, hook)][rows])
-            assert err <= 1e-3, (layer, hook, err, steers)
-    return got_tokens, want
+    return check_hf(out, model_path, steers, MAX_TOKENS, CAPTURE_LAYERS, HOOKS, positions)
 
 
 # (entry, as a request writes it; "vector" is an index into the test's vectors)

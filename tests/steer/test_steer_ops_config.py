@@ -4,16 +4,13 @@ confined for HTTP callers), per-token counting and cache salts."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from actbus.errors import ConfigError
 from actbus.steer.config import SteerConfig, parse_steer
 from actbus.steer.frontend import SteerFrontend
+from tests.support.steer_oracle import write_sae
 
 H = 8
 
@@ -24,18 +21,7 @@ def _front(**cfg) -> SteerFrontend:
 
 
 def _sae(path, arch="jumprelu", d_sae=32):
-    g = torch.Generator().manual_seed(0)
-    t = {
-        "W_enc": torch.randn(H, d_sae, generator=g),
-        "b_enc": torch.randn(d_sae, generator=g),
-        "b_dec": torch.randn(H, generator=g),
-        "W_dec": torch.randn(d_sae, H, generator=g),
-        "threshold": torch.rand(d_sae, generator=g),
-    }
-    path.mkdir()
-    save_file(t, str(path / "sae_weights.safetensors"))
-    (path / "cfg.json").write_text(json.dumps({"architecture": arch, "k": 4}))
-    return t
+    return write_sae(path, H, d_sae, seed=0, arch=arch)
 
 
 def test_engine_ops_and_what_an_engine_without_them_refuses():
@@ -104,7 +90,9 @@ def test_clamp_reads_one_latent_and_confines_http_callers(tmp_path):
     with pytest.raises(ConfigError, match=r"feature: 99 is out of range; the SAE has 32"):
         f.request([{**out, "feature": 99}], True, "s", trusted=True)
     _sae(tmp_path / "topk", arch="topk")
-    with pytest.raises(ConfigError, match="cannot be clamped one latent at a time"):
+    with pytest.raises(
+        ConfigError, match="architecture 'topk' cannot be clamped one latent at a time"
+    ):
         f.request([{**out, "sae": str(tmp_path / "topk")}], True, "s", trusted=True)
 
 

@@ -7,8 +7,6 @@ decode-only ones, and bad numbers refused naming the field."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -17,43 +15,24 @@ from actbus.steer.patch import from_capture
 from tests.steer.test_steer_engine import MAX_TOKENS, _check, _prompts, _stream_norm, _vectors
 from tests.steer.test_steer_requests import _generate
 from tests.support.compile_counts import compile_counts
-from tests.support.engine import preemptions
-from tests.support.oracle import hf_activations
-from tests.support.steer_oracle import HFAblate, HFClamp, HFReplace, HFSteer
+from tests.support.engine import CAPTURE_LAYERS, preemptions
+from tests.support.oracle import hf_activations, max_rel_error
+from tests.support.procs import manifest, start_sink, stop, wait_for, wait_rows
+from tests.support.steer_oracle import (
+    HFAblate,
+    HFClamp,
+    HFGate,
+    HFReplace,
+    HFSteer,
+    ops_params,
+    write_sae,
+)
 
 pytestmark = pytest.mark.engine
 
 
 def _params(steer=None, *, ret="all", n=1):
-    from vllm import SamplingParams
-
-    actbus = {} if steer is None else {"steer": steer}
-    if ret is not None:
-        actbus.update({"return": True, "positions": ret})
-    # n > 1 needs sampling; top_k=1 keeps it greedy
-    sampling = {"temperature": 0} if n == 1 else {"temperature": 1.0, "top_k": 1}
-    return SamplingParams(
-        n=n, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"actbus": actbus}, **sampling
-    )
-
-
-def _sae(path, hidden: int, d_sae: int, seed: int) -> dict[str, torch.Tensor]:
-    """A JumpReLU SAE checkpoint in SAELens' inference format, written by hand."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    t = {
-        "W_enc": torch.randn(hidden, d_sae, generator=g) / hidden**0.5,
-        "b_enc": torch.randn(d_sae, generator=g) * 0.1,
-        "b_dec": torch.randn(hidden, generator=g) * 0.1,
-        "W_dec": torch.randn(d_sae, hidden, generator=g) / d_sae**0.5,
-        "threshold": torch.rand(d_sae, generator=g) * 0.05,
-    }
-    path.mkdir()
-    save_file(t, str(path / "sae_weights.safetensors"))
-    cfg = {"architecture": "jumprelu", "d_in": hidden, "d_sae": d_sae}
-    (path / "cfg.json").write_text(json.dumps({**cfg, "apply_b_dec_to_input": True}))
-    return t
+    return ops_params(steer, max_tokens=MAX_TOKENS, ret=ret, n=n)
 
 
 def test_ops_match_hf_composed_n2_and_leave_others_bitwise_alone(sched_engine, tmp_path):
@@ -65,7 +44,7 @@ def test_ops_match_hf_composed_n2_and_leave_others_bitwise_alone(sched_engine, t
     prompts = _prompts(vocab, 6, seed=61, length=90)
     norm = _stream_norm(path, prompts[0])
     d = _vectors(hidden, 3, 1.0, seed=9)
-    sae = _sae(tmp_path / "sae", hidden, 4 * hidden, seed=3)
+    sae = write_sae(tmp_path / "sae", hidden, 4 * hidden, seed=3)
     clean = hf_activations(path, prompts[5], [2], ["post_block"])[(2, "post_block")]
     # patching across prompts: prompt 5's clean rows at layer 2 into prompt 1
     patch = {p: clean[p] for p in (3, 7, 30)}
@@ -238,3 +217,83 @@ def test_bad_numbers_are_refused_naming_the_field(sched_engine, tmp_path):
     out = _generate(llm, [prompt], [_params(ret=None)])[0]
     assert len(out.outputs[0].token_ids) == MAX_TOKENS
     assert np.isfinite(np.asarray(out.outputs[0].token_ids)).all()
+
+
+def test_replace_from_a_stored_run(sched_engine, tmp_path):
+    """Patching from the fs sink's files: a clean request's rows, published by the engine
+    and stored by a real ``actbus run fs-sink`` process, read back by
+    ``consumers.fs.patching.from_run`` (run directory, request id, layer and hook,
+    positions; moved to other positions and another layer) and replaced into another
+    prompt: HF with those rows set by a hook gives the same."""
+    from consumers.fs import ActivationRun
+    from consumers.fs.patching import from_run
+
+    llm = sched_engine.llm
+    path = sched_engine.model_path
+    prompts = _prompts(llm.get_tokenizer().vocab_size, 2, seed=81)
+    out = tmp_path / "run"
+    sink = start_sink(sched_engine.address, out)
+    try:
+        wait_for(lambda: manifest(out), 60, "the sink to subscribe")
+        clean = _generate(llm, [prompts[0]], [_params(ret=None)])[0]
+        wait_rows(out, CAPTURE_LAYERS[0], len(prompts[0]) + MAX_TOKENS - 1)
+    finally:
+        assert stop(sink) == 0, (out.parent / "run.log").read_text()[-3000:]
+    entry = from_run(out, clean.request_id, 0, "post_block", [2, 5, 11], at=[4, 9, 1], to_layer=1)
+    assert entry["layers"] == 1 and entry["positions"] == [4, 9, 1]
+    _, stored = ActivationRun(out).request_rows(clean.request_id, 0, "post_block")
+    hf = hf_activations(path, prompts[0], [0], ["post_block"])[(0, "post_block")]
+    assert max_rel_error(stored[[2, 5, 11]], hf[[2, 5, 11]]) <= 1e-3  # the clean run's rows
+    got = _generate(llm, [prompts[1]], [_params([entry])])[0]
+    rows = {4: stored[2], 9: stored[5], 1: stored[11]}
+    _check(got, path, [HFReplace(1, "post_block", None, rows=rows)])
+    with pytest.raises(KeyError, match=r"has no rows at positions \[500\]"):
+        from_run(out, clean.request_id, 0, "post_block", [2, 500])
+
+
+def test_gated_ops_match_hf(sched_engine, tmp_path):
+    """Each operation under a gate (``test_steer_gate_engine.py``'s monitors): its change
+    times the gate, as HF's hooks apply it; a hard gate on the same token's score, a
+    sigmoid one, a hard one on the previous token's."""
+    from tests.steer.test_steer_gate_engine import _scorer
+
+    llm = sched_engine.llm
+    path = sched_engine.model_path
+    mons = sched_engine.monitor["monitors"]
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    prompts = _prompts(llm.get_tokenizer().vocab_size, 3, seed=93, length=40)
+    norm = _stream_norm(path, prompts[0])
+    row, d = _vectors(hidden, 2, 1.0, seed=17)
+    sae = write_sae(tmp_path / "sae", hidden, 4 * hidden, seed=4)
+    value = norm / float(sae["W_dec"][6].norm())
+    raw = _scorer(mons, "raw")  # layer 2 post_block
+    stream = hf_activations(path, prompts[0], [2], ["post_block"])[(2, "post_block")]
+    scores = raw(stream).sort().values
+    thr = float(scores[len(scores) // 2 - 1] + scores[len(scores) // 2]) / 2  # splits them
+    gates = [
+        ({"monitor": "raw", "threshold": thr}, HFGate((2, "post_block"), raw, thr)),
+        (
+            {"monitor": "probe", "layer": 1, "threshold": 0.5, "sharpness": 8.0},
+            HFGate((1, "post_block"), _scorer(mons, "probe"), 0.5, 8.0),
+        ),
+        (
+            {"monitor": "raw", "threshold": thr, "source": "previous"},
+            HFGate((2, "post_block"), raw, thr, None, "previous"),
+        ),
+    ]
+    entries = [
+        {"op": "replace", "layers": 3, "hooks": "post_attn", "vector": (row * norm).tolist()},
+        {"op": "ablate", "layers": 2, "hooks": "pre_attn", "directions": d.tolist()},
+        {"op": "clamp", "layers": 3, "hooks": "pre_attn", "sae": str(tmp_path / "sae"),
+         "feature": 6, "value": value},
+    ]  # fmt: skip
+    hf = [
+        HFReplace(3, "post_attn", row * norm),
+        HFAblate(2, "pre_attn", d),
+        HFClamp(3, "pre_attn", None, sae=sae, feature=6, value=value),
+    ]
+    params = [_params([{**e, "gate": g}]) for e, (g, _) in zip(entries, gates, strict=True)]
+    outs = _generate(llm, prompts, params)
+    for out, h, (_, gate) in zip(outs, hf, gates, strict=True):
+        h.gate = gate
+        _check(out, path, [h])

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.support.oracle import HF_POINTS, hf_family, hf_layers, hf_mlp_scale, hf_model
+from tests.support.oracle import (
+    HF_POINTS,
+    hf_family,
+    hf_layers,
+    hf_mlp_scale,
+    hf_model,
+    max_rel_error,
+)
 
 _STEER_RANK = {"pre_attn": 0, "post_attn": 2, "post_block": 5}
 _MONITOR_RANK = {"pre_attn": 1, "post_attn": 3, "mlp_out": 4, "post_block": 6}
@@ -97,12 +104,17 @@ class HFSteer:
             coef = self.scale * s.norm(dim=-1, keepdim=True) / v.norm()
         else:
             coef = torch.full((s.shape[0], 1), self.scale, device=s.device)
+        return (coef * self.weight(s, prompt_len, ctx) * v).to(stream.dtype)
+
+    def weight(self, s: torch.Tensor, prompt_len: int, ctx) -> torch.Tensor:
+        """``[seq, 1]``: 1 at the selected tokens, 0 elsewhere, times the gate if any
+        (every operation's change is multiplied by it)."""
         mask = self.mask(s.shape[0], prompt_len)[:, None].to(s.device, torch.float32)
         if self.gate is not None:
             acts, history = ctx
             g = self.gate.values((self.layer, self.hook), acts, history, prompt_len, s.shape[0])
             mask = mask * g[:, None].to(s.device)
-        return (coef * mask * v).to(stream.dtype)
+        return mask.to(s.dtype)
 
 
 def _sum(steers, stream, prompt_len, ctx=None):
@@ -206,7 +218,7 @@ class HFReplace(HFSteer):
                     want[p] = r.float()
         else:
             want[mask] = self.vector.float()
-        return (want - s).to(stream.dtype)
+        return (self.weight(s, prompt_len, ctx) * (want - s)).to(stream.dtype)
 
 
 @dataclass
@@ -218,8 +230,7 @@ class HFAblate(HFSteer):
         s = stream.double()
         d = self.vector.double().reshape(-1, s.shape[1])
         proj = s @ torch.linalg.pinv(d) @ d  # [n, hidden]
-        mask = self.mask(s.shape[0], prompt_len)[:, None].double()
-        return (-mask * proj).to(stream.dtype)
+        return (-self.weight(s, prompt_len, ctx) * proj).to(stream.dtype)
 
 
 @dataclass
@@ -239,5 +250,99 @@ class HFClamp(HFSteer):
         g = f.clone()
         g[:, self.feature] = self.value
         change = (g - f) @ t["W_dec"]  # dec(f') - dec(f): b_dec cancels
-        mask = self.mask(s.shape[0], prompt_len)[:, None].double()
-        return (mask * change).to(stream.dtype)
+        return (self.weight(s, prompt_len, ctx) * change).to(stream.dtype)
+
+
+@dataclass
+class HFScale(HFSteer):
+    """The oracle of a user hook returning ``factor * rows`` at every token."""
+
+    factor: float = 1.0
+
+    def delta(self, stream, prompt_len, ctx=None):
+        return (self.factor - 1.0) * stream
+
+
+def write_sae(
+    path,
+    hidden: int,
+    d_sae: int,
+    seed: int,
+    arch: str = "jumprelu",
+    *,
+    apply_b_dec_to_input: bool = True,
+) -> dict[str, torch.Tensor]:
+    """An SAE checkpoint of ``arch`` in SAELens' inference format, written by hand into
+    the new directory ``path``; returns what ``HFClamp`` encodes with: a ReLU SAE's
+    threshold is 0, and an SAE that does not subtract ``b_dec`` from its input encodes
+    as one whose ``b_dec`` is 0 (decoding differences cancel it)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "W_enc": torch.randn(hidden, d_sae, generator=g) / hidden**0.5,
+        "b_enc": torch.randn(d_sae, generator=g) * 0.1,
+        "b_dec": torch.randn(hidden, generator=g) * 0.1,
+        "W_dec": torch.randn(d_sae, hidden, generator=g) / d_sae**0.5,
+        "threshold": torch.rand(d_sae, generator=g) * 0.05,
+    }
+    stored = t if arch == "jumprelu" else {k: v for k, v in t.items() if k != "threshold"}
+    path.mkdir()
+    save_file(stored, str(path / "sae_weights.safetensors"))
+    cfg = {"architecture": arch, "d_in": hidden, "d_sae": d_sae}
+    cfg.update(apply_b_dec_to_input=apply_b_dec_to_input, **({"k": 4} if arch == "topk" else {}))
+    (path / "cfg.json").write_text(json.dumps(cfg))
+    oracle = dict(t)
+    if arch != "jumprelu":
+        oracle["threshold"] = torch.zeros(d_sae)
+    if not apply_b_dec_to_input:
+        oracle["b_dec"] = torch.zeros(hidden)
+    return oracle
+
+
+def check_hf(
+    out,
+    path,
+    steers: list[HFSteer],
+    max_tokens: int,
+    layers: list[int],
+    hooks: list[str],
+    positions: str = "all",
+    sample: int = 0,
+    tol: float = 1e-3,
+) -> tuple[list[int], dict]:
+    """An engine's output (its ``sample``-th completion) against HF with the same
+    operations hooked in: the greedy tokens, and every returned row (``positions``:
+    all fed tokens, or the generated ones) of ``layers`` x ``hooks`` within ``tol``."""
+    prompt = list(out.prompt_token_ids)
+    want_tokens, want = hf_steered_greedy(path, prompt, max_tokens, steers, layers)
+    got_tokens = list(out.outputs[sample].token_ids)
+    assert got_tokens == want_tokens, (steers, got_tokens, want_tokens)
+    acts = out.outputs[sample].activations
+    assert acts is not None and acts.complete
+    fed = len(prompt) + max_tokens - 1
+    rows = list(range(fed)) if positions == "all" else list(range(len(prompt), fed))
+    assert acts.positions.tolist() == rows
+    for layer in layers:
+        for hook in hooks:
+            err = max_rel_error(acts[(layer, hook)], want[(layer, hook)][rows])
+            assert err <= tol, (layer, hook, err, steers)
+    return got_tokens, want
+
+
+def ops_params(steer=None, *, max_tokens: int, ret="all", n: int = 1, hooks=None):
+    """Greedy ``SamplingParams`` with ``steer`` entries (and user ``hooks``), returning
+    the rows of ``ret`` positions (None: none); ``n > 1`` samples with top_k 1."""
+    from vllm import SamplingParams
+
+    actbus: dict = {} if steer is None else {"steer": steer}
+    if hooks:
+        actbus["user_hooks"] = hooks
+    if ret is not None:
+        actbus.update({"return": True, "positions": ret})
+    sampling = {"temperature": 0} if n == 1 else {"temperature": 1.0, "top_k": 1}
+    return SamplingParams(
+        n=n, max_tokens=max_tokens, ignore_eos=True, extra_args={"actbus": actbus}, **sampling
+    )
