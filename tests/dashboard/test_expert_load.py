@@ -41,6 +41,7 @@ pytestmark = pytest.mark.engine
 LAYERS = [0, 3]
 LENGTHS = [9, 20, 33]
 MAX_TOKENS = 6
+ARTIFACTS = ROOT / "tests" / "artifacts"
 STATS = ("--timeout", "120", "--experts-s", "600")
 """``actbus stats`` waits for the engine to start, then listens until it ends."""
 
@@ -165,6 +166,8 @@ def test_the_router_stream_is_sunk_and_its_expert_load_shown(tmp_path):
             assert not page["hidden"] and f"{num_experts} experts, top {top_k}" in page["status"]
             same_load({r["layer"]: r for r in page["layers"]}, "page")
             assert all(r["bars"] == 2 * num_experts for r in page["layers"])
+            ARTIFACTS.mkdir(exist_ok=True)
+            browser.screenshot(ARTIFACTS / "dashboard_experts.png")  # to look at, not checked
 
         # actbus stats: once it has read every router message, Ctrl-C prints its count.
         def stats_read_all():

@@ -157,6 +157,7 @@ PAGE_NUMBERS = """JSON.stringify({
   norm_means: [...document.querySelectorAll('#taps .norm-mean')].map(e => e.textContent),
   requests: document.querySelectorAll('#requests .req').length,
   request_bars: document.querySelectorAll('#requests .req svg rect').length,
+  experts_hidden: document.querySelector('#experts-section').hidden,
 })"""
 
 
