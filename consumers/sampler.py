@@ -355,7 +355,7 @@ class DashboardSampler(Consumer):
             "publishers": {a: dict(v) for a, v in self.publishers.items()},
             "monitors": {
                 **self.scores.snapshot(),
-                "subscribed": self._scores_sub is not None,
+                "subscribed": self._scores_sub is not None and MONITOR_HOOK in self._named,
                 "missed": self._scores_sub.stats.missed if self._scores_sub is not None else 0,
                 "error": self.scores_error,
             },

@@ -181,6 +181,40 @@ def test_the_sink_stores_router_rows_as_published_whatever_the_reduction(tmp_pat
     assert np.array_equal(h_ids, b[:, :K].numpy()) and np.array_equal(h_w, b[:, K:].numpy())
 
 
+def test_a_replayed_router_stream_is_the_published_one(tmp_path):
+    """``actbus replay`` puts stored router rows back on the bus bit for bit, with the
+    WELCOME's ``router`` entry, so the dashboards and ``actbus stats`` count them."""
+    import threading
+
+    from actbus.bus import Subscriber, Subscription
+    from consumers.fs.replay import ReplayConfig, replay
+
+    sink = FsSink(tmp_path / "run", WriterConfig(reduction=parse_reduction("int8")))
+    sink.on_welcome(INFO)
+    a = router_rows(5, 3)
+    sink.on_batch(_router_batch(0, "a", 0, a[:2]))
+    sink.on_batch(_router_batch(1, "a", 2, a[2:]))
+    sink.close()
+    address = f"ipc://{tmp_path}/replay.sock"
+    done: dict = {}
+    t = threading.Thread(
+        target=lambda: done.update(replay(ReplayConfig(tmp_path / "run", address, wait_s=30))),
+        daemon=True,
+    )
+    t.start()
+    with Subscriber(address, Subscription(hooks=("router",), name="check")) as sub:
+        welcome = sub.wait_welcome(30)
+        got = list(sub)  # until the replay's END
+    t.join(timeout=30)
+    assert done and welcome["router"] == {"num_experts": E, "top_k": K}
+    assert [b.header.hook for b in got] == ["router", "router"]
+    assert torch.equal(torch.cat([b.tensor for b in got]), a)
+    load = ExpertLoad.from_welcome(welcome)
+    for b in got:
+        load.add(b.header.layer, b.tensor)
+    assert load.snapshot()["layers"]["1"]["counts"] == expected(a.numpy())[0]
+
+
 def test_stored_rows_that_are_no_router_choice_are_refused_on_read():
     with pytest.raises(ValueError, match="outside"):
         split_router_rows(np.array([[8.0, 1.0, 0.5, 0.5]]), {"num_experts": E, "top_k": K})

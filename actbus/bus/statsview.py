@@ -170,7 +170,7 @@ def render_experts(e: dict[str, Any]) -> Table:
     """Per layer the tokens counted, the imbalance and a line of each expert's load."""
     t = Table(
         title=f"expert load ({e['num_experts']} experts, top {e['top_k']}; tokens routed to "
-        f"each, over the last {e['seconds']:.1f} s; missed {e['missed']} messages, refused "
+        f"each in the {e['seconds']:.1f} s it listened; missed {e['missed']} messages, refused "
         f"{e['bad_rows']} rows)",
         title_justify="left",
     )

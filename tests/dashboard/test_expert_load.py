@@ -152,6 +152,7 @@ def test_the_router_stream_is_sunk_and_its_expert_load_shown(tmp_path):
         assert snap["num_experts"] == num_experts and snap["top_k"] == top_k
         assert snap["subscribed"] and snap["missed"] == 0 and snap["bad_rows"] == 0
         same_load(snap["layers"], "dashboard snapshot")
+        assert not dash.snapshot()["monitors"]["subscribed"]  # the engine has no monitors
         if why_no_browser is None:
             browser = Browser(dash.url, tmp_path / "chromium")
             page = wait_for(
