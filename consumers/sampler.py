@@ -13,6 +13,10 @@ also subscribes to their scores alone, on a second connection (``NAME-scores``,
 ``drop_newest``: scores are a few bytes per token, so every one of them comes unless
 the dashboard falls a whole window behind, and none can slow the engine), and digests
 them into ``ScoreStats`` (``consumers.scores``): the snapshot's ``monitors`` entry.
+When the engine taps a mixture-of-experts router (its WELCOME says ``router``) and
+``expert_load`` is on, the same connection also takes the ``router`` stream (a few
+floats per token) and counts it into ``ExpertLoad`` (``actbus.experts``): the
+snapshot's ``experts`` entry, expert load per layer. Dense models: no such entry.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from actbus.bus.endpoints import Endpoints
 from actbus.bus.fanin import FanIn, subscribe
 from actbus.bus.protocol import DASHBOARD_POLICY, MAX_WINDOW, Subscription
 from actbus.consumer import Consumer
+from actbus.experts import ExpertLoad, add_expert_load_argument
 from actbus.logcap import capped_text
 from actbus.monitor.reader import split_scores
-from actbus.wire import MONITOR_HOOK
+from actbus.wire import MONITOR_HOOK, ROUTER_HOOK
 from consumers.priority import add_priority_arguments, lower_priority
 from consumers.scores import ScoreStats, ScoreStatsConfig, add_monitor_scores_argument
 from consumers.stats import ActivationStats, BusHealth, RecentRequests, StatsConfig
@@ -69,6 +74,7 @@ class DashboardSampler(Consumer):
         stats_timeout_s: float = 2.0,
         monitor_scores: bool = True,
         score_config: ScoreStatsConfig | None = None,
+        expert_load: bool = True,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s: must be > 0 seconds, got {interval_s}")
@@ -100,6 +106,11 @@ class DashboardSampler(Consumer):
         self.scores = ScoreStats(score_config)
         self.scores_error: str | None = None
         self._scores_sub: Subscriber | FanIn | None = None
+        self._named: tuple[str, ...] = ()
+        """The hooks of the side subscription: monitor scores, router rows, or both."""
+        self.expert_load = expert_load
+        self.experts: ExpertLoad | None = None
+        self.experts_error: str | None = None
         self._match: dict[str, Any] | None = None
         self._drained = 0.0
         self.publishers: dict[str, dict[str, Any]] = {}
@@ -120,6 +131,7 @@ class DashboardSampler(Consumer):
         )
         add_priority_arguments(parser)
         add_monitor_scores_argument(parser)
+        add_expert_load_argument(parser)
         parser.add_argument(
             "--outlier-k",
             type=float,
@@ -140,16 +152,28 @@ class DashboardSampler(Consumer):
             "server_key": getattr(args, "server_key", None),
             "client_secret_key": getattr(args, "client_secret_key", None),
             "monitor_scores": args.monitor_scores,
+            "expert_load": args.expert_load,
         }
 
     # ----------------------------------------------------------------- callbacks
     def on_welcome(self, info: dict[str, Any]) -> None:
         self.welcome = dict(info)
+        named = []
         monitors = info.get("monitors")
         if self.monitor_scores and isinstance(monitors, dict) and monitors:
             self.scores.describe(monitors)
-            if self._scores_sub is None and self.scores_error is None:
-                self._open_scores()
+            named.append(MONITOR_HOOK)
+        if self.expert_load and self.experts is None and self.experts_error is None:
+            try:
+                self.experts = ExpertLoad.from_welcome(info)
+            except ValueError as e:  # a peer's WELCOME: said, and the rest goes on
+                self.experts_error = capped_text(str(e))
+                log.error("expert load left out: %s", self.experts_error)
+        if self.experts is not None:
+            named.append(ROUTER_HOOK)
+        if named and self._scores_sub is None and self.scores_error is None:
+            self._named = tuple(named)
+            self._open_scores()
 
     def subscription(self, policy: str | None = None, **kw: Any):  # type: ignore[override]
         sub = super().subscription(policy, **kw)
@@ -231,7 +255,7 @@ class DashboardSampler(Consumer):
             policy=SCORE_POLICY,
             window=MAX_WINDOW,
             window_bytes=SCORE_WINDOW_BYTES,
-            hooks=(MONITOR_HOOK,),
+            hooks=self._named,
             match=self._match,
             name=f"{self.name or 'dashboard'}-scores",
         )
@@ -255,6 +279,8 @@ class DashboardSampler(Consumer):
                     return
                 if isinstance(out, Batch) and out.header.hook == MONITOR_HOOK:
                     self._digest_scores(out)
+                elif isinstance(out, Batch) and out.header.hook == ROUTER_HOOK:
+                    self._digest_router(out)
         except Exception as e:  # the subscription itself failed (refused, closed)
             self._scores_failed(e)
 
@@ -273,6 +299,12 @@ class DashboardSampler(Consumer):
                     capped_text(f"{type(e).__name__}: {e}"),
                     exc_info=n == 1,
                 )
+
+    def _digest_router(self, batch: Batch) -> None:
+        """One message of router rows into the expert load (``ExpertLoad`` refuses, and
+        counts, rows that are not ids in range and finite weights)."""
+        if self.experts is not None:
+            self.experts.add(batch.header.layer, batch.tensor)
 
     def _scores_failed(self, e: BaseException) -> None:
         self.scores_error = capped_text(f"{type(e).__name__}: {e}")
@@ -323,10 +355,25 @@ class DashboardSampler(Consumer):
             "publishers": {a: dict(v) for a, v in self.publishers.items()},
             "monitors": {
                 **self.scores.snapshot(),
-                "subscribed": self._scores_sub is not None,
+                "subscribed": self._scores_sub is not None and MONITOR_HOOK in self._named,
                 "missed": self._scores_sub.stats.missed if self._scores_sub is not None else 0,
                 "error": self.scores_error,
             },
+            **self._experts_snapshot(),
+        }
+
+    def _experts_snapshot(self) -> dict[str, Any]:
+        """``{"experts": ...}`` where the engine taps a router; ``{}`` for a dense model."""
+        if self.experts is None and self.experts_error is None:
+            return {}
+        sub = self._scores_sub
+        return {
+            "experts": {
+                **(self.experts.snapshot() if self.experts is not None else {"layers": {}}),
+                "subscribed": sub is not None and ROUTER_HOOK in self._named,
+                "missed": sub.stats.missed if sub is not None else 0,
+                "error": self.experts_error or self.scores_error,
+            }
         }
 
     @abstractmethod

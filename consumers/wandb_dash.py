@@ -8,7 +8,9 @@ publisher's own counters), what this consumer sampled (steps counted, messages,
 drops), and per (layer, hook) the per-token norm histogram, mean/variance and
 their drift, the outlier-dimension fraction and the rows holding a NaN or an
 infinity (``acts/nonfinite_rows`` in all), plus per-tag breakdowns; and, when the
-engine has monitors, their scores under ``monitor/`` (``flatten_monitors``).
+engine has monitors, their scores under ``monitor/`` (``flatten_monitors``); when it
+taps a mixture-of-experts router, the expert load per layer under ``experts/``
+(``flatten_experts``).
 
 Convention: capture and training share one W&B project and group, so one
 workspace shows both; set ``WANDB_PROJECT`` and ``WANDB_RUN_GROUP`` once (W&B reads
@@ -116,6 +118,37 @@ def flatten(snap: dict[str, Any]) -> dict[str, Any]:
             row[f"{base}/rows"] = v["rows"]
             row[f"{base}/norm_mean"] = v["norm_mean"]
     row.update(flatten_monitors(snap.get("monitors") or {}))
+    row.update(flatten_experts(snap.get("experts") or {}))
+    return row
+
+
+HISTOGRAM_BINS = 512
+"""W&B's largest histogram: more experts than this are summed in equal runs of ids."""
+
+
+def _expert_histogram(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, edges)`` over expert ids: one bin per expert, or per run of
+    ``ceil(E / 512)`` adjacent experts past 512 of them."""
+    per = -(-len(counts) // HISTOGRAM_BINS)
+    if per > 1:
+        counts = np.pad(counts, (0, -len(counts) % per)).reshape(-1, per).sum(1)
+    return counts, np.arange(len(counts) + 1, dtype=np.float64) * per
+
+
+def flatten_experts(e: dict[str, Any]) -> dict[str, Any]:
+    """Expert load under ``experts/``: per layer the tokens counted, the imbalance
+    (busiest expert over the mean), and each expert's token count as a histogram
+    over expert ids (``(counts, edges)``: one W&B chart per layer, whatever the
+    number of experts); the rows refused and missed."""
+    row: dict[str, Any] = {}
+    for layer, v in (e.get("layers") or {}).items():
+        base = f"experts/L{_name(layer)}"
+        row[f"{base}/tokens"] = v["tokens"]
+        row[f"{base}/imbalance"] = v["imbalance"]
+        row[f"{base}/load"] = _expert_histogram(np.asarray(v["counts"], np.int64))
+    if e.get("layers") is not None and "num_experts" in e:
+        row["experts/bad_rows"] = e.get("bad_rows", 0)
+        row["experts/missed"] = e.get("missed", 0)
     return row
 
 

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "actbus.steps": 1,  # what a step tells the features
     "actbus.rowstore": 1,  # the returned rows' and scores' per-request stores
     "actbus.checkpoints": 1,  # the probe and SAE files: steering, monitors, trainers, precheck
+    "actbus.experts": 1,  # expert load from router rows: actbus stats and the dashboards
     "actbus.client": 1,  # returned rows and scores out of an HTTP response, for callers
     "actbus.bus": 2,
     "actbus.bus.": 2,

@@ -6,12 +6,21 @@ for the counters with a STATS session message and renders the reply with rich.
 Under fan-in (``--connect A,B``, a range, ``@FILE``) it asks every publisher and shows
 each one's counters under its address, run and data-parallel rank; one that does
 not answer is named, and the others are still shown.
+
+When the engine taps a mixture-of-experts router (its WELCOME says ``router``), the
+live table also shows the expert load per layer (``actbus.experts``): a second
+subscription takes the ``router`` stream alone (``drop_newest``: it never holds the
+engine back; what it misses is counted) and counts the tokens routed to each expert
+since this client connected. ``--once`` and ``--json`` show it with ``--experts-s S``:
+they listen that long (less if the publisher ends, or on SIGINT or SIGTERM) before
+printing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,13 +30,23 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from actbus.bus.fanin import FanIn
+from actbus.bus.fanin import FanIn, subscribe
 from actbus.bus.options import SubscriberOptions
-from actbus.bus.protocol import Subscription
-from actbus.bus.subscriber import Event, Subscriber
+from actbus.bus.protocol import MAX_WINDOW, Subscription
+from actbus.bus.subscriber import Batch, Event, Subscriber
+from actbus.experts import ExpertLoad
 from actbus.flags import HelpFormatter
+from actbus.streams import ROUTER_HOOK
 
 CLIENT_NAME = "actbus-stats"
+EXPERTS_NAME = "actbus-stats-experts"
+"""The name of the router subscription of ``actbus stats`` (in the publisher's table)."""
+EXPERTS_WINDOW_BYTES = 16 << 20
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""What ends ``--experts-s`` early, the load counted so far still printed."""
+SPARK = " ▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 64
+"""Characters of a layer's load line: one per expert, or per run of adjacent experts."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +60,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     p.add_argument("--interval", type=float, default=1.0, help="refresh period, seconds")
     p.add_argument("--timeout", type=float, default=10.0, help="give up after this, seconds")
+    p.add_argument(
+        "--experts-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --once or --json, on an engine that taps its MoE router: listen S seconds "
+        "to the router stream (less if the publisher ends, or at Ctrl-C) and show the "
+        "expert load per layer it carried (the live table shows it without this)",
+    )
     return p
 
 
@@ -79,6 +107,97 @@ def request_all(sub: FanIn, timeout: float) -> dict[str, dict[str, Any]]:
     return {a: out[a] for a in sub.publishers if a in out}
 
 
+def expert_subscription() -> Subscription:
+    """The router stream alone, dropped (and counted) rather than waited for."""
+    return Subscription(
+        policy="drop_newest",
+        hooks=(ROUTER_HOOK,),
+        window=MAX_WINDOW,
+        window_bytes=EXPERTS_WINDOW_BYTES,
+        name=EXPERTS_NAME,
+    )
+
+
+class ExpertWatch:
+    """The router stream of the publisher(s) at ``connect``, counted per layer."""
+
+    def __init__(self, connect: str, load: ExpertLoad, keys: dict[str, Any]) -> None:
+        self.load = load
+        self.sub = subscribe(connect, expert_subscription(), **keys)
+        self.ended = False
+        self.stopped = False
+        self.started = time.monotonic()
+
+    def stop(self, *_: Any) -> None:
+        self.stopped = True
+
+    def pump(self, seconds: float) -> None:
+        """Count what arrives for ``seconds``, or until the publisher ends or ``stop``
+        is called (from a signal handler: the message in hand is still counted)."""
+        deadline = time.monotonic() + seconds
+        while not (self.ended or self.stopped) and (left := deadline - time.monotonic()) > 0:
+            out = self.sub.recv(timeout=min(left, 0.25))
+            if isinstance(out, Batch) and out.header.hook == ROUTER_HOOK:
+                self.load.add(out.header.layer, out.tensor)
+            elif isinstance(out, Event) and out.kind == "end":
+                self.ended = True
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self.load.snapshot(),
+            "missed": self.sub.stats.missed,
+            "seconds": time.monotonic() - self.started,
+        }
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+def open_experts(
+    welcome: dict[str, Any] | None, connect: str, keys: dict[str, Any], console: Console
+) -> ExpertWatch | None:
+    """A watch of the router stream where the WELCOME announces one; None for a dense
+    model. A malformed announcement is said, and the counters are still shown."""
+    try:
+        load = ExpertLoad.from_welcome(welcome)
+    except ValueError as e:
+        console.print(f"actbus stats: expert load left out: {e}", style="yellow")
+        return None
+    return None if load is None else ExpertWatch(connect, load, keys)
+
+
+def render_experts(e: dict[str, Any]) -> Table:
+    """Per layer the tokens counted, the imbalance and a line of each expert's load."""
+    t = Table(
+        title=f"expert load ({e['num_experts']} experts, top {e['top_k']}; tokens routed to "
+        f"each in the {e['seconds']:.1f} s it listened; missed {e['missed']} messages, refused "
+        f"{e['bad_rows']} rows)",
+        title_justify="left",
+    )
+    for col in ("layer", "tokens", "imbalance", "busiest experts (share)", "load by expert id"):
+        t.add_column(col, justify="right" if col in ("tokens", "imbalance") else "left")
+    for layer, v in e["layers"].items():
+        counts = v["counts"]
+        total = sum(counts) or 1
+        top = sorted(range(len(counts)), key=lambda i: -counts[i])[:3]
+        t.add_row(
+            f"L{layer}",
+            str(v["tokens"]),
+            f"{v['imbalance']:.2f}",
+            " ".join(f"{i}:{100 * counts[i] / total:.0f}%" for i in top if counts[i]),
+            sparkline(counts),
+        )
+    return t
+
+
+def sparkline(counts: list[int]) -> str:
+    """One character per expert (per run of adjacent experts past ``SPARK_WIDTH``)."""
+    per = -(-len(counts) // SPARK_WIDTH)
+    cells = [sum(counts[i : i + per]) for i in range(0, len(counts), per)]
+    top = max(cells, default=0) or 1
+    return "".join(SPARK[round(c / top * (len(SPARK) - 1))] for c in cells)
+
+
 def render_all(snaps: dict[str, dict[str, Any]], silent: list[str]) -> Group:
     """Each publisher's counters under a line naming it; those that did not answer."""
     parts: list[Any] = []
@@ -92,6 +211,12 @@ def render_all(snaps: dict[str, dict[str, Any]], silent: list[str]) -> Group:
 
 
 def render(stats: dict[str, Any]) -> Group:
+    experts = stats.get("experts")
+    counters = _render_counters(stats)
+    return counters if experts is None else Group(counters, render_experts(experts))
+
+
+def _render_counters(stats: dict[str, Any]) -> Group:
     lat = stats.get("latency") or {}
     head = Text(
         f"published {stats.get('published', 0)}  last step {stats.get('last_step', -1)}  "
@@ -147,6 +272,8 @@ def main(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
     opts = SubscriberOptions.from_args(args, p)
+    if args.experts_s < 0:
+        p.error(f"--experts-s: must be >= 0 seconds, got {args.experts_s}")
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table to 80 columns
         console = Console(width=200)
@@ -159,11 +286,14 @@ def main(argv: list[str]) -> int:
         except TimeoutError as e:
             console.print(f"actbus stats: {e}", style="red")
             return 1
-        return _show(args, console, snap, lambda: request(sub, args.timeout), render)
+        return _show(
+            args, console, snap, lambda: request(sub, args.timeout), render, sub.welcome, opts
+        )
 
 
 def _main_fanin(args: argparse.Namespace, opts: SubscriberOptions, console: Console) -> int:
-    """Every publisher's counters: ``--json`` gives ``{"publishers": {ADDR: counters}}``."""
+    """Every publisher's counters: ``--json`` gives ``{"publishers": {ADDR: counters}}``
+    (and ``experts``: the expert load of them all, where they tap a router)."""
     with FanIn(opts.endpoints, stats_subscription(), keepalive=False, **opts.keys) as sub:
         try:
             sub.wait_welcome(args.timeout, every=True)
@@ -177,13 +307,11 @@ def _main_fanin(args: argparse.Namespace, opts: SubscriberOptions, console: Cons
             snaps = request_all(sub, args.timeout)
             return {"publishers": snaps, "silent": [a for a in sub.publishers if a not in snaps]}
 
-        return _show(
-            args,
-            console,
-            snapshot(),
-            snapshot,
-            lambda snap: render_all(snap["publishers"], snap["silent"]),
-        )
+        def draw(snap: dict[str, Any]) -> Group:
+            out = render_all(snap["publishers"], snap["silent"])
+            return out if "experts" not in snap else Group(out, render_experts(snap["experts"]))
+
+        return _show(args, console, snapshot(), snapshot, draw, sub.welcome, opts)
 
 
 def _show(
@@ -192,18 +320,55 @@ def _show(
     snap: dict[str, Any],
     again: Callable[[], dict[str, Any]],
     draw: Callable[[dict[str, Any]], Group],
+    welcome: dict[str, Any] | None,
+    opts: SubscriberOptions,
 ) -> int:
-    if args.json:
-        print(json.dumps(snap, sort_keys=True))
+    once = args.json or args.once
+    watch = None
+    if not once or args.experts_s > 0:
+        watch = open_experts(welcome, opts.connect, opts.keys, console)
+    try:
+        return _show_with(args, console, snap, again, draw, watch)
+    finally:
+        if watch is not None:
+            watch.close()
+
+
+def _show_with(
+    args: argparse.Namespace,
+    console: Console,
+    snap: dict[str, Any],
+    again: Callable[[], dict[str, Any]],
+    draw: Callable[[dict[str, Any]], Group],
+    watch: ExpertWatch | None,
+) -> int:
+    def wait(seconds: float) -> None:
+        if watch is None or watch.ended:
+            time.sleep(seconds)
+        else:
+            watch.pump(seconds)
+
+    def full(snap: dict[str, Any]) -> dict[str, Any]:
+        return snap if watch is None else {**snap, "experts": watch.snapshot()}
+
+    if args.json or args.once:
+        if watch is not None:  # Ctrl-C (or SIGTERM) ends the listening: what came is shown
+            handlers = {sig: signal.signal(sig, watch.stop) for sig in STOP_SIGNALS}
+            try:
+                wait(args.experts_s)
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+        if args.json:
+            print(json.dumps(full(snap), sort_keys=True))
+        else:
+            console.print(draw(full(snap)))
         return 0
-    if args.once:
-        console.print(draw(snap))
-        return 0
-    with Live(draw(snap), console=console, auto_refresh=False) as live:
+    with Live(draw(full(snap)), console=console, auto_refresh=False) as live:
         try:
             while True:
-                time.sleep(args.interval)
-                live.update(draw(again()), refresh=True)
+                wait(args.interval)
+                live.update(draw(full(again())), refresh=True)
         except KeyboardInterrupt:
             return 0
         except TimeoutError as e:

@@ -13,6 +13,7 @@ import argparse
 
 from actbus.bus.options import SubscriberOptions
 from actbus.bus.protocol import DASHBOARD_POLICY
+from actbus.experts import add_expert_load_argument
 from actbus.flags import HelpFormatter
 from consumers.priority import add_priority_arguments
 from consumers.scores import add_monitor_scores_argument
@@ -69,6 +70,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add_priority_arguments(d)
     add_monitor_scores_argument(d)
+    add_expert_load_argument(d)
     d.add_argument("--log-level", default="INFO", help="logging level")
     return p
 

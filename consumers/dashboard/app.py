@@ -105,6 +105,7 @@ def serve(
         interval_s=args.interval,
         config=config,
         monitor_scores=args.monitor_scores,
+        expert_load=args.expert_load,
         score_config=ScoreStatsConfig(keep_requests=args.requests),
         **options.keys,
     )

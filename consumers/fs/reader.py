@@ -20,7 +20,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import torch
 
-from actbus.streams import point_key
+from actbus.experts import router_info
+from actbus.streams import ROUTER_HOOK, point_key
 from consumers.fs import layout
 from consumers.fs.reductions import Decoder, Reduction
 
@@ -197,7 +198,7 @@ class ActivationRun:
         Positions are returned as stored, so callers can check for gaps or repeats.
         """
         hook = self.hook_of(layer, hook)
-        cols = ["position", *self._activation_columns()]
+        cols = ["position", *self._activation_columns(hook)]
         flt = pc.field("request_id") == request_id
         if sample_index is not None:
             flt &= pc.field("sample_index") == sample_index
@@ -221,7 +222,21 @@ class ActivationRun:
         table = self._dataset(layer, hook).to_table(columns=["request_id"])
         return sorted(pc.unique(table.column("request_id")).to_pylist())
 
-    def _activation_columns(self) -> list[str]:
+    def router_rows(
+        self, request_id: str, layer: int, sample_index: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(positions, expert ids, weights)`` of one request's ``router`` rows at
+        ``layer``, by position: ids int64 ``[n, top_k]``, weights float32 ``[n, top_k]``
+        (the stored row is ``[ids, weights]`` in float32, as the bus carries it). Ids
+        that are not integers in ``[0, num_experts)`` (the run's manifest says how
+        many) raise ``ValueError``: the file is not what a router wrote."""
+        pos, rows = self.request_rows(request_id, layer, ROUTER_HOOK, sample_index)
+        ids, weights = split_router_rows(rows.numpy(), self.manifest.get("router"))
+        return pos, ids, weights
+
+    def _activation_columns(self, hook: str | None = None) -> list[str]:
+        if hook == ROUTER_HOOK:  # stored as captured whatever the reduction
+            return ["activation"]
         kind = self.reduction.kind
         return (
             ["activation"]
@@ -250,3 +265,28 @@ class ActivationRun:
             if p not in listed:
                 problems.append(f"{p.relative_to(self.path)}: on disk, not in the manifest")
         return problems
+
+
+def split_router_rows(
+    rows: np.ndarray, router: dict[str, Any] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stored ``router`` rows ``[n, 2 * top_k]`` as ``(ids int64, weights float32)``,
+    each ``[n, top_k]``; ``router``: the manifest's ``{num_experts, top_k}``, which
+    the ids and the width are checked against (without it, ids are checked to be
+    integers >= 0)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    info = router_info({"router": router}) if router is not None else None
+    if rows.ndim != 2 or rows.shape[1] % 2 or (info and rows.shape[1] != 2 * info[1]):
+        want = f"2 * top_k = {2 * info[1]}" if info else "an even width [ids, weights]"
+        raise ValueError(f"router rows of shape {list(rows.shape)}: expected {want}")
+    k = rows.shape[1] // 2
+    ids = rows[:, :k]
+    top = info[0] if info else np.inf
+    if not (np.isfinite(ids).all() and (ids == np.floor(ids)).all()):
+        raise ValueError("router rows: an expert id is not an integer")
+    if len(ids) and (ids.min() < 0 or ids.max() >= top):
+        raise ValueError(
+            f"router rows: expert ids span [{ids.min():g}, {ids.max():g}], outside "
+            f"[0, num_experts={top})"
+        )
+    return ids.astype(np.int64), np.ascontiguousarray(rows[:, k:])

@@ -178,6 +178,8 @@ def replay(cfg: ReplayConfig) -> dict[str, Any]:
         "layers": sorted({e["layer"] for e in entries}),
         "hooks": sorted({e["hook"] for e in entries}),
         "replay_of": str(run.path),
+        # A stored router stream replays with its WELCOME entry: expert load is shown.
+        **({"router": run.manifest["router"]} if run.manifest.get("router") else {}),
     }
     pub = Publisher(cfg.address, info=info, heartbeat_s=0.2)
     out = {"steps": 0, "messages": 0, "rows": 0}

@@ -34,7 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from actbus.streams import point_key
+from actbus.experts import router_info
+from actbus.streams import ROUTER_HOOK, point_key
 from consumers.fs import layout
 from consumers.fs.reductions import Encoder, Reduction, fit_pca, load_basis, save_basis
 from consumers.fs.rows import TapRows
@@ -218,6 +219,13 @@ class ShardWriter:
                     f"sends {key}={info[key]!r}; use a new directory"
                 )
             m[key] = m[key] if m[key] is not None else info.get(key)
+        try:
+            router = router_info(info)
+        except ValueError as e:  # a peer's WELCOME: its router rows are still stored
+            log.warning("the run's manifest leaves out the publisher's router: %s", e)
+            router = None
+        if router is not None:
+            m["router"] = {"num_experts": router[0], "top_k": router[1]}
         m["sessions"] = m.get("sessions", 0) + 1
         # Each publisher (an engine run, a replay) numbers its steps from 0: a new one
         # starts a new stream, and no shard holds rows of two (replay keeps them apart).
@@ -298,10 +306,13 @@ class ShardWriter:
         if tap is None:
             hidden = rows.tensor.shape[1]
             basis = None
+            # Router rows are expert ids and weights, not activations: stored as they
+            # came whatever the run's reduction (an int8 or PCA id is no id).
+            spec = Reduction() if key[1] == ROUTER_HOOK else self.cfg.reduction
             entry = self.manifest["bases"].get(point_key(*key))
-            if self.cfg.reduction.kind == "pca" and entry is not None:
+            if spec.kind == "pca" and entry is not None:
                 basis = load_basis(self.out / entry["path"])  # a restart keeps its basis
-            tap = self._taps[key] = _Tap(Encoder(self.cfg.reduction, rows.dtype, hidden, basis))
+            tap = self._taps[key] = _Tap(Encoder(spec, rows.dtype, hidden, basis))
         return tap
 
     def _fit(self, key: tuple[int, str], tap: _Tap) -> None:
@@ -331,8 +342,10 @@ class ShardWriter:
                 "actbus.format": str(layout.FORMAT_VERSION),
                 "actbus.dtype": tap.encoder.dtype,
                 "actbus.hidden_size": str(tap.encoder.hidden),
-                "actbus.reduction": json.dumps(self.cfg.reduction.to_json()),
+                "actbus.reduction": json.dumps(tap.encoder.spec.to_json()),
             }
+            if key[1] == ROUTER_HOOK:
+                meta["actbus.top_k"] = str(tap.encoder.hidden // 2)
             tap.schema = pa.schema(fields, metadata=meta)
         return tap.schema
 

@@ -216,3 +216,47 @@ def test_stats_of_several_publishers_are_shown_per_publisher(tmp_path):
     finally:
         for pub in pubs:
             pub.close(timeout=2)
+
+
+def test_actbus_stats_counts_the_expert_load_and_refuses_bad_router_rows(address, capsys):
+    """``--json --experts-s``: the router rows the publisher sent, counted per layer
+    until its END; rows that are no router choice are counted and left out."""
+    import numpy as np
+    import torch
+    from rich.console import Console
+
+    from actbus.wire import Header, RowIndex
+
+    info = {"model": "moe", "layers": [1, 2], "router": {"num_experts": 4, "top_k": 2}}
+    pub = Publisher(address, info=info, heartbeat_s=0.1)
+    good = {1: [[0, 3, 0.75, 0.25], [3, 1, 0.5, 0.5]], 2: [[2, 0, 0.625, 0.375]]}
+    bad = [[4, 0, 0.5, 0.5], [1.5, 0, 0.5, 0.5], [0, 1, float("nan"), 0.5]]
+
+    def feed() -> None:
+        wait_for(
+            lambda: statsview.EXPERTS_NAME in pub.stats()["subscribers"], 30, "the router reader"
+        )
+        for step, (layer, rows) in enumerate([(1, good[1] + bad), (2, good[2])]):
+            n = len(rows)
+            ri = RowIndex(["r"], np.array([0, n]), np.arange(n), np.arange(n))
+            h = Header(step, layer, "router", "float32", (n, 4), "moe", ri)
+            pub.publish(h, torch.tensor(rows, dtype=torch.float32))
+        pub.close(timeout=10)  # END: stats prints what it counted
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    try:
+        rc = main(["stats", "--connect", address, "--json", "--experts-s", "60"])
+    finally:
+        t.join(timeout=30)
+        pub.close(timeout=2)
+    assert rc == 0
+    e = json.loads(capsys.readouterr().out)["experts"]
+    assert (e["num_experts"], e["top_k"], e["bad_rows"], e["missed"]) == (4, 2, 3, 0)
+    assert e["layers"]["1"]["counts"] == [1, 1, 0, 2] and e["layers"]["1"]["tokens"] == 2
+    assert e["layers"]["1"]["weights"] == [0.75, 0.5, 0.0, 0.75]
+    assert e["layers"]["2"]["counts"] == [1, 0, 1, 0] and e["layers"]["2"]["bad_rows"] == 0
+    console = Console(width=200, record=True)
+    console.print(statsview.render_experts(e))
+    text = console.export_text()
+    assert "4 experts, top 2" in text and "L1" in text and "3:50%" in text

@@ -234,6 +234,8 @@ def test_dashboards_show_the_engine_live(sched_engine, tmp_path):
             assert set(second["taps"]) == {f"L{lay}.{h}" for lay in CAPTURE_LAYERS for h in HOOKS}
             assert all(float(v.replace(",", "")) > 0 for v in second["norm_means"])
             assert second["requests"] > 0 and second["request_bars"] > 0
+            # A dense model: no router, so no expert load, in the snapshot or on the page.
+            assert second["experts_hidden"] and "experts" not in dash.snapshot()
             ARTIFACTS.mkdir(exist_ok=True)
             shot = browser.screenshot(ARTIFACTS / "dashboard_engine.png")
             ok, why = png_is_not_blank(shot)

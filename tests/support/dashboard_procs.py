@@ -157,6 +157,7 @@ PAGE_NUMBERS = """JSON.stringify({
   norm_means: [...document.querySelectorAll('#taps .norm-mean')].map(e => e.textContent),
   requests: document.querySelectorAll('#requests .req').length,
   request_bars: document.querySelectorAll('#requests .req svg rect').length,
+  experts_hidden: document.querySelector('#experts-section').hidden,
 })"""
 
 
@@ -224,3 +225,20 @@ def start_wandb(address: str, tmp_path, *flags: str) -> subprocess.Popen:
         cwd=ROOT,
         env=wandb_env(tmp_path),
     )
+
+
+PAGE_EXPERTS = """JSON.stringify({
+  hidden: document.querySelector('#experts-section').hidden,
+  status: document.querySelector('#experts-status').textContent,
+  layers: [...document.querySelectorAll('#experts tbody tr')].map(r => ({
+    layer: r.dataset.layer, tokens: +r.querySelector('.tokens').dataset.v,
+    imbalance: +r.querySelector('.imbalance').dataset.v,
+    counts: r.dataset.counts.split(',').map(Number),
+    weights: r.dataset.weights.split(',').map(Number),
+    bars: r.querySelectorAll('svg rect').length})),
+})"""
+
+
+def page_experts(browser: Browser) -> dict[str, Any]:
+    """The expert-load panel as the page shows it, with each number's exact value."""
+    return json.loads(browser.eval(PAGE_EXPERTS))

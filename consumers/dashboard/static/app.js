@@ -125,6 +125,7 @@ function render(s) {
   if ([...sel.options].map((o) => o.value).join() !== keys.join()) sel.replaceChildren(...keys.map((k) => el("option", { value: k }, k)));
   if (s.tap) sel.value = s.tap;
   renderMonitors(s.monitors || {});
+  renderExperts(s.experts);
   const reqs = $("#requests"); reqs.replaceChildren();
   for (const r of s.requests || []) {
     const d = el("div", { class: "req" });
@@ -194,6 +195,29 @@ function renderMonitors(m) {
       d.append(row);
     }
     reqs.append(d);
+  }
+}
+
+function renderExperts(e) {
+  // Expert load per layer (mixture-of-experts engines only: a dense model has no entry).
+  $("#experts-section").hidden = !e;
+  if (!e) return;
+  const notes = [];
+  if (e.error) notes.push(`expert load left out: ${e.error}`);
+  else if (!Object.keys(e.layers || {}).length) notes.push("No router rows yet.");
+  if (e.num_experts) notes.push(`${e.num_experts} experts, top ${e.top_k} per token`);
+  if (e.missed) notes.push(`${fmt(e.missed)} messages missed (the dashboard fell behind)`);
+  if (e.bad_rows) notes.push(`${fmt(e.bad_rows)} router rows refused (ids not in range, or not finite)`);
+  $("#experts-status").textContent = notes.join("; ");
+  const tbody = $("#experts tbody"); tbody.replaceChildren();
+  for (const [layer, v] of Object.entries(e.layers || {})) {
+    const tr = el("tr", { "data-layer": layer, "data-counts": v.counts.join(","), "data-weights": v.weights.join(",") });
+    const load = el("td"), weight = el("td"), w = Math.min(640, 8 * v.counts.length + 20);
+    load.append(bars(v.counts, w, 40, "#d35400", `L${layer}: tokens per expert 0..${v.counts.length - 1}`));
+    weight.append(bars(v.weights, w, 40, "#16a085", `L${layer}: routing weight per expert 0..${v.weights.length - 1}`));
+    tr.append(el("td", {}, `L${layer}`), el("td", { class: "tokens", "data-v": exact(v.tokens) }, fmt(v.tokens)),
+      el("td", { class: "imbalance", "data-v": exact(v.imbalance) }, fmt(v.imbalance, 2)), load, weight);
+    tbody.append(tr);
   }
 }
 
