@@ -188,6 +188,7 @@ class ControlServer:
             self._sock.bind(cfg.address)
         self._call_id: int | None = None
         self._stop = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="actbus-control", daemon=True)
         self._thread.start()
         log.info(
@@ -342,6 +343,10 @@ class ControlServer:
         }
 
     def close(self) -> None:
+        """Stop serving and let go of the address. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(linger=0)

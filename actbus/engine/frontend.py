@@ -47,6 +47,7 @@ from actbus.capture.http import Ticket, parse_return, row_bytes
 from actbus.capture.http import for_config as http_for_config
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
+from actbus.engine import closing
 from actbus.errors import ConfigError
 from actbus.hooks import cache_salt as hooks_salt
 from actbus.hooks import take_hooks
@@ -79,6 +80,12 @@ def patch() -> bool:
     else:
         MPClient.shutdown = _wrap_shutdown(MPClient.shutdown)
         InprocClient.get_output = _wrap_inproc_get_output(InprocClient.get_output)
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        pass
+    else:
+        EngineCore.shutdown = _wrap_core_shutdown(EngineCore.shutdown)
     try:
         from vllm.v1.engine.output_processor import RequestState
     except ImportError:
@@ -127,6 +134,21 @@ def _wrap_inproc_get_output(orig):
         return out
 
     return get_output
+
+
+def _wrap_core_shutdown(orig):
+    """The engine core's shutdown closes what actbus opened for it in this process
+    (``actbus.engine.closing``): an engine core in the caller's process then ends its
+    subscribers' stream as its shutdown returns, not when the process exits."""
+
+    @functools.wraps(orig)
+    def shutdown(self: Any, *args: Any, **kwargs: Any):
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            closing.shut_down(getattr(self, "vllm_config", None))
+
+    return shutdown
 
 
 def _wrap_shutdown(orig):

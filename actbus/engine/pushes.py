@@ -19,6 +19,7 @@ from typing import Any
 from actbus.bus.control import ControlServer
 from actbus.bus.endpoints import for_rank
 from actbus.bus.pushwire import Push, Slot
+from actbus.engine import closing
 from actbus.engine.dataparallel import worker_rank
 from actbus.engine.parts import EngineParts
 from actbus.engine.scheduler import PUSH_ATTR
@@ -70,6 +71,7 @@ def start_control(vllm_config: Any) -> ControlServer | None:
     slots = {n: Slot(w.cols, int(w.weight.shape[1]), w.activation) for n, w in weights.items()}
     server = ControlServer(control, slots, {n: 1 for n in weights}, live)
     atexit.register(server.close)
+    closing.on_shutdown(vllm_config, server.close)
     return server
 
 

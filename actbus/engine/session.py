@@ -25,7 +25,7 @@ from torch import nn
 from actbus.capture.taps import install_taps
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
-from actbus.engine import dataparallel
+from actbus.engine import closing, dataparallel
 from actbus.engine.anatomy import RESIDUAL, Anatomy, LayerForm, anatomy
 from actbus.engine.archs import check_architecture, check_router
 from actbus.engine.internals import (
@@ -214,6 +214,7 @@ def attach(
         )
         if parts.steer is not None:  # rows name the live versions they steered with
             parts.capture.live_versions = parts.steer.live_versions
+        closing.on_shutdown(vllm_config, parts.capture.close)
     if cfg.user_hooks is not None:  # every rank runs them (a hook may gather parameters)
         hooked = owned_layers(model, n, tuple(i for i in cfg.user_hooks.layers if i < n))
         install_hooks(decoder, hooked, cfg.user_hooks.points)

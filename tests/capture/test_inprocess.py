@@ -1,14 +1,19 @@
 """An engine core in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as RL
 frameworks run vLLM): each request's end reaches subscribers when ``generate``
-returns, not at the next call (``actbus.engine.frontend._wrap_inproc_get_output``)."""
+returns, not at the next call (``actbus.engine.frontend._wrap_inproc_get_output``);
+and the stream's END when the engine shuts down, not when the process exits
+(``actbus.engine.closing``)."""
 
 from __future__ import annotations
 
 import gc
+import time
+from pathlib import Path
 
 import pytest
 from vllm import SamplingParams
 
+from actbus.bus import Event, Subscriber, Subscription
 from tests.support.engine import IN_PROCESS, scoped_env
 from tests.support.recorder import RowRecorder
 
@@ -32,6 +37,9 @@ def test_the_last_requests_end_when_generate_returns(tiny_models, engine_pool, t
             additional_config={"actbus": {"publish": address, "layers": [0, 3]}},
         )
     col = RowRecorder(address)
+    listener = Subscriber(address, Subscription(layers=(), name="waits-for-end"))
+    listener.wait_welcome(30)
+    stopped = False
     try:
         outs = llm.generate(
             ["hello world", "a b c d e f g"], SamplingParams(max_tokens=4, ignore_eos=True)
@@ -43,8 +51,21 @@ def test_the_last_requests_end_when_generate_returns(tiny_models, engine_pool, t
             pos, tok, _ = col.get(o.request_id, 3, "post_block")
             fed = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:-1]
             assert pos.tolist() == list(range(len(fed))) and tok.tolist() == fed
-    finally:
-        col.close()
+        # The engine shuts down, the process lives on: its subscribers hear END now
+        # and its address is let go (before, both waited for the process's exit).
         llm.llm_engine.engine_core.shutdown()
+        stopped = True
+        deadline, end = time.monotonic() + 30, None
+        while end is None and time.monotonic() < deadline:
+            out = listener.recv(timeout=0.5)
+            if isinstance(out, Event) and out.kind == "end":
+                end = out
+        assert end is not None, "no END within 30 s of the engine's shutdown"
+        assert not Path(address.removeprefix("ipc://")).exists()
+    finally:
+        listener.close()
+        col.close()
+        if not stopped:
+            llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
