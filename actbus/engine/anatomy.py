@@ -51,7 +51,8 @@ RESIDUAL_FORM = (
     "(positions, hidden_states, residual) -> (hidden_states, residual) (or the first two "
     "arguments the other way round), with "
     "'if residual is None' for the first layer, a norm called as "
-    "self.<norm>(hidden_states, residual) before the MLP, and 'return hidden_states, residual'"
+    "self.<norm>(hidden_states, residual) before the MLP, and 'return hidden_states, residual' "
+    "(what the MLP block adds under any name, then the residual)"
 )
 
 
@@ -222,8 +223,10 @@ def form_of(params: list[str], tree: ast.AST) -> LayerForm | str:
     return LayerForm("parallel", lacks={"post_attn": why, "mlp_out": why}, stream_first=first)
 
 
-_ORDERS = {("positions", "hidden_states", "residual"): False}
-_ORDERS[("hidden_states", "positions", "residual")] = True  # gpt-oss's order
+_ORDERS = {
+    ("positions", "hidden_states", "residual"): False,
+    ("hidden_states", "positions", "residual"): True,  # gpt-oss's order
+}
 """The residual form's first three parameters -> ``LayerForm.stream_first``."""
 
 
