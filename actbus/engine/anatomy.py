@@ -11,7 +11,11 @@ Each layer's form is read from its class's ``forward`` (its source, parsed, neve
   ``self.<norm>(hidden_states, residual)`` after the input norm's), and the layer
   returns ``(what the MLP block adds, the stream after attention)``. Llama, Mistral,
   Qwen 2/3, Gemma 2/3, Phi-3 and the mixture-of-experts families (Mixtral, Qwen2-MoE,
-  Qwen3-MoE, OLMoE, whose ``mlp_out`` is the whole MoE block's output) read so.
+  Qwen3-MoE, OLMoE, DeepSeek-V2, whose ``mlp_out`` is the whole MoE block's output)
+  read so. gpt-oss's layer (and Bailing-MoE v3's, Param2MoE's, Sarvam's) is the same
+  form with its first two arguments the other way round, ``(hidden_states, positions,
+  residual)`` (``stream_first``); its attention sinks and its MoE block sit inside
+  attention and the MLP, so no hook point moves.
   ``actbus.engine.layers.wrap_layer`` reads the hook points off its inputs and
   outputs; ``post_attn`` is steered through that norm (``post_attn_norm``).
 - ``parallel``: the residual form with no norm between attention and the MLP (they
@@ -44,9 +48,11 @@ from actbus.steer.graph import steer_point
 from actbus.streams import HOOKS
 
 RESIDUAL_FORM = (
-    "(positions, hidden_states, residual) -> (hidden_states, residual), with "
+    "(positions, hidden_states, residual) -> (hidden_states, residual) (or the first two "
+    "arguments the other way round), with "
     "'if residual is None' for the first layer, a norm called as "
-    "self.<norm>(hidden_states, residual) before the MLP, and 'return hidden_states, residual'"
+    "self.<norm>(hidden_states, residual) before the MLP, and 'return hidden_states, residual' "
+    "(what the MLP block adds under any name, then the residual)"
 )
 
 
@@ -67,6 +73,9 @@ class LayerForm:
     ``[tokens, hidden]`` (an HF layer's batch of one taken off by ``wrap_layer``)."""
     stream_arg: int = 1
     """Where the stream is among the layer's positional arguments (an adapter's)."""
+    stream_first: bool = False
+    """The residual form called ``(hidden_states, positions, residual)`` (gpt-oss's
+    order), not ``(positions, hidden_states, residual)``."""
 
     @property
     def hooks(self) -> tuple[str, ...]:
@@ -189,11 +198,12 @@ def form_of(params: list[str], tree: ast.AST) -> LayerForm | str:
     """The residual or parallel form of a forward (its parameters after ``self``, its
     parsed source), or what was found instead."""
     sig = f"forward({', '.join(params)})"
-    if params[:3] != ["positions", "hidden_states", "residual"]:
+    first = _ORDERS.get(tuple(params[:3]))
+    if first is None:
         return sig
     nodes = list(ast.walk(tree))
     returns = [n for n in nodes if isinstance(n, ast.Return)]
-    if not returns or not all(_names(r.value) == ["hidden_states", "residual"] for r in returns):
+    if not returns or not all(_returns_streams(r.value) for r in returns):
         got = [ast.unparse(r.value) if r.value else "None" for r in returns]
         return f"{sig} returning {', '.join(got) or 'nothing'}"
     if not any(isinstance(n, ast.If) and _is_none_test(n.test) for n in nodes):
@@ -204,13 +214,27 @@ def form_of(params: list[str], tree: ast.AST) -> LayerForm | str:
     fused = [f for f in map(_fused_norm, calls) if f is not None]  # in source order
     fused = sorted(set(fused), key=fused.index)
     if len(fused) >= 2:  # the input norm's, then the one before the MLP
-        return LayerForm("residual", post_attn_norm=fused[-1])
+        return LayerForm("residual", post_attn_norm=fused[-1], stream_first=first)
     why = (
         "attention and the MLP run side by side on the same input (no norm adds "
         "attention's output into the stream before the MLP), so no stream after "
         "attention alone exists"
     )
-    return LayerForm("parallel", lacks={"post_attn": why, "mlp_out": why})
+    return LayerForm("parallel", lacks={"post_attn": why, "mlp_out": why}, stream_first=first)
+
+
+_ORDERS = {
+    ("positions", "hidden_states", "residual"): False,
+    ("hidden_states", "positions", "residual"): True,  # gpt-oss's order
+}
+"""The residual form's first three parameters -> ``LayerForm.stream_first``."""
+
+
+def _returns_streams(node: ast.AST | None) -> bool:
+    """``return <name>, residual``: what the MLP block adds (``hidden_states``; gpt-oss
+    names it ``output``), then the stream after attention."""
+    names = _names(node)
+    return len(names) == 2 and names[0] != "?" and names[1] == "residual"
 
 
 def _names(node: ast.AST | None) -> list[str]:

@@ -47,7 +47,15 @@ def wrap_layer(layer: nn.Module, form: LayerForm = RESIDUAL) -> None:
         return
     layer._actbus_wrapped = True
     inner = layer.forward
-    if form.adapter is None:  # the residual form: the points are the layer's own in and out
+    if form.adapter is None and form.stream_first:  # gpt-oss's order of the same form
+
+        def forward(hidden_states, positions, residual=None, *args, **kwargs):
+            def run(h, r):
+                return inner(h, positions, r, *args, **kwargs)
+
+            return _points(layer, run, hidden_states, residual)
+
+    elif form.adapter is None:  # the residual form: the points are the layer's own in and out
 
         def forward(positions, hidden_states, residual=None, *args, **kwargs):
             def run(h, r):

@@ -219,7 +219,7 @@ def attach(
         hooked = owned_layers(model, n, tuple(i for i in cfg.user_hooks.layers if i < n))
         install_hooks(decoder, hooked, cfg.user_hooks.points)
         for i in hooked:
-            wrap_layer(decoder[i])
+            wrap_layer(decoder[i], form)  # its form: gpt-oss's arguments, an adapter's
         parts.hooks = HookRunner(model, _tp_gather())
     # Every rank that holds monitor tables (the harvest's, or its gates') takes pushes.
     parts.monitor_tables = None if monitors is None else monitors.tables

@@ -42,3 +42,19 @@ def test_served_families_read_in_the_residual_form(module, name):
     form = layer_form(_cls(module, name))
     assert form.name == RESIDUAL.name and form.adapter is None
     assert form.post_attn_norm == "post_attention_layernorm"
+    assert not form.stream_first
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("vllm.model_executor.models.gpt_oss", "TransformerBlock"),
+        ("vllm.model_executor.models.bailing_moe_v3", "BailingMoeV3DecoderLayer"),
+    ],
+)
+def test_stream_first_layers_read_in_the_residual_form(module, name):
+    """gpt-oss's layer is called ``(hidden_states, positions, residual)`` and returns
+    ``output, residual``: the residual form, its first two arguments swapped."""
+    form = layer_form(_cls(module, name))
+    assert form.name == RESIDUAL.name and form.adapter is None and form.stream_first
+    assert form.post_attn_norm == "post_attention_layernorm"

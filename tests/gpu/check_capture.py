@@ -84,6 +84,15 @@ def main() -> int:
     moe = args.arch in MOE_ARCHITECTURES
     multimodal = "vision_config" in json.loads((path / "config.json").read_text())
     engine_hooks = HOOKS + (["router"] if moe else [])
+    # DeepSeek's first layers are dense (no router): tap its first MoE layer instead of 0.
+    first_moe = json.loads((path / "config.json").read_text()).get("first_k_dense_replace") or 0
+    tapped = [max(LAYERS[0], first_moe), *LAYERS[1:]] if moe else LAYERS
+    selections = [
+        {**s, "layers": [tapped[0] if x == LAYERS[0] else x for x in s["layers"]]}
+        if "layers" in s
+        else s
+        for s in SELECTIONS
+    ]
     address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -107,7 +116,7 @@ def main() -> int:
         # image processor (none is saved with the tiny models)
         **({"limit_mm_per_prompt": {"image": 0}} if multimodal else {}),
         seed=0,
-        additional_config={"actbus": {"publish": address, "layers": LAYERS, "hooks": engine_hooks}},
+        additional_config={"actbus": {"publish": address, "layers": tapped, "hooks": engine_hooks}},
     )
     start_s = time.monotonic() - t0
     col = RowRecorder(address)
@@ -123,7 +132,7 @@ def main() -> int:
         ids = [rng.randrange(3, 500) for _ in range(n)]
         prompts.append(shared[: n // 2] + ids[n // 2 :] if i % 2 else ids)
     params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True) for _ in prompts]
-    for sel in SELECTIONS:
+    for sel in selections:
         prompts.append(prompts[len(params) % 8])
         params.append(
             SamplingParams(
@@ -156,9 +165,9 @@ def main() -> int:
                 if "positions" not in sel
                 else _positions(sel["positions"], len(o.prompt_token_ids), len(fed))
             )
-            layers = sel.get("layers", LAYERS)
+            layers = sel.get("layers", tapped)
             hooks = sel.get("hooks", HOOKS)
-            ref = hf_activations(path, fed, LAYERS, HOOKS, dtype=dt, device=args.device)
+            ref = hf_activations(path, fed, tapped, HOOKS, dtype=dt, device=args.device)
             acts_back = getattr(child, "activations", None)
             if sel.get("return") and (acts_back is None or not acts_back.complete):
                 problems.append(f"{o.request_id}/{child.index}: returned rows missing")
@@ -170,7 +179,7 @@ def main() -> int:
                 from tests.support.router_oracle import hf_routing, split_sorted
 
                 routing = hf_routing(path, fed)
-                for layer in LAYERS:
+                for layer in tapped:
                     pos, _, rows = routes.get(o.request_id, layer, "router", child.index)
                     if pos.tolist() != want:
                         problems.append(f"{o.request_id} L{layer} router: positions")
@@ -185,7 +194,7 @@ def main() -> int:
                     if same.any():
                         err = float((weights[same] - ref_w[same]).abs().max())
                         worst["router_weight_abs"] = max(worst.get("router_weight_abs", 0.0), err)
-            for layer in LAYERS:
+            for layer in tapped:
                 for hook in HOOKS:
                     pos, tok, acts = col.get(o.request_id, layer, hook, child.index)
                     if layer not in layers or hook not in hooks:

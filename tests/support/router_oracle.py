@@ -24,15 +24,19 @@ def _grouped(scores: torch.Tensor, groups: int, topk_group: int) -> torch.Tensor
 
 
 def hf_routing(path: Path, token_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per MoE layer: ``(ids [n, k] int64, weights [n, k] float32)``, ids ascending per
-    row (the order within a top-k is no part of the routing)."""
+    """Per MoE layer (by its index in the model): ``(ids [n, k] int64, weights [n, k]
+    float32)``, ids ascending per row (the order within a top-k is no part of the
+    routing)."""
     model = hf_model(str(path))
     c = model.config
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), output_router_logits=True)
     k = c.num_experts_per_tok
+    # HF records only the MoE layers' logits: DeepSeek's first dense layers have none.
+    first = getattr(c, "first_k_dense_replace", 0) or 0
+    assert first + len(out.router_logits) == c.num_hidden_layers, "MoE layers not the last ones"
     res = {}
-    for layer, logits in enumerate(out.router_logits):
+    for layer, logits in enumerate(out.router_logits, start=first):
         logits = logits.reshape(len(token_ids), -1).float()
         if c.model_type == "gpt_oss":  # top-k of the logits, then softmax over them
             vals, ids = logits.topk(k, dim=-1)
