@@ -5,15 +5,13 @@ untouched request in the same batch bitwise unchanged; and who may pass what."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 from actbus.config import HooksConfig
 from actbus.errors import ConfigError
 from actbus.hooks import Hook, take_hooks
-from tests.support.engine import IN_PROCESS, scoped_env
+from tests.support.engine import IN_PROCESS, scoped_env, start_in_process, stop_llm
 from tests.support.oracle import max_rel_error
 from tests.support.steer_oracle import HFScale, hf_steered_greedy
 
@@ -50,28 +48,24 @@ def _scale(layer: int, point: str, factor: float) -> HFScale:
 
 @pytest.mark.engine
 def test_hooks_match_hf_and_leave_others_alone(tiny_models, tmp_path):
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     path = tiny_models["llama"]
     with scoped_env(IN_PROCESS):
-        llm = LLM(
-            str(path),
-            dtype="float32",
+        llm = start_in_process(
+            path,
+            {
+                "publish": f"ipc://{tmp_path}/bus.sock",
+                "layers": [0, 3],
+                "hooks": ["post_block"],
+                "requests": "selected",
+                "user_hooks": {"layers": [0, 1], "points": ["pre_attn", "post_block"]},
+            },
             gpu_memory_utilization=0.05,
             max_model_len=256,
             max_num_seqs=8,
             num_gpu_blocks_override=32,
-            seed=0,
-            additional_config={
-                "actbus": {
-                    "publish": f"ipc://{tmp_path}/bus.sock",
-                    "layers": [0, 3],
-                    "hooks": ["post_block"],
-                    "requests": "selected",
-                    "user_hooks": {"layers": [0, 1], "points": ["pre_attn", "post_block"]},
-                }
-            },
         )
         try:
             seen = []
@@ -105,9 +99,7 @@ def test_hooks_match_hf_and_leave_others_alone(tiny_models, tmp_path):
                 [TokensPrompt(prompt_token_ids=prompts[3])], [params()], use_tqdm=False
             )[0]
         finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
+            stop_llm(llm)
     oracle = [[], [_scale(1, "post_block", 0.5)], [_scale(0, "pre_attn", 1.5)], []]
     for out, hf in zip(outs, oracle, strict=True):
         prompt = list(out.prompt_token_ids)

@@ -146,7 +146,11 @@ def _wrap_core_shutdown(orig):
         try:
             return orig(self, *args, **kwargs)
         finally:
-            closing.shut_down(getattr(self, "vllm_config", None))
+            vllm_config = getattr(self, "vllm_config", None)
+            closing.shut_down(vllm_config)
+            ends = _publishers(vllm_config)
+            if ends is not None:  # this process's front end stops reading them
+                _close_collectors(ends[1])
 
     return shutdown
 
@@ -171,25 +175,13 @@ def _farewell(vllm_config: Any) -> None:
     publisher that ended cleanly removed its ``ipc://`` socket file: nothing to do.
     Under data parallelism, for each rank whose engine core runs on this node (those
     of other nodes are their own node's to end)."""
-    if vllm_config is None:
+    ends = _publishers(vllm_config)
+    if ends is None:
         return
-    try:
-        from actbus.engine.session import _checked
-
-        checked = _checked(vllm_config)
-    except Exception:  # a config refused at start: no publisher ever ran
-        return
-    if checked is None or not checked[0].publish:
-        return
-    cfg = checked[0]
+    cfg, addresses = ends
     from actbus.bus.farewell import announce_end_all
-    from actbus.engine.dataparallel import of_config
 
-    addresses = [cfg.publish_address(r) for r in of_config(vllm_config).local]
-    for name in ("actbus.capture.returns", "actbus.monitor.returns"):
-        returns = sys.modules.get(name)  # loaded once a request returned
-        if returns is not None:
-            returns.close_collectors(addresses)
+    _close_collectors(addresses)
     told = announce_end_all(
         [a for a in addresses if not _cleanly_gone(a)],
         reason="the engine stopped",
@@ -199,6 +191,33 @@ def _farewell(vllm_config: Any) -> None:
     )
     if told:
         log.info("actbus: the engine stopped before its publisher; told %d subscribers", told)
+
+
+def _publishers(vllm_config: Any) -> tuple[Any, list[str]] | None:
+    """The engine's capture config and the addresses its publishers bind on this node
+    (a rank each under data parallelism); None where it publishes nothing."""
+    if vllm_config is None:
+        return None
+    try:
+        from actbus.engine.session import _checked
+
+        checked = _checked(vllm_config)
+    except Exception:  # a config refused at start: no publisher ever ran
+        return None
+    if checked is None or not checked[0].publish:
+        return None
+    from actbus.engine.dataparallel import of_config
+
+    cfg = checked[0]
+    return cfg, [cfg.publish_address(r) for r in of_config(vllm_config).local]
+
+
+def _close_collectors(addresses: list[str]) -> None:
+    """The front end's readers of returned rows and scores stop reading ``addresses``."""
+    for name in ("actbus.capture.returns", "actbus.monitor.returns"):
+        returns = sys.modules.get(name)  # loaded once a request returned
+        if returns is not None:
+            returns.close_collectors(addresses)
 
 
 def _cleanly_gone(address: str) -> bool:

@@ -15,7 +15,6 @@ direction). A model of no form fails at start naming what was found.
 
 from __future__ import annotations
 
-import gc
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from actbus.errors import ConfigError
-from tests.support.engine import HOOKS, IN_PROCESS, preemptions, scoped_env
+from tests.support.engine import HOOKS, preemptions, start_in_process, stop_llm
 from tests.support.monitors import max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.steer_oracle import HFSteer, hf_steered_greedy
@@ -51,12 +50,15 @@ MONITORED = 5  # this request's scores come back too
 
 
 def _llm(path: Path, address: str, monitor: dict, arch: str):
-    from vllm import LLM
-
-    return LLM(
-        str(path),
-        dtype="float32",
-        gpu_memory_utilization=0.3,
+    return start_in_process(
+        path,
+        {
+            "publish": address,
+            "layers": LAYERS,
+            "hooks": HOOKS,
+            "steer": {"hooks": ["pre_attn", "post_attn", "post_block"]},
+            "monitor": {"monitors": {"probe": monitor}},
+        },
         max_model_len=128,
         max_num_batched_tokens=CHUNK,
         max_num_seqs=8,
@@ -64,25 +66,9 @@ def _llm(path: Path, address: str, monitor: dict, arch: str):
         num_gpu_blocks_override=BLOCKS * KV_GROUPS.get(arch, 1),
         enable_prefix_caching=False,
         disable_log_stats=False,  # preemptions are counted
-        seed=0,
         # text only: no image processor is built (none is saved with the tiny models)
         **({"limit_mm_per_prompt": {"image": 0}} if arch in MULTIMODAL else {}),
-        additional_config={
-            "actbus": {
-                "publish": address,
-                "layers": LAYERS,
-                "hooks": HOOKS,
-                "steer": {"hooks": ["pre_attn", "post_attn", "post_block"]},
-                "monitor": {"monitors": {"probe": monitor}},
-            }
-        },
     )
-
-
-def _stop(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 @dataclass
@@ -135,8 +121,7 @@ def family_run(request, tmp_path_factory) -> FamilyRun:
             )
         )
     sock = tmp_path_factory.mktemp(f"fam-{arch}")
-    with scoped_env(IN_PROCESS):
-        llm = _llm(path, f"ipc://{sock}/bus.sock", monitor, arch)
+    llm = _llm(path, f"ipc://{sock}/bus.sock", monitor, arch)
     try:
         before = preemptions(llm)
         outs = llm.generate(
@@ -144,7 +129,7 @@ def family_run(request, tmp_path_factory) -> FamilyRun:
         )
         n_pre = preemptions(llm) - before
     finally:
-        _stop(llm)
+        stop_llm(llm)
     return FamilyRun(arch, outs, expect, monitor, n_pre)
 
 
@@ -197,11 +182,11 @@ def test_a_model_of_no_form_is_refused_at_start(tmp_path):
     from actbus.tiny_models import build_tiny_model
 
     path = build_tiny_model("gpt2")
-    with scoped_env(IN_PROCESS), pytest.raises(Exception) as err:
+    with pytest.raises(Exception) as err:
         llm = _llm(
             path, f"ipc://{tmp_path}/bus.sock", {"weight": [1.0] * 128, "layers": [1]}, "gpt2"
         )
-        _stop(llm)
+        stop_llm(llm)
     text = str(err.value)
     cause = err.value
     while not isinstance(cause, ConfigError) and cause.__cause__ is not None:

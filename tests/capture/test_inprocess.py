@@ -6,7 +6,6 @@ and the stream's END when the engine shuts down, not when the process exits
 
 from __future__ import annotations
 
-import gc
 import time
 from pathlib import Path
 
@@ -14,28 +13,22 @@ import pytest
 from vllm import SamplingParams
 
 from actbus.bus import Event, Subscriber, Subscription
-from tests.support.engine import IN_PROCESS, scoped_env
+from tests.support.engine import start_in_process, stop_llm
 from tests.support.recorder import RowRecorder
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 
 def test_the_last_requests_end_when_generate_returns(tiny_models, engine_pool, tmp_path):
-    from vllm import LLM
-
     engine_pool.close()  # at most one engine's memory at a time
     address = f"ipc://{tmp_path}/bus.sock"
-    with scoped_env(IN_PROCESS):
-        llm = LLM(
-            str(tiny_models["qwen2"]),
-            dtype="float32",
-            gpu_memory_utilization=0.3,
-            max_model_len=256,
-            num_gpu_blocks_override=64,
-            max_num_batched_tokens=64,
-            seed=0,
-            additional_config={"actbus": {"publish": address, "layers": [0, 3]}},
-        )
+    llm = start_in_process(
+        tiny_models["qwen2"],
+        {"publish": address, "layers": [0, 3]},
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=64,
+    )
     col = RowRecorder(address)
     listener = Subscriber(address, Subscription(layers=(), name="waits-for-end"))
     listener.wait_welcome(30)
@@ -53,7 +46,7 @@ def test_the_last_requests_end_when_generate_returns(tiny_models, engine_pool, t
             assert pos.tolist() == list(range(len(fed))) and tok.tolist() == fed
         # The engine shuts down, the process lives on: its subscribers hear END now
         # and its address is let go (before, both waited for the process's exit).
-        llm.llm_engine.engine_core.shutdown()
+        stop_llm(llm)
         stopped = True
         deadline, end = time.monotonic() + 30, None
         while end is None and time.monotonic() < deadline:
@@ -66,6 +59,4 @@ def test_the_last_requests_end_when_generate_returns(tiny_models, engine_pool, t
         listener.close()
         col.close()
         if not stopped:
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+            stop_llm(llm)

@@ -15,7 +15,6 @@ run is preempted but not chunked.
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 
 from actbus.hooks import Hook
 from actbus.tiny_models import build_tiny_model
-from tests.support.engine import IN_PROCESS, preemptions, scoped_env
+from tests.support.engine import IN_PROCESS, preemptions, scoped_env, start_in_process, stop_llm
 from tests.support.monitors import raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.recorder import RowRecorder
@@ -43,36 +42,29 @@ MAX_TOKENS = 40  # 3 requests grow past the 128-token KV cache: preemption
 
 
 def _engine(arch: str, address: str, monitor: dict):
-    from vllm import LLM
-
     block = BLOCK.get(arch, 32)
-    with scoped_env(IN_PROCESS):
-        return LLM(
-            str(build_tiny_model(arch)),
-            dtype="float32",
-            gpu_memory_utilization=0.05,
-            max_model_len=128,
-            max_num_batched_tokens=32,
-            max_num_seqs=8,
-            block_size=block,
-            # 128 tokens per group of layers (+ the null block)
-            num_gpu_blocks_override=1 + KV_GROUPS.get(arch, 1) * 128 // block,
-            enable_prefix_caching=False,
-            disable_log_stats=False,  # vLLM counts preemptions
-            seed=0,
-            additional_config={
-                "actbus": {
-                    "publish": address,
-                    "layers": MOE_LAYERS.get(arch, LAYERS),
-                    "hooks": HOOKS,
-                    "heartbeat_s": 0.25,
-                    "steer": {"layers": [1], "hooks": ["post_block"]},
-                    # a layer nothing else wraps: the hooks' wrapper alone reads its form
-                    "user_hooks": {"layers": [2], "points": ["pre_attn"]},
-                    "monitor": {"monitors": {"drift": monitor}},
-                }
-            },
-        )
+    return start_in_process(
+        build_tiny_model(arch),
+        {
+            "publish": address,
+            "layers": MOE_LAYERS.get(arch, LAYERS),
+            "hooks": HOOKS,
+            "heartbeat_s": 0.25,
+            "steer": {"layers": [1], "hooks": ["post_block"]},
+            # a layer nothing else wraps: the hooks' wrapper alone reads its form
+            "user_hooks": {"layers": [2], "points": ["pre_attn"]},
+            "monitor": {"monitors": {"drift": monitor}},
+        },
+        gpu_memory_utilization=0.05,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        block_size=block,
+        # 128 tokens per group of layers (+ the null block)
+        num_gpu_blocks_override=1 + KV_GROUPS.get(arch, 1) * 128 // block,
+        enable_prefix_caching=False,
+        disable_log_stats=False,  # vLLM counts preemptions
+    )
 
 
 @pytest.mark.parametrize("arch", CPU_MOE)
@@ -157,6 +149,4 @@ def test_moe_family_matches_hf(arch, tmp_path):
         rec.close()
         named.close()
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        stop_llm(llm)

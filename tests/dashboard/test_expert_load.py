@@ -15,7 +15,6 @@ they hold every row.
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 import signal
@@ -32,7 +31,7 @@ from actbus.bus.statsview import EXPERTS_NAME, request, stats_subscription
 from actbus.tiny_models import build_tiny_model
 from consumers.fs import ActivationRun
 from tests.support.dashboard_procs import Browser, DashboardProc, chromium_missing, page_experts
-from tests.support.engine import IN_PROCESS, scoped_env
+from tests.support.engine import start_in_process, stop_llm
 from tests.support.procs import ROOT, start_sink, stop, wait_for
 from tests.support.recorder import RowRecorder
 
@@ -47,25 +46,18 @@ STATS = ("--timeout", "120", "--experts-s", "600")
 
 
 def _engine(path, address: str):
-    from vllm import LLM
-
-    with scoped_env(IN_PROCESS):
-        return LLM(
-            str(path),
-            dtype="float32",
-            max_model_len=128,
-            max_num_seqs=8,
-            enable_prefix_caching=False,
-            seed=0,
-            additional_config={
-                "actbus": {
-                    "publish": address,
-                    "layers": LAYERS,
-                    "hooks": ["post_block", "router"],
-                    "heartbeat_s": 0.25,
-                }
-            },
-        )
+    return start_in_process(
+        path,
+        {
+            "publish": address,
+            "layers": LAYERS,
+            "hooks": ["post_block", "router"],
+            "heartbeat_s": 0.25,
+        },
+        max_model_len=128,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
 
 
 def _subscribers(address: str) -> dict[str, dict]:
@@ -184,9 +176,7 @@ def test_the_router_stream_is_sunk_and_its_expert_load_shown(tmp_path):
         if browser is not None:
             browser.close()
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
+            stop_llm(llm)
         dash_rc = dash.stop()
     try:
         stats_out, _ = stats.communicate(timeout=60)

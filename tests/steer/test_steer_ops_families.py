@@ -14,7 +14,6 @@ decode-only operations.
 
 from __future__ import annotations
 
-import gc
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,15 @@ import pytest
 import torch
 
 from actbus.hooks import Hook
-from tests.support.engine import HOOKS, IN_PROCESS, STEER_HOOKS, preemptions, scoped_env
+from tests.support.engine import (
+    HOOKS,
+    IN_PROCESS,
+    STEER_HOOKS,
+    preemptions,
+    scoped_env,
+    start_in_process,
+    stop_llm,
+)
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.steer_oracle import (
     HFAblate,
@@ -58,12 +65,15 @@ class OpsRun:
 
 
 def _llm(path: Path, address: str):
-    from vllm import LLM
-
-    return LLM(
-        str(path),
-        dtype="float32",
-        gpu_memory_utilization=0.3,
+    return start_in_process(
+        path,
+        {
+            "publish": address,
+            "layers": LAYERS,
+            "hooks": HOOKS,
+            "steer": {"hooks": list(STEER_HOOKS), "ops": ["replace", "ablate", "clamp"]},
+            "user_hooks": {"layers": [1], "points": ["post_block"]},
+        },
         max_model_len=128,
         max_num_batched_tokens=CHUNK,
         max_num_seqs=8,
@@ -71,16 +81,6 @@ def _llm(path: Path, address: str):
         num_gpu_blocks_override=BLOCKS,
         enable_prefix_caching=True,
         disable_log_stats=False,  # preemptions are counted
-        seed=0,
-        additional_config={
-            "actbus": {
-                "publish": address,
-                "layers": LAYERS,
-                "hooks": HOOKS,
-                "steer": {"hooks": list(STEER_HOOKS), "ops": ["replace", "ablate", "clamp"]},
-                "user_hooks": {"layers": [1], "points": ["post_block"]},
-            }
-        },
     )
 
 
@@ -227,7 +227,7 @@ def ops_run(tmp_path_factory) -> OpsRun:
     def generate(llm, ps, pp):
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], pp, use_tqdm=False)
 
-    with scoped_env(IN_PROCESS):  # the hooks run in this process
+    with scoped_env(IN_PROCESS):  # Hook objects pass only then (actbus.hooks)
         llm = _llm(path, f"ipc://{sock}/bus.sock")
         try:
             before = preemptions(llm)
@@ -244,9 +244,7 @@ def ops_run(tmp_path_factory) -> OpsRun:
                 for s, h, _ in cache_cases
             ]
         finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
+            stop_llm(llm)
     return OpsRun(
         path,
         outs,

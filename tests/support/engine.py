@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 SCHED_ARCH = "llama"
@@ -180,8 +181,26 @@ def _control_endpoint(sock_dir: Path) -> dict:
     }
 
 
+def start_in_process(model: Path | str, actbus: dict, **engine: Any) -> Any:
+    """A tiny engine of a test's own (``IN_PROCESS``): float32, seed 0, 0.3 of memory
+    unless ``engine`` (vLLM's engine arguments) says otherwise, capturing as ``actbus``
+    (its ``additional_config`` entry) says. Stop it with ``stop_llm``; what earlier
+    ones held, once nothing refers to them, is collected before this one starts."""
+    from vllm import LLM
+
+    gc.collect()
+    kwargs = {"dtype": "float32", "seed": 0, "gpu_memory_utilization": 0.3, **engine}
+    with scoped_env(IN_PROCESS):
+        return LLM(str(model), additional_config={"actbus": actbus}, **kwargs)
+
+
+def stop_llm(llm: Any) -> None:
+    """Shut an engine down: its publisher ends its stream, its workers stop."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def stop_engine(engine: Engine) -> None:
-    engine.llm.llm_engine.engine_core.shutdown()
+    stop_llm(engine.llm)
     engine.llm = None
     gc.collect()
 
