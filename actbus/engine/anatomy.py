@@ -96,6 +96,11 @@ class Anatomy:
     form: LayerForm
     layer_class: str
 
+    def owned(self, layers: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """The layers of ``layers`` this pipeline stage computes (the others are vLLM's
+        placeholders for another stage's)."""
+        return tuple(i for i in layers if type(self.layers[i]).__name__ != "PPMissingLayer")
+
     def check_hooks(self, hooks: tuple[str, ...] | list[str], where: str) -> None:
         """Refuse, by name, a hook this model's layers do not have."""
         for h in hooks:

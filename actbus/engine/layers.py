@@ -29,12 +29,6 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     return find_layers(model, num_layers)[1]
 
 
-def owned_layers(model: nn.Module, num_layers: int, layers: tuple[int, ...]) -> tuple[int, ...]:
-    """The layers of ``layers`` this pipeline stage computes (others are placeholders)."""
-    decoder = find_decoder_layers(model, num_layers)
-    return tuple(i for i in layers if type(decoder[i]).__name__ != "PPMissingLayer")
-
-
 def wrap_layer(layer: nn.Module, form: LayerForm = RESIDUAL) -> None:
     """Wrap a decoder layer's forward once; what it does is read at trace time from
     ``_actbus_taps`` (hooks to capture), ``_actbus_steer_hooks`` (points to steer,

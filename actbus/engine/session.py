@@ -26,7 +26,7 @@ from actbus.capture.taps import install_taps
 from actbus.capture.worker import CaptureWorker
 from actbus.config import CaptureConfig
 from actbus.engine import closing, dataparallel
-from actbus.engine.anatomy import RESIDUAL, Anatomy, LayerForm, anatomy
+from actbus.engine.anatomy import Anatomy, anatomy
 from actbus.engine.archs import check_architecture, check_router
 from actbus.engine.internals import (
     STEER_METHODS,
@@ -36,7 +36,7 @@ from actbus.engine.internals import (
     signature_problems,
     vllm_version,
 )
-from actbus.engine.layers import owned_layers, wrap_layer
+from actbus.engine.layers import wrap_layer
 from actbus.engine.mode import log as mode_log
 from actbus.engine.mode import mode_line
 from actbus.engine.moe import model_experts, wrap_router
@@ -178,11 +178,12 @@ def attach(
     anat = anatomy(model, n)  # the layers and their form, or a ConfigError saying why not
     _check_hooks(anat, cfg)
     decoder, form = anat.layers, anat.form
+    arch = next(iter(getattr(mc.hf_config, "architectures", None) or []), type(model).__name__)
     log.info("actbus: decoder layers %s (%s), form %s", anat.path, anat.layer_class, form.name)
     parts = EngineParts()
     monitors: _Monitors | None = None
     if cfg.steer is not None:  # every rank: TP ranks add the same vectors, stages their own
-        steer_layers = owned_layers(model, n, cfg.steer.resolve_layers(n))
+        steer_layers = anat.owned(cfg.steer.resolve_layers(n))
         max_seqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 256) or 256)
         tables = install_steering(
             decoder,
@@ -204,19 +205,19 @@ def attach(
         if cfg.monitor is None:
             parts.steer = Steerer(tables, live=live)
         else:  # gates read monitor scores: every rank scores, before the first forward
-            monitors = _install_monitors(model, decoder, cfg.monitor, mc, max_rows, device, form)
+            monitors = _install_monitors(anat, cfg.monitor, mc, max_rows, device)
             parts.steer = _gated_steerer(tables, decoder, monitors, max_seqs, live)
     if _rank("tensor") == 0:  # TP ranks hold the same residual stream: one publishes
         if cfg.monitor is not None and monitors is None:
-            monitors = _install_monitors(model, decoder, cfg.monitor, mc, max_rows, device, form)
+            monitors = _install_monitors(anat, cfg.monitor, mc, max_rows, device)
         parts.capture = _capture_worker(
-            cfg, layers, model, decoder, vllm_config, monitors, max_rows, device, runner, form
+            cfg, layers, anat, arch, vllm_config, monitors, max_rows, device, runner
         )
         if parts.steer is not None:  # rows name the live versions they steered with
             parts.capture.live_versions = parts.steer.live_versions
         closing.on_shutdown(vllm_config, parts.capture.close)
     if cfg.user_hooks is not None:  # every rank runs them (a hook may gather parameters)
-        hooked = owned_layers(model, n, tuple(i for i in cfg.user_hooks.layers if i < n))
+        hooked = anat.owned(tuple(i for i in cfg.user_hooks.layers if i < n))
         install_hooks(decoder, hooked, cfg.user_hooks.points)
         for i in hooked:
             wrap_layer(decoder[i], form)  # its form: gpt-oss's arguments, an adapter's
@@ -240,22 +241,21 @@ def _check_hooks(anat: Anatomy, cfg: CaptureConfig) -> None:
 def _capture_worker(
     cfg: CaptureConfig,
     layers: tuple[int, ...],
-    model: nn.Module,
-    decoder: nn.ModuleList,
+    anat: Anatomy,
+    arch: str,
     vllm_config: Any,
     monitors: _Monitors | None,
     max_rows: int,
     device: torch.device,
     runner: str,
-    form: LayerForm = RESIDUAL,
 ) -> CaptureWorker:
     """Capture's taps on this pipeline stage's layers, and the worker that publishes
     them (with the monitors' harvest beside it)."""
     mc = vllm_config.model_config
     cc = vllm_config.compilation_config
-    mine = owned_layers(model, num_layers(mc), layers)  # this pipeline stage's
+    mine = anat.owned(layers)  # this pipeline stage's
     router = "router" in cfg.hooks
-    arch = next(iter(getattr(mc.hf_config, "architectures", None) or []), type(model).__name__)
+    decoder, form = anat.layers, anat.form
     taps = install_taps(
         decoder,
         layers=mine,
@@ -319,13 +319,7 @@ class _Monitors:
 
 
 def _install_monitors(
-    model: nn.Module,
-    decoder: nn.ModuleList,
-    mcfg: MonitorConfig,
-    mc: Any,
-    max_rows: int,
-    device: torch.device,
-    form: LayerForm = RESIDUAL,
+    anat: Anatomy, mcfg: MonitorConfig, mc: Any, max_rows: int, device: torch.device
 ) -> _Monitors:
     """The monitor tables on this stage's layers, what the publisher tells subscribers
     of them, and what each publishes. Installed once per rank: on TP rank 0 for the
@@ -333,15 +327,16 @@ def _install_monitors(
     gates must read the same scores)."""
     n = num_layers(mc)
     weights = monitor_weights(mcfg, n, mc.get_hidden_size())
+    decoder = anat.layers
     points = {
-        name: [(layer, d.hook) for layer in owned_layers(model, n, d.layers)]
+        name: [(layer, d.hook) for layer in anat.owned(d.layers)]
         for name, d in mcfg.monitors.items()
     }
     tables = install_monitors(
         decoder, weights, points, hidden_size=mc.get_hidden_size(), max_rows=max_rows, device=device
     )
     for layer, _hook in tables.points:
-        wrap_layer(decoder[layer], form)
+        wrap_layer(decoder[layer], anat.form)
     info = {
         name: {
             "layers": list(d.layers),
