@@ -27,7 +27,6 @@ gather is a collective, so a hook must call it alike on every rank).
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,10 +89,14 @@ _OBJECTS: dict[str, tuple[Hook, str]] = {}
 """In-process hooks of requests in flight: token -> (hook, caller's request id)."""
 
 
-def take_hooks(raw: Any, cfg: HooksConfig | None, *, over_http: bool) -> tuple[Any, list | None]:
+def take_hooks(
+    raw: Any, cfg: HooksConfig | None, *, over_http: bool, in_process: bool
+) -> tuple[Any, list | None]:
     """``raw`` without its ``user_hooks`` key, and the request's hooks as the worker
     reads them (``[kind, token or name, layer, point]``); None: no hooks. The key is
-    the config's name for them: ``hooks`` is the capture selection's hook points."""
+    the config's name for them: ``hooks`` is the capture selection's hook points.
+    ``in_process``: the engine's one worker runs in this process, so a ``Hook``
+    object can run there."""
     if not (isinstance(raw, dict) and "user_hooks" in raw):
         return raw, None
     raw = dict(raw)
@@ -107,10 +110,11 @@ def take_hooks(raw: Any, cfg: HooksConfig | None, *, over_http: bool) -> tuple[A
     for i, h in enumerate(hooks):
         w = f"{where}[{i}]"
         if isinstance(h, Hook):
-            if over_http or os.environ.get(IN_PROCESS_ENV) != "0":
+            if over_http or not in_process:
                 raise ConfigError(
                     f"{w}: a Hook object runs only in the caller's process (an offline LLM "
-                    f"with {IN_PROCESS_ENV}=0); otherwise select an installed hook by name"
+                    f"started with {IN_PROCESS_ENV}=0, one worker); otherwise select an "
+                    "installed hook by name"
                 )
             layer, point, item = h.layer, h.point, ["obj", None]
         elif isinstance(h, dict):

@@ -11,7 +11,7 @@ import torch
 from actbus.config import HooksConfig
 from actbus.errors import ConfigError
 from actbus.hooks import Hook, take_hooks
-from tests.support.engine import IN_PROCESS, scoped_env, start_in_process, stop_llm
+from tests.support.engine import start_in_process, stop_llm
 from tests.support.oracle import max_rel_error
 from tests.support.steer_oracle import HFScale, hf_steered_greedy
 
@@ -21,25 +21,30 @@ MAX_TOKENS = 5
 def test_who_may_pass_what():
     cfg = HooksConfig.from_dict({"layers": [1], "named": ["mine"]})
     h = Hook(lambda call: None, layer=1)
-    with (
-        scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
-        pytest.raises(ConfigError, match=r"user_hooks\[0\]: a Hook object runs only in"),
-    ):
-        take_hooks({"user_hooks": [h]}, cfg, over_http=False)
-    with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
-        assert take_hooks({"user_hooks": [h]}, cfg, over_http=False)[1][0][0] == "obj"
+    with pytest.raises(ConfigError, match=r"user_hooks\[0\]: a Hook object runs only in"):
+        take_hooks({"user_hooks": [h]}, cfg, over_http=False, in_process=False)
+    assert take_hooks({"user_hooks": [h]}, cfg, over_http=False, in_process=True)[1][0][0] == "obj"
+    with pytest.raises(ConfigError, match=r"user_hooks\[0\]: a Hook object runs only in"):
+        take_hooks({"user_hooks": [h]}, cfg, over_http=True, in_process=True)
     with pytest.raises(ConfigError, match=r"user_hooks\[0\].name: 'theirs' is not a hook"):
-        take_hooks({"user_hooks": [{"name": "theirs", "layer": 1}]}, cfg, over_http=True)
+        take_hooks(
+            {"user_hooks": [{"name": "theirs", "layer": 1}]}, cfg, over_http=True, in_process=False
+        )
     with pytest.raises(ConfigError, match=r"user_hooks\[0\].layer: expected one of the hookable"):
-        take_hooks({"user_hooks": [{"name": "mine", "layer": 2}]}, cfg, over_http=True)
+        take_hooks(
+            {"user_hooks": [{"name": "mine", "layer": 2}]}, cfg, over_http=True, in_process=False
+        )
     raw, hooks = take_hooks(
-        {"user_hooks": [{"name": "mine", "layer": 1}], "return": True}, cfg, over_http=True
+        {"user_hooks": [{"name": "mine", "layer": 1}], "return": True},
+        cfg,
+        over_http=True,
+        in_process=False,
     )
     assert raw == {"return": True} and hooks[0][:4] == ["name", "mine", 1, "post_block"]
     with pytest.raises(ConfigError, match=r"points\[1\]: 'post_attn' is not a point user hooks"):
         HooksConfig.from_dict({"layers": [1], "points": ["pre_attn", "post_attn"]})
     with pytest.raises(ConfigError, match="this engine runs no hooks"):
-        take_hooks({"user_hooks": [h]}, None, over_http=False)
+        take_hooks({"user_hooks": [h]}, None, over_http=False, in_process=True)
 
 
 def _scale(layer: int, point: str, factor: float) -> HFScale:
@@ -52,54 +57,55 @@ def test_hooks_match_hf_and_leave_others_alone(tiny_models, tmp_path):
     from vllm.inputs import TokensPrompt
 
     path = tiny_models["llama"]
-    with scoped_env(IN_PROCESS):
-        llm = start_in_process(
-            path,
-            {
-                "publish": f"ipc://{tmp_path}/bus.sock",
-                "layers": [0, 3],
-                "hooks": ["post_block"],
-                "requests": "selected",
-                "user_hooks": {"layers": [0, 1], "points": ["pre_attn", "post_block"]},
-            },
-            gpu_memory_utilization=0.05,
-            max_model_len=256,
-            max_num_seqs=8,
-            num_gpu_blocks_override=32,
-        )
-        try:
-            seen = []
+    # Started in-process; the requests are sent with the environment as it was: whether
+    # Hook objects may pass is the engine's (its core in this process), not the env's.
+    llm = start_in_process(
+        path,
+        {
+            "publish": f"ipc://{tmp_path}/bus.sock",
+            "layers": [0, 3],
+            "hooks": ["post_block"],
+            "requests": "selected",
+            "user_hooks": {"layers": [0, 1], "points": ["pre_attn", "post_block"]},
+        },
+        gpu_memory_utilization=0.05,
+        max_model_len=256,
+        max_num_seqs=8,
+        num_gpu_blocks_override=32,
+    )
+    try:
+        seen = []
 
-            def read(call):  # reads, saves, changes nothing
-                call.saved.setdefault("rows", []).append(call.rows)
-                call.saved["embed"] = tuple(call.param("model.embed_tokens.weight").shape)
-                seen.append(call.request_id)
+        def read(call):  # reads, saves, changes nothing
+            call.saved.setdefault("rows", []).append(call.rows)
+            call.saved["embed"] = tuple(call.param("model.embed_tokens.weight").shape)
+            seen.append(call.request_id)
 
-            reader = Hook(read, layer=1, point="post_block")
-            halve = Hook(lambda call: 0.5 * call.rows, layer=1, point="post_block")
-            pre = Hook(lambda call: 1.5 * call.rows, layer=0, point="pre_attn")
-            prompts = [[5 + i, 40, 77, 9, 31, 200 + i, 14] for i in range(4)]
+        reader = Hook(read, layer=1, point="post_block")
+        halve = Hook(lambda call: 0.5 * call.rows, layer=1, point="post_block")
+        pre = Hook(lambda call: 1.5 * call.rows, layer=0, point="pre_attn")
+        prompts = [[5 + i, 40, 77, 9, 31, 200 + i, 14] for i in range(4)]
 
-            def params(hooks=None):
-                actbus = {"return": True}
-                if hooks:
-                    actbus["user_hooks"] = hooks
-                return SamplingParams(
-                    temperature=0,
-                    max_tokens=MAX_TOKENS,
-                    ignore_eos=True,
-                    extra_args={"actbus": actbus},
-                )
-
-            batch = [params([reader]), params([halve]), params([pre, reader]), params()]
-            outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in prompts], batch, use_tqdm=False
+        def params(hooks=None):
+            actbus = {"return": True}
+            if hooks:
+                actbus["user_hooks"] = hooks
+            return SamplingParams(
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                extra_args={"actbus": actbus},
             )
-            alone = llm.generate(
-                [TokensPrompt(prompt_token_ids=prompts[3])], [params()], use_tqdm=False
-            )[0]
-        finally:
-            stop_llm(llm)
+
+        batch = [params([reader]), params([halve]), params([pre, reader]), params()]
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], batch, use_tqdm=False
+        )
+        alone = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[3])], [params()], use_tqdm=False
+        )[0]
+    finally:
+        stop_llm(llm)
     oracle = [[], [_scale(1, "post_block", 0.5)], [_scale(0, "pre_attn", 1.5)], []]
     for out, hf in zip(outs, oracle, strict=True):
         prompt = list(out.prompt_token_ids)

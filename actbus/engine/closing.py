@@ -21,7 +21,7 @@ _OPEN: dict[str, list[Callable[[], None]]] = {}
 _LOCK = threading.Lock()
 
 
-def _key(vllm_config: Any) -> str:
+def key(vllm_config: Any) -> str:
     """One engine's key: vLLM's instance id of its config (the same in every copy)."""
     return str(getattr(vllm_config, "instance_id", "") or id(vllm_config))
 
@@ -29,13 +29,13 @@ def _key(vllm_config: Any) -> str:
 def on_shutdown(vllm_config: Any, close: Callable[[], None]) -> None:
     """Call ``close`` (idempotent: exit may call it again) when this engine shuts down."""
     with _LOCK:
-        _OPEN.setdefault(_key(vllm_config), []).append(close)
+        _OPEN.setdefault(key(vllm_config), []).append(close)
 
 
 def shut_down(vllm_config: Any) -> int:
     """Close what this engine opened in this process, last opened first; how many."""
     with _LOCK:
-        closers = _OPEN.pop(_key(vllm_config), [])
+        closers = _OPEN.pop(key(vllm_config), [])
     for close in reversed(closers):
         try:
             close()

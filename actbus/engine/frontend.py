@@ -79,6 +79,7 @@ def patch() -> bool:
         pass
     else:
         MPClient.shutdown = _wrap_shutdown(MPClient.shutdown)
+        InprocClient.__init__ = _wrap_inproc_init(InprocClient.__init__)
         InprocClient.get_output = _wrap_inproc_get_output(InprocClient.get_output)
     try:
         from vllm.v1.engine.core import EngineCore
@@ -108,6 +109,23 @@ def patch() -> bool:
 
     responses.patch()
     return True
+
+
+_IN_PROCESS: set[str] = set()
+"""The engines (``closing.key``) whose engine core runs in this process."""
+
+
+def _wrap_inproc_init(orig):
+    """Remember that this engine's core runs in the caller's process (vLLM reads
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` once, when the engine is made: its value at a
+    request's time says nothing)."""
+
+    @functools.wraps(orig)
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, vllm_config, *args, **kwargs)
+        _IN_PROCESS.add(closing.key(vllm_config))
+
+    return __init__
 
 
 def _wrap_inproc_get_output(orig):
@@ -148,6 +166,7 @@ def _wrap_core_shutdown(orig):
         finally:
             vllm_config = getattr(self, "vllm_config", None)
             closing.shut_down(vllm_config)
+            _IN_PROCESS.discard(closing.key(vllm_config))
             ends = _publishers(vllm_config)
             if ends is not None:  # this process's front end stops reading them
                 _close_collectors(ends[1])
@@ -270,6 +289,11 @@ class _Frontend:
         self.steer = steer_frontend(cfg, vllm_config)
         self.vllm_config = vllm_config
         self.row_bytes: int | None = None  # a returned row's bytes, once asked over HTTP
+        # Its one worker in this process: a request's Hook objects can run there.
+        self.in_process = (
+            closing.key(vllm_config) in _IN_PROCESS
+            and int(vllm_config.parallel_config.world_size) == 1
+        )
 
     def parse(self, params: Any) -> RequestAsk:
         """What the request's ``extra_args.actbus`` asks of the engine, checked."""
@@ -283,7 +307,9 @@ class _Frontend:
                 raw = dict(raw)
                 raw["return"], http_mode = parse_return(raw["return"])
         raw, monitors, scores_back = take_monitors(raw, self.cfg.monitor)
-        raw, hooks = take_hooks(raw, self.cfg.user_hooks, over_http=over_http)
+        raw, hooks = take_hooks(
+            raw, self.cfg.user_hooks, over_http=over_http, in_process=self.in_process
+        )
         steer_raw, use_global = None, True
         if isinstance(raw, dict) and ("steer" in raw or "steer_global" in raw):
             raw = dict(raw)

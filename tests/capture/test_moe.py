@@ -22,7 +22,7 @@ import torch
 
 from actbus.hooks import Hook
 from actbus.tiny_models import build_tiny_model
-from tests.support.engine import IN_PROCESS, preemptions, scoped_env, start_in_process, stop_llm
+from tests.support.engine import preemptions, start_in_process, stop_llm
 from tests.support.monitors import raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.recorder import RowRecorder
@@ -98,16 +98,15 @@ def test_moe_family_matches_hf(arch, tmp_path):
         vec = vec / vec.norm() * 4.0
         steer = [{"vector": vec.tolist(), "layers": 1, "hooks": "post_block"}]
         reader = Hook(lambda c: c.saved.setdefault("rows", []).append(c.rows), 2, "pre_attn")
-        with scoped_env(IN_PROCESS):  # a Hook object runs only in-process
-            steered = llm.generate(
-                [TokensPrompt(prompt_token_ids=prompts[0])],
-                SamplingParams(
-                    temperature=0,
-                    max_tokens=8,
-                    ignore_eos=True,
-                    extra_args={"actbus": {"steer": steer, "user_hooks": [reader]}},
-                ),
-            )[0]
+        steered = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[0])],
+            SamplingParams(
+                temperature=0,
+                max_tokens=8,
+                ignore_eos=True,
+                extra_args={"actbus": {"steer": steer, "user_hooks": [reader]}},
+            ),
+        )[0]
         # The batch's ends ride on the steered request's steps; its own rows are counted.
         keys = [(o.request_id, 0) for o in outs]
         rec.wait_ended(keys)

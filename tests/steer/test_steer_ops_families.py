@@ -24,10 +24,8 @@ import torch
 from actbus.hooks import Hook
 from tests.support.engine import (
     HOOKS,
-    IN_PROCESS,
     STEER_HOOKS,
     preemptions,
-    scoped_env,
     start_in_process,
     stop_llm,
 )
@@ -227,24 +225,23 @@ def ops_run(tmp_path_factory) -> OpsRun:
     def generate(llm, ps, pp):
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], pp, use_tqdm=False)
 
-    with scoped_env(IN_PROCESS):  # Hook objects pass only then (actbus.hooks)
-        llm = _llm(path, f"ipc://{sock}/bus.sock")
-        try:
-            before = preemptions(llm)
-            outs = generate(llm, prompts[: len(cases)], params)
-            n_pre = preemptions(llm) - before
-            plain = ops_params(max_tokens=MAX_TOKENS)
-            alone = generate(llm, [prompts[0], prompts[6]], [plain, plain])
-            cache_outs = [
-                generate(
-                    llm,
-                    [cache_prompt],
-                    [ops_params(s, max_tokens=MAX_TOKENS, ret="generated", hooks=h)],
-                )[0]
-                for s, h, _ in cache_cases
-            ]
-        finally:
-            stop_llm(llm)
+    llm = _llm(path, f"ipc://{sock}/bus.sock")
+    try:
+        before = preemptions(llm)
+        outs = generate(llm, prompts[: len(cases)], params)
+        n_pre = preemptions(llm) - before
+        plain = ops_params(max_tokens=MAX_TOKENS)
+        alone = generate(llm, [prompts[0], prompts[6]], [plain, plain])
+        cache_outs = [
+            generate(
+                llm,
+                [cache_prompt],
+                [ops_params(s, max_tokens=MAX_TOKENS, ret="generated", hooks=h)],
+            )[0]
+            for s, h, _ in cache_cases
+        ]
+    finally:
+        stop_llm(llm)
     return OpsRun(
         path,
         outs,
