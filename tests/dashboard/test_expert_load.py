@@ -7,10 +7,8 @@ the router of layers 0 and 3. A lossless subscriber records every router row the
 engine published; the three consumers run as the user runs them, each its own
 process: ``actbus run fs-sink --hooks router --reduce int8`` (router rows are stored
 as published whatever the reduction), ``actbus stats --json --experts-s`` (it listens
-until Ctrl-C) and ``actbus dashboard``. An in-process engine's shutdown does not end
-its publisher (no END: ``actbus.engine.frontend`` tells subscribers only for an engine
-in its own processes), so the sink and stats are stopped as a user stops them, once
-they hold every row.
+until Ctrl-C) and ``actbus dashboard``. The sink and stats are stopped as a user
+stops them (SIGTERM, Ctrl-C), once they hold every row.
 """
 
 from __future__ import annotations
