@@ -2,8 +2,8 @@
 stats`` and the web dashboard show the expert load per layer (the page read in headless
 Chromium), each equal to what the engine published.
 
-One tiny Qwen3-MoE engine, in-process and Dynamo-only (a start of a few seconds), taps
-the router of layers 0 and 3. A lossless subscriber records every router row the
+``actbus serve`` on a tiny Qwen3-MoE model (Dynamo only) taps the router of layers 0
+and 3; three requests go to its OpenAI server. A lossless subscriber records every router row the
 engine published; the three consumers run as the user runs them, each its own
 process: ``actbus run fs-sink --hooks router --reduce int8`` (router rows are stored
 as published whatever the reduction), ``actbus stats --json --experts-s`` (it listens
@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import random
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 
 import datasets
 import numpy as np
@@ -29,7 +31,6 @@ from actbus.bus.statsview import EXPERTS_NAME, request, stats_subscription
 from actbus.tiny_models import build_tiny_model
 from consumers.fs import ActivationRun
 from tests.support.dashboard_procs import Browser, DashboardProc, chromium_missing, page_experts
-from tests.support.engine import start_in_process, stop_llm
 from tests.support.procs import ROOT, start_sink, stop, wait_for
 from tests.support.recorder import RowRecorder
 
@@ -43,19 +44,44 @@ STATS = ("--timeout", "120", "--experts-s", "600")
 """``actbus stats`` waits for the engine to start, then listens until it ends."""
 
 
-def _engine(path, address: str):
-    return start_in_process(
-        path,
-        {
-            "publish": address,
-            "layers": LAYERS,
-            "hooks": ["post_block", "router"],
-            "heartbeat_s": 0.25,
-        },
-        max_model_len=128,
-        max_num_seqs=8,
-        enable_prefix_caching=False,
+def _serve(path, address: str, log) -> tuple[subprocess.Popen, str]:
+    """``actbus serve`` on the tiny MoE model, tapping the router: the server and its
+    URL, once healthy. Eager: what is under test is the router stream, not the compiled
+    graph (tests/capture/test_moe.py taps the router in it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "actbus.cli", "serve", str(path),
+        "--layers", ",".join(map(str, LAYERS)), "--hooks", "post_block,router",
+        "--publish", address, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
+        "--num-gpu-blocks-override", "32", "--no-enable-prefix-caching", "--enforce-eager",
+        "--actbus-config", json.dumps({"heartbeat_s": 0.25}),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, "actbus serve exited before it was up"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    wait_for(healthy, 300, "actbus serve to be up", 1.0)
+    return proc, url
+
+
+def _complete(url: str, model: str, prompt: list[int]) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
 
 
 def _subscribers(address: str) -> dict[str, dict]:
@@ -88,32 +114,29 @@ def test_the_router_stream_is_sunk_and_its_expert_load_shown(tmp_path):
         cwd=ROOT,
     )
     dash = DashboardProc(address, tmp_path / "dash.log", "--interval", "0.2")
-    llm = browser = rec = None
+    server_log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 (closed below)
+    server = browser = rec = None
     try:
-        llm = _engine(path, address)
+        server, url = _serve(path, address, server_log)
         rec = RowRecorder(address, Subscription(window=1024, hooks=("router",)))
         router = rec.sub.welcome["router"]
         num_experts, top_k = router["num_experts"], router["top_k"]
         assert top_k < num_experts
         names = {"fs-sink", "dashboard", "dashboard-scores", EXPERTS_NAME}
         wait_for(lambda: names <= set(_subscribers(address)), 120, f"subscribers {names}", 0.5)
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         rng = random.Random(7)
         prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-        rec.wait_ended([(o.request_id, 0) for o in outs])
+        for p in prompts:
+            _complete(url, str(path), p)
+        wait_for(lambda: len(rec.ended) == len(prompts), 60, "every request's end")
+        rids = sorted(rid for rid, _ in rec.ended)
         # What the engine published: every router row, by request and layer.
         published = {
-            (o.request_id, layer): rec.get(o.request_id, layer, "router")
-            for o in outs
-            for layer in LAYERS
+            (rid, layer): rec.get(rid, layer, "router") for rid in rids for layer in LAYERS
         }
         want = {}
         for layer in LAYERS:
-            rows = np.concatenate([published[o.request_id, layer][2].numpy() for o in outs])
+            rows = np.concatenate([published[rid, layer][2].numpy() for rid in rids])
             ids = rows[:, :top_k].astype(np.int64).ravel()
             assert len(rows) == sum(LENGTHS) + len(LENGTHS) * (MAX_TOKENS - 1)
             want[str(layer)] = {
@@ -173,8 +196,8 @@ def test_the_router_stream_is_sunk_and_its_expert_load_shown(tmp_path):
     finally:
         if browser is not None:
             browser.close()
-        if llm is not None:
-            stop_llm(llm)
+        server_rc = stop(server) if server is not None else None
+        server_log.close()
         dash_rc = dash.stop()
     try:
         stats_out, _ = stats.communicate(timeout=60)
@@ -184,6 +207,7 @@ def test_the_router_stream_is_sunk_and_its_expert_load_shown(tmp_path):
         stats_log.close()
         if rec is not None:
             rec.close()
+    assert server_rc == 0, (tmp_path / "server.log").read_text()[-3000:]
     assert dash_rc == 0, (tmp_path / "dash.log").read_text()
     # actbus stats: the publisher's counters and, listened until the end, the load.
     assert stats.returncode == 0, (tmp_path / "stats.log").read_text()
