@@ -17,12 +17,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import torch
 
 from actbus.streams import point_key
 from tests.support.engine import IN_PROCESS
-from tests.support.procs import wait_for
+from tests.support.procs import free_port, wait_for, wait_healthy
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,9 +71,7 @@ def server(tiny_models, tmp_path_factory, readme_dir):
     tmp = tmp_path_factory.mktemp("journey-server")
     run = tempfile.mkdtemp(prefix="actbus-jt-")
     address, control = f"ipc://{run}/bus.sock", f"ipc://{run}/control.sock"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(tmp / "server.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [sys.executable, "-m", "actbus.cli", "serve", str(tiny_models["llama"]),
@@ -92,17 +88,7 @@ def server(tiny_models, tmp_path_factory, readme_dir):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server was not up within 600 s"
-            time.sleep(1)
+        wait_healthy(url, proc, tmp / "server.log", 600)
         yield address, url, control, proc, tmp / "server.log"
     finally:
         proc.terminate()
@@ -310,9 +296,7 @@ def test_readme_serve_and_train(server, tiny_models, readme_dir):
     requests go; stopped (SIGTERM, as the server's Ctrl-C would end their stream), each
     exits 0 and the trainers save their checkpoints, the probe's with its source."""
     address, *_ = server
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        board_port = s.getsockname()[1]
+    board_port = free_port()
     script = _readme_script("readme-serve", server)
     assert script.count("actbus dashboard --connect $BUS &") == 1
     script = script.replace("actbus dashboard --connect $BUS &",

@@ -15,6 +15,7 @@ from actbus.bus.control import ControlClient, ControlConfig, ControlServer, Push
 from actbus.bus.pushwire import Slot
 from actbus.bus.security import generate_keys
 from actbus.errors import ConfigError
+from tests.support.procs import free_port
 
 SLOTS = {"p": Slot(1, 8, "sigmoid"), "j": Slot(3, 8, "jumprelu")}
 
@@ -64,7 +65,7 @@ def test_curve_refuses_peers_without_an_authorized_key(tmp_path):
     other = generate_keys(tmp_path / "other", client="stranger")
     cfg = ControlConfig.from_raw(
         {
-            "address": "tcp://127.0.0.1:0".replace(":0", f":{_free_port()}"),
+            "address": "tcp://127.0.0.1:0".replace(":0", f":{free_port()}"),
             "server_secret_key": str(keys.server_secret),
             "authorized_keys": str(keys.authorized_keys),
         },
@@ -100,14 +101,6 @@ def test_config_refuses_an_open_interface_without_keys():
         ControlConfig.from_raw("tcp://0.0.0.0:5999", {})
     with pytest.raises(ConfigError, match=r"actbus\.control\.bogus: unknown key"):
         ControlConfig.from_raw({"address": "ipc:///tmp/x.sock", "bogus": 1}, {})
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_live_vector_pushes_share_the_endpoint_and_its_rules(tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from actbus.bus.security import generate_keys
 from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
 from actbus.wire import Header, RowIndex
-from tests.support.procs import ROOT, recv_batches, wait_for
+from tests.support.procs import ROOT, free_port, recv_batches, wait_for
 
 
 def _keys(directory: Path, *clients: str) -> Path:
@@ -52,12 +51,6 @@ def keys(tmp_path_factory) -> Path:
 def other_keys(tmp_path_factory) -> Path:
     """A second, unrelated set: its server and client are strangers to ``keys``."""
     return _keys(tmp_path_factory.mktemp("other-keys"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _msg(step: int, rows: int = 4, hidden: int = 32):
@@ -126,7 +119,7 @@ def test_keys_command_writes_private_certificates(tmp_path):
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "*", "192.0.2.7", "[::]"])
 def test_non_loopback_bind_without_keys_is_refused(host):
-    address = f"tcp://{host}:{_free_port()}"
+    address = f"tcp://{host}:{free_port()}"
     with pytest.raises(ConfigError) as e:
         Publisher(address, info={})
     msg = str(e.value)
@@ -171,7 +164,7 @@ def test_an_abstract_ipc_name_needs_keys(keys):
 
 
 def test_insecure_flag_binds_any_interface_with_a_loud_warning(caplog):
-    port = _free_port()
+    port = free_port()
     with caplog.at_level(logging.WARNING, logger="actbus.security"):
         pub = Publisher(
             f"tcp://0.0.0.0:{port}",
@@ -199,7 +192,7 @@ def test_insecure_flag_binds_any_interface_with_a_loud_warning(caplog):
 
 
 def test_curve_on_any_interface_delivers_to_an_authorized_subscriber(keys):
-    port = _free_port()
+    port = free_port()
     pub = _curve_publisher(keys, f"tcp://0.0.0.0:{port}")
     try:
         with Subscriber(
@@ -230,7 +223,7 @@ def test_curve_over_ipc(keys, tmp_path):
 
 
 def test_unauthorized_client_key_is_refused_clearly_and_costs_others_nothing(keys, other_keys):
-    port = _free_port()
+    port = free_port()
     pub = _curve_publisher(keys, f"tcp://0.0.0.0:{port}")
     address = f"tcp://127.0.0.1:{port}"
     good = Subscriber(address, Subscription(window=4, name="good"), **_client(keys))
@@ -262,7 +255,7 @@ def test_unauthorized_client_key_is_refused_clearly_and_costs_others_nothing(key
 
 
 def test_wrong_server_key_gets_no_data_and_fails_in_bounded_time(keys, other_keys):
-    port = _free_port()
+    port = free_port()
     pub = _curve_publisher(keys, f"tcp://0.0.0.0:{port}")
     try:
         sub = Subscriber(
@@ -375,7 +368,7 @@ def test_key_paths_are_checked_at_config_time(keys, tmp_path):
 
 def test_actbus_run_with_keys_and_with_a_refused_key(keys, other_keys, tmp_path):
     """`actbus run --server-key --client-secret-key`: delivered; a stranger's key: exit 1, named."""
-    port = _free_port()
+    port = free_port()
     pub = _curve_publisher(keys, f"tcp://0.0.0.0:{port}")
     address = f"tcp://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "actbus.cli", "run", "null", "--connect", address]

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ from actbus.cli import consumer_command
 from tests.capture.hostile_http import OUTSIDE, Case, corpus, number_cases
 from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
-from tests.support.procs import ROOT
+from tests.support.procs import ROOT, free_port, wait_healthy
 from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
@@ -42,12 +41,6 @@ REQUEST_MB, SERVER_MB = 0.5, 1
 """The server's ``http_return_max_request_mb`` and ``http_return_max_server_mb``: a
 request of 4 taps x 229 float32 rows of the tiny Llama (hidden 128) fits, two fit the
 server, three do not."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 ADMIN = "admin-key-of-the-test-server"
@@ -68,7 +61,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    address, port = f"ipc://{tmp}/bus.sock", _free_port()
+    address, port = f"ipc://{tmp}/bus.sock", free_port()
     log = open(tmp / "server.log", "w")  # noqa: SIM115 (closed below)
     (tmp / "chat.jinja").write_text(TEMPLATE)
     vectors = vector_dir(tmp, Path(tiny_models["llama"]))
@@ -92,20 +85,8 @@ def server(tiny_models, tmp_path_factory):
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}  # the worker's actbus line is INFO
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server not healthy within 300 s")
-            time.sleep(1)
+        wait_healthy(base, proc, tmp / "server.log", 300)
         yield Server(base, address, Path(tiny_models["llama"]), proc, tmp / "server.log", vectors)
     finally:
         proc.terminate()

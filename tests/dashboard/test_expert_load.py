@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -31,7 +31,7 @@ from actbus.bus.statsview import EXPERTS_NAME, request, stats_subscription
 from actbus.tiny_models import build_tiny_model
 from consumers.fs import ActivationRun
 from tests.support.dashboard_procs import Browser, DashboardProc, chromium_missing, page_experts
-from tests.support.procs import ROOT, start_sink, stop, wait_for
+from tests.support.procs import ROOT, free_port, start_sink, stop, wait_for, wait_healthy
 from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
@@ -44,13 +44,11 @@ STATS = ("--timeout", "120", "--experts-s", "600")
 """``actbus stats`` waits for the engine to start, then listens until it ends."""
 
 
-def _serve(path, address: str, log) -> tuple[subprocess.Popen, str]:
+def _serve(path, address: str, log: Path) -> tuple[subprocess.Popen, str]:
     """``actbus serve`` on the tiny MoE model, tapping the router: the server and its
     URL, once healthy. Eager: what is under test is the router stream, not the compiled
     graph (tests/capture/test_moe.py taps the router in it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable, "-m", "actbus.cli", "serve", str(path),
         "--layers", ",".join(map(str, LAYERS)), "--hooks", "post_block,router",
@@ -59,18 +57,10 @@ def _serve(path, address: str, log) -> tuple[subprocess.Popen, str]:
         "--num-gpu-blocks-override", "32", "--no-enable-prefix-caching", "--enforce-eager",
         "--actbus-config", json.dumps({"heartbeat_s": 0.25}),
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    with open(log, "wb") as out:  # the server keeps its own descriptor of it
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, "actbus serve exited before it was up"
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    wait_for(healthy, 300, "actbus serve to be up", 1.0)
+    wait_healthy(url, proc, log, 300)
     return proc, url
 
 
@@ -114,10 +104,9 @@ def test_the_router_stream_is_sunk_and_its_expert_load_shown(tmp_path):
         cwd=ROOT,
     )
     dash = DashboardProc(address, tmp_path / "dash.log", "--interval", "0.2")
-    server_log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 (closed below)
     server = browser = rec = None
     try:
-        server, url = _serve(path, address, server_log)
+        server, url = _serve(path, address, tmp_path / "server.log")
         rec = RowRecorder(address, Subscription(window=1024, hooks=("router",)))
         router = rec.sub.welcome["router"]
         num_experts, top_k = router["num_experts"], router["top_k"]
@@ -197,7 +186,6 @@ def test_the_router_stream_is_sunk_and_its_expert_load_shown(tmp_path):
         if browser is not None:
             browser.close()
         server_rc = stop(server) if server is not None else None
-        server_log.close()
         dash_rc = dash.stop()
     try:
         stats_out, _ = stats.communicate(timeout=60)

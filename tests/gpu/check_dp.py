@@ -26,7 +26,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,12 +42,6 @@ HOOKS = ["pre_attn", "post_attn", "mlp_out", "post_block"]
 TRAIN_LAYER = 3
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
     body = json.dumps(
         {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -59,22 +52,6 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
-
-
-def _wait_up(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"actbus serve exited: {log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"actbus serve not up within {timeout}s")
-        time.sleep(1)
 
 
 def main() -> int:
@@ -95,13 +72,14 @@ def main() -> int:
     from actbus.streams import point_key
     from actbus.tiny_models import build_tiny_model
     from tests.support.oracle import hf_activations, max_rel_error
+    from tests.support.procs import free_port, wait_healthy
     from tests.support.recorder import RowRecorder
 
     path = build_tiny_model("llama", hidden_size=256, intermediate_size=512, initializer_range=0.02)
     work = Path(tempfile.mkdtemp(prefix="check-dp-"))
     template = f"ipc://{work}/actbus-{{dp_rank}}.sock"
     spec = connect_spec(template, [0, 1])
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = work / "server.log"
     cmd = [
@@ -120,7 +98,7 @@ def main() -> int:
     trainer = None
     problems: list[str] = []
     try:
-        _wait_up(url, server, log, args.start_timeout)
+        wait_healthy(url, server, log, args.start_timeout)
         start_s = time.monotonic() - t0
         col = RowRecorder(spec)
         ledger = work / "ledger"

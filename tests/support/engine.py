@@ -164,14 +164,11 @@ def _control_endpoint(sock_dir: Path) -> dict:
     """A CURVE control endpoint on a loopback port (tests/monitor/test_monitor_push.py),
     its keys made with ``actbus keys``' code: what the server binds and what a client
     holds."""
-    import socket
-
     from actbus.bus.security import generate_keys
+    from tests.support.procs import free_port
 
     keys = generate_keys(sock_dir / "control-keys", client="trainer")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return {
         "address": f"tcp://127.0.0.1:{port}",
         "server_secret_key": str(keys.server_secret),

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from actbus.bus import Batch, Publisher
 from actbus.wire import Header, RowIndex
 from consumers.fs.sink import FsSink
-from tests.support.procs import start_sink, stop, wait_for
+from tests.support.procs import free_port, start_sink, stop, wait_for
 from tests.support.trainer_synth import SynthPublisher
 from trainers.checkpoint import load_sae
 
@@ -117,7 +117,7 @@ def test_two_nodes_one_rank_each_train_each_token_once(tmp_path):
         "--accelerator", "cpu", "--devices", "1", "--num-nodes", "2", "--strategy", "ddp",
         "--out", str(tmp_path / "out"), "--no-progress", "--ledger", str(ledger),
     ]  # fmt: skip
-    port = _free_port()
+    port = free_port()
     nodes = []
     try:
         for node in (0, 1):
@@ -172,14 +172,6 @@ def _tokens_per_rank(ledger: Path) -> list[set[tuple[str, ...]]]:
         assert len(lines) == len(seen[-1]), f"rank {rank} trained a token twice"
     assert not seen[0] & seen[1]
     return seen
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sae_and_probe_from_a_stored_run(tmp_path):
