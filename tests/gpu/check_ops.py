@@ -63,7 +63,7 @@ def cases(seed: int, norm: float, saes: dict, monitor: list[float]):
     relu_value = -norm / float(relu["W_dec"][9].norm())
     w = torch.tensor(monitor)
     gate = {"monitor": "raw", "threshold": 0.0, "sharpness": GATE_SHARPNESS}
-    hf_gate = HFGate((1, "post_block"), lambda x: x.float() @ w, 0.0, GATE_SHARPNESS)
+    hf_gate = HFGate((1, "post_block"), lambda x: x.float() @ w.to(x.device), 0.0, GATE_SHARPNESS)
     return [
         (
             [
@@ -207,12 +207,7 @@ class Checker:
         from tests.support.steer_oracle import hf_steered_forward
 
         for h in hf:  # the oracle's tensors on the check's device
-            if h.vector is not None:
-                h.vector = h.vector.to(self.device)
-            if getattr(h, "sae", None) is not None:
-                h.sae = {k: v.to(self.device) for k, v in h.sae.items()}
-            if getattr(h, "rows", None) is not None:
-                h.rows = {p: r.to(self.device) for p, r in h.rows.items()}
+            h.to(self.device)
         want = {}
         for c in out.outputs:
             fed = (list(out.prompt_token_ids) + list(c.token_ids))[:-1]
@@ -240,7 +235,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU")
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
-    from tests.support.installed import require_actbus_plugin
+    from tests.support.installed import gpu_memory, require_actbus_plugin
 
     require_actbus_plugin()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
@@ -263,7 +258,7 @@ def main() -> int:
     llm = LLM(
         str(path),
         dtype=args.dtype,
-        gpu_memory_utilization=0.3,
+        **gpu_memory(),
         max_model_len=640,
         max_num_batched_tokens=256,
         max_num_seqs=32,
@@ -359,6 +354,7 @@ def _check_hooks(args, path, prompts, norm: float, checker: Checker) -> dict:
     from actbus.engine.session import HOOK_OP
     from actbus.hooks import Hook
     from tests.support.engine import scoped_env
+    from tests.support.installed import gpu_memory
     from tests.support.oracle import max_rel_error
     from tests.support.steer_oracle import HFAblate, HFSteer
 
@@ -381,7 +377,7 @@ def _check_hooks(args, path, prompts, norm: float, checker: Checker) -> dict:
         llm = LLM(
             str(path),
             dtype=args.dtype,
-            gpu_memory_utilization=0.3,
+            **gpu_memory(),
             max_model_len=640,
             max_num_batched_tokens=256,
             enable_prefix_caching=True,

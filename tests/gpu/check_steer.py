@@ -54,7 +54,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
-    from tests.support.installed import require_actbus_plugin
+    from tests.support.installed import gpu_memory, require_actbus_plugin
 
     require_actbus_plugin()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
@@ -78,7 +78,7 @@ def main() -> int:
     llm = LLM(
         str(path),
         dtype=args.dtype,
-        gpu_memory_utilization=0.3,
+        **gpu_memory(),
         max_model_len=640,
         max_num_batched_tokens=256,
         max_num_seqs=32,

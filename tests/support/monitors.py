@@ -139,8 +139,11 @@ def _stream(model_path: Path, layer: int, hook: str) -> torch.Tensor:
     return hf_activations(model_path, ids, [layer], [hook])[(layer, hook)]
 
 
-def build_monitor_sources(model_path: Path, out: Path, hidden: int) -> dict:
-    """Write the checkpoints under ``out``; returns the engine's ``actbus.monitor`` entry."""
+def build_monitor_sources(
+    model_path: Path, out: Path, hidden: int, *, saelens: bool = True
+) -> dict:
+    """Write the checkpoints under ``out``; returns the engine's ``actbus.monitor`` entry.
+    ``saelens``: also the SAEs saved by SAELens itself (the GPU image has no SAELens)."""
     from trainers.checkpoint import save_probe, save_sae
     from trainers.config import ProbeConfig, SAEConfig
     from trainers.linear_probe import LinearProbe
@@ -186,7 +189,8 @@ def build_monitor_sources(model_path: Path, out: Path, hidden: int) -> dict:
                 "layers": list(s.layers),
                 "hook": s.hook,
             }
-    monitors.update(build_saelens_sources(model_path, out))
+    if saelens:
+        monitors.update(build_saelens_sources(model_path, out))
     return {"monitors": monitors}
 
 

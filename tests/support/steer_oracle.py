@@ -46,15 +46,19 @@ class HFGate:
         """``[seq]``: the gate of each token for steering at ``at``."""
         m, s = self.point, at
         before = (m[0], _MONITOR_RANK[m[1]]) < (s[0], _STEER_RANK[s[1]])
-        pos = torch.arange(seq)
+        # Everything on the stream's device: the oracle runs on the engine's (CUDA on
+        # the GPU checks), and a CPU tensor mixed in fails there only.
+        dev = acts[m].device if m in acts else history.get(m, torch.zeros(0)).device
+        pos = torch.arange(seq, device=dev)
         if self.source == "token":
-            score, closed = self.score(acts[m]), torch.zeros(seq, dtype=torch.bool)
+            score = self.score(acts[m]).to(dev)
+            closed = torch.zeros(seq, dtype=torch.bool, device=dev)
         elif before:
-            score = torch.cat([torch.zeros(1), self.score(acts[m])[:-1]])
+            score = torch.cat([torch.zeros(1, device=dev), self.score(acts[m]).to(dev)[:-1]])
             closed = pos == 0
         else:
-            past = history.get(m, torch.zeros(0))
-            score = torch.zeros(seq)
+            past = history.get(m, torch.zeros(0)).to(dev)
+            score = torch.zeros(seq, device=dev)
             score[1 : min(seq, len(past) + 1)] = past[: seq - 1]
             closed = pos < prompt_len
         if self.sharpness is None:
@@ -76,6 +80,16 @@ class HFSteer:
     tier: str = "base"
     positions: object = "all"
     gate: HFGate | None = None
+
+    def to(self, device) -> HFSteer:
+        """This entry with its tensors on ``device`` (the engine's rows'), in place."""
+        if self.vector is not None:
+            self.vector = self.vector.to(device)
+        for name in ("rows", "sae"):
+            value = getattr(self, name, None)
+            if value is not None:
+                setattr(self, name, {k: v.to(device) for k, v in value.items()})
+        return self
 
     def mask(self, n: int, prompt_len: int) -> torch.Tensor:
         pos = torch.arange(n)
@@ -182,7 +196,7 @@ def hf_steered_forward(
             h.remove()
     for s in steers:
         if s.gate is not None:
-            history[s.gate.point] = s.gate.score(acts[s.gate.point].float().cpu())
+            history[s.gate.point] = s.gate.score(acts[s.gate.point].float())
     return logits, {k: v for k, v in acts.items() if k[0] in capture}
 
 
@@ -216,8 +230,8 @@ class HFReplace(HFSteer):
             for p, r in self.rows.items():
                 if p < n and mask[p]:
                     want[p] = r.float()
-        else:
-            want[mask] = self.vector.float()
+        else:  # no boolean indexing: the meta-device dry run cannot take it
+            want = torch.where(mask[:, None].to(s.device), self.vector.float(), s)
         return (self.weight(s, prompt_len, ctx) * (want - s)).to(stream.dtype)
 
 
