@@ -32,12 +32,12 @@ def rows(text: str) -> list[dict]:
         m = LINE.match(line)
         if not m:
             continue
-        rc, secs, cmd, name, last = int(m[1]), int(m[2]), m[3], m[4], m[5]
+        rc, secs, name, last = int(m[1]), int(m[2]), m[4], m[5]
         try:
             report = json.loads(last)
         except ValueError:
             report = {}
-        par = "tp%s pp%s" % (report.get("tp", 1), report.get("pp", 1)) if report else ""
+        par = f"tp{report.get('tp', 1)} pp{report.get('pp', 1)}" if report else ""
         if rc == 124:
             result, note = "TIMEOUT", last[-160:]
         elif report.get("ok") and rc == 0:
@@ -61,7 +61,8 @@ def rows(text: str) -> list[dict]:
 
 
 def main() -> int:
-    text = open(sys.argv[1]).read()
+    with open(sys.argv[1]) as f:
+        text = f.read()
     total = int(sys.argv[2]) if len(sys.argv) > 2 else None
     table = rows(text)
     print("| check | parallel | result | max rel err | s | note |")
