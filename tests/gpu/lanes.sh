@@ -5,7 +5,7 @@
 # vLLM's compile cache, Inductor's), so two engines never build the same file at once.
 # A lane's commands run in order; all of a lane's output goes to one log,
 # $OUT/lane<i>.log (few files come back from the device), and each command's last
-# line (the checks print one JSON line) is printed here with its lane and exit code.
+# JSON report (the checks print one JSON line; else its last line) is printed here with its lane and exit code.
 #
 #   bash tests/gpu/lanes.sh "0,1|python3 tests/gpu/check_monitor.py --tp 2" \
 #                           "2,3|python3 tests/gpu/check_push.py --pp 2|python3 ..."
@@ -23,9 +23,15 @@ for spec in "$@"; do
     for cmd in "${parts[@]:1}"; do
       echo "=== [lane $i gpus $gpus] $cmd" >> "$log"
       start=$(date +%s)
-      bash -c "$cmd" >> "$log" 2>&1
+      part="$log.part"
+      bash -c "$cmd" > "$part" 2>&1
       rc=$?
-      echo "lane $i rc=$rc $(( $(date +%s) - start ))s :: $cmd :: $(tail -n 1 "$log")"
+      cat "$part" >> "$log"
+      # the check's JSON report (its last line starting with "{"), else its last line
+      last=$(grep '^{' "$part" | tail -n 1)
+      [ -n "$last" ] || last=$(tail -n 1 "$part")
+      rm -f "$part"
+      echo "lane $i rc=$rc $(( $(date +%s) - start ))s :: $cmd :: $last"
     done
   ) &
   i=$((i + 1))

@@ -20,6 +20,11 @@ def require_actbus_plugin() -> None:
     installed beside it (vllm-lens) would otherwise refuse the engine or force eager."""
     if any(ep.name == "actbus" for ep in entry_points(group=GROUP)):
         os.environ.setdefault("VLLM_PLUGINS", "actbus")
+        # The engine core started by fork inherits what this process built first (the
+        # tiny model: torch's and the tokenizer trainer's threads); on the GPU such a
+        # child hung in its first copy to the device (py-spy: VocabParallelEmbedding.
+        # weight_loader's copy_), for 300 s, in MoE and Gemma 3 checks. Spawn starts clean.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         return
     raise SystemExit(
         f"actbus is not installed as a vLLM plugin (no 'actbus' entry point in {GROUP}), so "
