@@ -26,7 +26,9 @@ def main() -> int:
     from tests.support.oracle import hf_activations, max_rel_error
 
     torch.set_float32_matmul_precision("highest")
-    path = build_tiny_model(args.arch, hidden_size=256, intermediate_size=512, initializer_range=0.02)
+    path = build_tiny_model(
+        args.arch, hidden_size=256, intermediate_size=512, initializer_range=0.02
+    )
     ids = list(range(3, 60))
     hooks = ["pre_attn", "post_attn", "mlp_out", "post_block"]
     cpu = hf_activations(path, ids, [0, 3], hooks, dtype=torch.float32, device="cpu")
