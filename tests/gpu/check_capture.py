@@ -21,6 +21,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -47,6 +48,108 @@ def kv_cache_groups(path: Path) -> int:
     sliding group reserves a chunk and its window, so each group gets ``--blocks``."""
     cfg = json.loads((path / "config.json").read_text())
     return max(1, len(set(cfg.get("text_config", cfg).get("layer_types") or [])))
+
+
+# Families actbus refuses at engine start (docs/families.md), with what the refusal says.
+REFUSED = {"gpt2": "GPT2Block fits no form"}
+
+
+def _refused(arch: str, start, says: str) -> int:
+    """The check of a refused family: the engine must not start, and its error must name
+    the reason. Prints one JSON line. The engine core runs in this process, so the
+    refusal itself comes back, not the engine process's exit."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = start()
+    except Exception as e:  # the refusal comes back wrapped in the engine's start error
+        text, cause = str(e), e
+        while cause is not None and says not in str(cause):
+            cause = cause.__cause__ or cause.__context__
+        ok, found = cause is not None, str(cause or text)[:300]
+    else:
+        llm.llm_engine.engine_core.shutdown()
+        ok, found = False, "the engine started"
+    print(json.dumps({"check": "capture_oracle_gpu", "arch": arch, "ok": ok, "refused": found}))
+    return 0 if ok else 1
+
+
+# At most this share of rows may be left out for taking other experts than HF's: bf16
+# near-ties of a tiny random router flip 2-8% of tokens at some layer (measured on an H200).
+MAX_LEFT_OUT = 0.25
+
+
+@dataclass
+class Errors:
+    """Per point, the engine's relative error per row against HF in the engine's dtype
+    and HF's own against its fp32 forward on the same rows; and the rows counted."""
+
+    rows_err: dict[str, list] = field(default_factory=dict)
+    rows_own: dict[str, list] = field(default_factory=dict)
+    rows: int = 0
+    rows_left_out: int = 0
+    router_rows: int = 0
+    router_other: int = 0
+
+    def add(self, key: str, err, own) -> None:
+        """``err``, ``own``: a float or a tensor of per-row errors."""
+        self.rows_err.setdefault(key, []).append(_flat(err))
+        self.rows_own.setdefault(key, []).append(_flat(own))
+
+    def stat(self, q: float | None) -> tuple[dict[str, float], dict[str, float]]:
+        """(engine, HF's own) per point: the max over rows, or quantile ``q``."""
+        import torch
+
+        def one(parts):
+            x = torch.cat(parts)
+            return float(x.max() if q is None else torch.quantile(x, q))
+
+        return (
+            {k: one(v) for k, v in self.rows_err.items()},
+            {k: one(v) for k, v in self.rows_own.items()},
+        )
+
+
+def _flat(x):
+    import torch
+
+    return torch.as_tensor(x, dtype=torch.float32).reshape(-1).cpu()
+
+
+def _routing_agreed(routes, rid, sample, path, fed, want, dtype, device, seen, problems):
+    """Per MoE layer, ``[len(want)]`` bool: the token took the same experts in the engine,
+    in HF in ``dtype`` and in HF's fp32 forward. None for a dense model. Also checks the
+    engine's router weights where the experts agree. A tie in bf16 picks either expert:
+    the rows of such a token are another computation from there on."""
+    if routes is None:
+        return None
+    import torch
+
+    from tests.support.router_oracle import hf_routing, split_sorted
+
+    same_dtype = hf_routing(path, fed, dtype=dtype, device=device)
+    fp32 = hf_routing(path, fed, device=device)
+    at = torch.as_tensor(want, dtype=torch.long)
+    agreed = {}
+    for layer, (ref_ids, ref_w) in same_dtype.items():
+        ok = (ref_ids[at] == fp32[layer][0][at]).all(dim=-1)
+        pos, _, rows = routes.get(rid, layer, "router", sample)
+        if len(pos):
+            if pos.tolist() != want:
+                problems.append(f"{rid} L{layer} router: positions")
+                agreed[layer] = torch.zeros(len(want), dtype=torch.bool)
+                continue
+            ids, weights = split_sorted(rows)
+            same = (ids == ref_ids[at]).all(dim=-1)
+            seen.router_rows += len(want)
+            seen.router_other += int((~same).sum())
+            both = same & ok
+            if both.any():
+                err = float((weights[both] - ref_w[at][both]).abs().max())
+                own = float((ref_w[at][both] - fp32[layer][1][at][both]).abs().max())
+                seen.add("router_weight_abs", err, own)
+            ok &= same
+        agreed[layer] = ok
+    return agreed
 
 
 def _positions(mode, prompt_len: int, fed_len: int) -> list[int]:
@@ -87,7 +190,7 @@ def main() -> int:
 
     from actbus.streams import point_key
     from actbus.tiny_models import MOE_ARCHITECTURES, build_tiny_model
-    from tests.support.oracle import hf_activations, max_rel_error
+    from tests.support.oracle import hf_activations, rel_errors
     from tests.support.recorder import RowRecorder
 
     # head_dim 64: what GPU attention kernels support in every dtype.
@@ -104,37 +207,56 @@ def main() -> int:
     # DeepSeek's first layers are dense (no router): tap its first MoE layer instead of 0.
     first_moe = json.loads((path / "config.json").read_text()).get("first_k_dense_replace") or 0
     tapped = [max(LAYERS[0], first_moe), *LAYERS[1:]] if moe else LAYERS
+    # An MoE engine taps every MoE layer: the engine's routing at each layer up to a checked
+    # one says which tokens took the experts HF took (see `agreed` below).
+    engine_layers = list(range(first_moe, LAYERS[-1] + 1)) if moe else tapped
     selections = [
         {**s, "layers": [tapped[0] if x == LAYERS[0] else x for x in s["layers"]]}
         if "layers" in s
         else s
         for s in SELECTIONS
     ]
+    if moe:  # a selection naming hooks keeps the router's rows, for the routing masks
+        selections = [
+            {**s, "hooks": [*s["hooks"], "router"]}
+            if "hooks" in s and not s.get("return")  # rows returned: the stream's hooks only
+            else s
+            for s in selections
+        ]
     address = f"ipc://{tempfile.mkdtemp()}/bus.sock"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.monotonic()
-    llm = LLM(
-        str(path),
-        dtype=args.dtype,
-        **gpu_memory(),
-        max_model_len=640,
-        max_num_batched_tokens=256,
-        max_num_seqs=32,
-        enable_prefix_caching=True,
-        block_size=16 if args.device == "cuda" else 32,
-        num_gpu_blocks_override=args.blocks * kv_cache_groups(path),
-        disable_log_stats=False,
-        tensor_parallel_size=args.tp,
-        pipeline_parallel_size=args.pp,
-        **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
-        # a multimodal wrapper (gemma3mm, paligemma, idefics3): text-only prompts, and no
-        # image processor (none is saved with the tiny models)
-        **({"limit_mm_per_prompt": {"image": 0}} if multimodal else {}),
-        seed=0,
-        additional_config={"actbus": {"publish": address, "layers": tapped, "hooks": engine_hooks}},
-    )
+
+    def start():
+        llm = LLM(
+            str(path),
+            dtype=args.dtype,
+            **gpu_memory(),
+            max_model_len=640,
+            max_num_batched_tokens=256,
+            max_num_seqs=32,
+            enable_prefix_caching=True,
+            block_size=16 if args.device == "cuda" else 32,
+            num_gpu_blocks_override=args.blocks * kv_cache_groups(path),
+            disable_log_stats=False,
+            tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp,
+            **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
+            # a multimodal wrapper (gemma3mm, paligemma, idefics3): text-only prompts, and no
+            # image processor (none is saved with the tiny models)
+            **({"limit_mm_per_prompt": {"image": 0}} if multimodal else {}),
+            seed=0,
+            additional_config={
+                "actbus": {"publish": address, "layers": engine_layers, "hooks": engine_hooks}
+            },
+        )
+        return llm
+
+    if args.arch in REFUSED:  # the engine must refuse it at start, naming why
+        return _refused(args.arch, start, REFUSED[args.arch])
+    llm = start()
     start_s = time.monotonic() - t0
     col = RowRecorder(address)
     from actbus.bus.protocol import Subscription
@@ -170,7 +292,7 @@ def main() -> int:
     precision_found = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     dt = getattr(torch, args.dtype)
-    worst: dict[str, float] = {}
+    seen = Errors()
     problems: list[str] = []
     checked_rows = 0
     for o, sp in zip(outs, params, strict=True):
@@ -182,9 +304,10 @@ def main() -> int:
                 if "positions" not in sel
                 else _positions(sel["positions"], len(o.prompt_token_ids), len(fed))
             )
-            layers = sel.get("layers", tapped)
-            hooks = sel.get("hooks", HOOKS)
+            layers = sel.get("layers", engine_layers)
+            hooks = [h for h in sel.get("hooks", HOOKS) if h != "router"]
             ref = hf_activations(path, fed, tapped, HOOKS, dtype=dt, device=args.device)
+            truth = hf_activations(path, fed, tapped, HOOKS, device=args.device)
             acts_back = getattr(child, "activations", None)
             if sel.get("return") and (acts_back is None or not acts_back.complete):
                 problems.append(f"{o.request_id}/{child.index}: returned rows missing")
@@ -192,25 +315,9 @@ def main() -> int:
                 problems.append(f"{o.request_id}/{child.index}: rows returned unasked")
             if col.tags.get((o.request_id, child.index)) != sel.get("tags", {}):
                 problems.append(f"{o.request_id}: tags {col.tags.get((o.request_id, 0))}")
-            if routes is not None and "hooks" not in sel and "positions" not in sel:
-                from tests.support.router_oracle import hf_routing, split_sorted
-
-                routing = hf_routing(path, fed)
-                for layer in tapped:
-                    pos, _, rows = routes.get(o.request_id, layer, "router", child.index)
-                    if pos.tolist() != want:
-                        problems.append(f"{o.request_id} L{layer} router: positions")
-                        continue
-                    ids, weights = split_sorted(rows)
-                    ref_ids, ref_w = routing[layer]
-                    same = (ids == ref_ids).all(dim=-1)
-                    # bf16 near-ties may swap an expert: count rows, compare weights where equal
-                    worst["router_id_mismatch_frac"] = max(
-                        worst.get("router_id_mismatch_frac", 0.0), 1.0 - float(same.float().mean())
-                    )
-                    if same.any():
-                        err = float((weights[same] - ref_w[same]).abs().max())
-                        worst["router_weight_abs"] = max(worst.get("router_weight_abs", 0.0), err)
+            agreed = _routing_agreed(
+                routes, o.request_id, child.index, path, fed, want, dt, args.device, seen, problems
+            )
             for layer in tapped:
                 for hook in HOOKS:
                     pos, tok, acts = col.get(o.request_id, layer, hook, child.index)
@@ -229,12 +336,42 @@ def main() -> int:
                         and torch.equal(acts_back[(layer, hook)], acts)
                     ):
                         problems.append(f"{o.request_id} L{layer} {hook}: returned rows differ")
-                    r = ref[(layer, hook)][torch.as_tensor(want, device=args.device)].float()
-                    err = max_rel_error(acts.float().to(args.device), r)
-                    worst[point_key(layer, hook)] = max(worst.get(point_key(layer, hook), 0.0), err)
-                    checked_rows += len(pos)
+                    # A token that took other experts than HF's at this layer or one above it
+                    # is another computation: left out, and counted.
+                    keep = torch.ones(len(want), dtype=torch.bool)
+                    if agreed is not None:
+                        upto = layer if hook in ("mlp_out", "post_block") else layer - 1
+                        for m in range(first_moe, upto + 1):
+                            keep &= agreed[m]
+                    seen.rows += len(want)
+                    seen.rows_left_out += int((~keep).sum())
+                    if not keep.any():
+                        continue
+                    at = torch.as_tensor(want, device=args.device)[keep.to(args.device)]
+                    key = point_key(layer, hook)
+                    err = rel_errors(
+                        acts.float().to(args.device)[keep.to(args.device)],
+                        ref[(layer, hook)][at].float(),
+                    )
+                    # HF's own error in this dtype against its fp32 forward, on the same rows
+                    own = rel_errors(
+                        ref[(layer, hook)][at].float(), truth[(layer, hook)][at].float()
+                    )
+                    seen.add(key, err, own)
+                    checked_rows += int(keep.sum())
     tol = args.tol or (1e-3 if args.dtype == "float32" else 2e-2)
-    ok = not problems and all(e <= tol for e in worst.values()) and preempt > 0
+    worst, noise = seen.stat(None)
+    # The engine may be off HF in this dtype by what HF itself is off its fp32 forward
+    # (twice that, per point), never by less than `tol`: Gemma's bf16 error grows to 2.4%
+    # over four layers in HF alone. An MoE is judged at its rows' 99th percentile: a token
+    # that took other experts at some layer moves its neighbours' rows through attention
+    # at the layers after it (a wrong tap moves every row).
+    judged, judged_own = seen.stat(0.99) if moe else (worst, noise)
+    allowed = {k: max(tol, 2 * judged_own.get(k, 0.0)) for k in judged}
+    left_out = seen.rows_left_out / max(1, seen.rows)
+    if left_out > MAX_LEFT_OUT:
+        problems.append(f"{left_out:.1%} of MoE rows took other experts than HF's")
+    ok = not problems and all(e <= allowed[k] for k, e in judged.items()) and preempt > 0
     print(
         json.dumps(
             {
@@ -254,7 +391,13 @@ def main() -> int:
                 "preemptions": preempt,
                 "rows_checked": checked_rows,
                 "max_rel_err": worst,
+                "hf_own_err": noise,
+                **({"p99_rel_err": judged, "hf_own_p99": judged_own} if moe else {}),
                 "tolerance": tol,
+                "rows_other_experts_frac": round(left_out, 4),
+                "router_rows_other_experts_frac": round(
+                    seen.router_other / max(1, seen.router_rows), 4
+                ),
                 "fp32_matmul_precision_found": precision_found,
                 "problems": problems[:10],
             }

@@ -23,7 +23,7 @@ for spec in "$@"; do
     for cmd in "${parts[@]:1}"; do
       echo "=== [lane $i gpus $gpus] $cmd" >> "$log"
       start=$(date +%s)
-      part="$log.part"
+      part="/tmp/lane$i.part"  # not under $OUT: only the logs come back
       bash -c "$cmd" > "$part" 2>&1
       rc=$?
       cat "$part" >> "$log"

@@ -21,8 +21,12 @@ HF_POINTS = {
 
 
 @functools.lru_cache(maxsize=2)
-def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """HF's model of ``path``, attending as vLLM does: causally over text.
+def hf_model(
+    path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", experts: str = "eager"
+):
+    """HF's model of ``path``, attending as vLLM does: causally over text, its MoE experts
+    computed by HF's reference loop (``experts``: HF's ``experts_implementation``; its
+    default, ``grouped_mm``, takes another kernel on CUDA than on CPU).
 
     PaliGemma's config marks its text model's attention non-causal
     (``use_bidirectional_attention``, set by ``PaliGemmaConfig`` when a checkpoint leaves
@@ -47,6 +51,8 @@ def hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu")
         m = transformers.AutoModelForImageTextToText.from_pretrained(
             path, config=config, dtype=dtype
         )
+    if experts and getattr(m, "_can_set_experts_implementation", lambda: False)():
+        m.set_experts_implementation(experts)
     return m.to(device).eval()
 
 
@@ -83,6 +89,7 @@ def hf_activations(
     *,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    experts: str = "eager",
 ) -> dict[tuple[int, str], torch.Tensor]:
     """``[len(token_ids), hidden]`` per (layer, hook), read with module hooks.
 
@@ -91,7 +98,7 @@ def hf_activations(
     ``hidden_states[layer + 1]`` below the last layer, ``pre_attn`` equals
     ``hidden_states[layer]``, and ``post_block == post_attn + mlp_out``.
     """
-    model = hf_model(str(path), dtype, device)
+    model = hf_model(str(path), dtype, device, experts)
     family, scale = hf_family(model), hf_mlp_scale(model)
     outs: dict[tuple[int, str], torch.Tensor] = {}
     handles = []

@@ -1,6 +1,6 @@
 """HF transformers' routing on the same weights: the ``router`` hook's oracle.
 
-HF returns each MoE layer's router logits (``output_router_logits=True``); the top-k
+Each MoE layer's router logits are read at its router linear; the top-k
 choice is made from them here as each family's HF code makes it, so the engine's ids
 and weights are checked against the family's own semantics, not against actbus's.
 """
@@ -23,21 +23,68 @@ def _grouped(scores: torch.Tensor, groups: int, topk_group: int) -> torch.Tensor
     return scores.masked_fill(mask == 0, 0.0)
 
 
-def hf_routing(path: Path, token_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _router_modules(model) -> dict[int, torch.nn.Module]:
+    """Each MoE layer's router linear (``gate`` or ``router``: weight ``[experts, hidden]``),
+    by layer index. Read from the modules, not from ``output_router_logits``, which not
+    every transformers release returns for every family (DeepSeek-V2 in 5.17)."""
+    from tests.support.oracle import hf_layers
+
+    experts = _num_experts(model.config)
+    found = {}
+    for i, layer in enumerate(hf_layers(model)):
+        for name, mod in layer.named_modules():
+            w = getattr(mod, "weight", None)
+            if (
+                name.rsplit(".", 1)[-1] in ("gate", "router")
+                and isinstance(w, torch.Tensor)
+                and w.dim() == 2
+                and w.shape[0] == experts
+            ):
+                found[i] = mod
+                break
+    return found
+
+
+def _num_experts(c) -> int:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(c, key, None):
+            return int(getattr(c, key))
+    raise ValueError(f"{c.model_type}: no expert count in its config")
+
+
+def hf_routing(
+    path: Path,
+    token_ids: list[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per MoE layer (by its index in the model): ``(ids [n, k] int64, weights [n, k]
-    float32)``, ids ascending per row (the order within a top-k is no part of the
-    routing)."""
-    model = hf_model(str(path))
-    c = model.config
+    float32)`` on the CPU, ids ascending per row (the order within a top-k is no part of
+    the routing)."""
+    model = hf_model(str(path), dtype, device)
+    c = model.config.get_text_config()
+    routers = _router_modules(model)
+    logits_of: dict[int, torch.Tensor] = {}
+    handles = [
+        mod.register_forward_pre_hook(
+            lambda m, args, i=i: logits_of.__setitem__(
+                i, torch.nn.functional.linear(args[0], m.weight, getattr(m, "bias", None))
+            )
+        )
+        for i, mod in routers.items()
+    ]
     with torch.no_grad():
-        out = model(torch.tensor([token_ids]), output_router_logits=True)
-    k = c.num_experts_per_tok
-    # HF records only the MoE layers' logits: DeepSeek's first dense layers have none.
+        model(torch.tensor([token_ids], device=device))
+    for h in handles:
+        h.remove()
+    # DeepSeek's first layers are dense: no router there.
     first = getattr(c, "first_k_dense_replace", 0) or 0
-    assert first + len(out.router_logits) == c.num_hidden_layers, "MoE layers not the last ones"
+    assert sorted(logits_of) == list(range(first, c.num_hidden_layers)), sorted(logits_of)
+    k = c.num_experts_per_tok
     res = {}
-    for layer, logits in enumerate(out.router_logits, start=first):
-        logits = logits.reshape(len(token_ids), -1).float()
+    for layer in sorted(logits_of):
+        logits = logits_of[layer].reshape(len(token_ids), -1).float().cpu()
         if c.model_type == "gpt_oss":  # top-k of the logits, then softmax over them
             vals, ids = logits.topk(k, dim=-1)
             weights = vals.softmax(dim=-1)
