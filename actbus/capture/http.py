@@ -34,15 +34,17 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actbus.capture.calls import HttpCall
 from actbus.capture.returns import Activations, _expected_rows
 from actbus.capture.selection import Selection
 from actbus.errors import ConfigError
 from actbus.streams import point_key
+
+if TYPE_CHECKING:  # the call's module lets go of its reservations here
+    from actbus.capture.calls import HttpCall
 
 WHERE = "extra_args.actbus.return"
 FETCH = "fetch"
