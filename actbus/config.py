@@ -133,9 +133,9 @@ class CaptureConfig:
     queued; a call asking more is refused (HTTP 400) naming this key
     (``actbus.capture.http``)."""
     http_return_max_server_mb: float = 2048.0
-    """Rows the server holds for HTTP callers at once, in MiB: those reserved by requests
-    in flight plus those waiting to be fetched; a request beyond it is refused, naming
-    this key."""
+    """Rows the server holds for HTTP callers at once, in MiB: those reserved by calls
+    in flight (until their responses are sent) plus those waiting to be fetched; a
+    request beyond it is refused, naming this key."""
     http_return_fetch_client_mb: float = 512.0
     """Rows one client (its address) may have kept, or on their way, for fetching at
     once, in MiB; a ``"fetch"`` request beyond it is refused, naming this key."""
