@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from actbus.capture import calls
 from actbus.capture.http import Ticket, parse_return, row_bytes
 from actbus.capture.http import for_config as http_for_config
 from actbus.capture.selection import Selection, parse_selection
@@ -350,7 +351,7 @@ class _Frontend:
             self.row_bytes = row_bytes(mc.get_hidden_size(), mc.dtype)
         n = int(getattr(sp, "n", 1) or 1)
         return http_for_config(self.cfg).admit(
-            sel, _prompt_len(request), sp.max_tokens, n, self.row_bytes, fetch
+            sel, _prompt_len(request), sp.max_tokens, n, self.row_bytes, fetch, calls.CURRENT.get()
         )
 
 
@@ -537,7 +538,7 @@ def _wrap_abort(orig):
                 returns.forget(gone)
         bounds = sys.modules.get("actbus.capture.http")
         if bounds is not None and bounds.current() is not None:
-            bounds.current().done(gone)
+            bounds.current().done(gone, aborted=True)
         return out
 
     return abort_requests
@@ -550,6 +551,7 @@ def _wrap_completion_output(orig):
         from actbus.capture.returns import collector_for
 
         collector = collector_for(self.request_id)  # vLLM's own id of this sample
+        aborted = str(finish_reason) == "abort"
         if collector is not None:
             from vllm.sampling_params import RequestOutputKind
 
@@ -559,15 +561,19 @@ def _wrap_completion_output(orig):
                 self.detokenizer.num_output_tokens(),
                 final=finish_reason is not None,
                 delta=self.output_kind == RequestOutputKind.DELTA,
-                # Ended here (abort, stop string): the engine hears of it after this.
-                ends_follow=str(finish_reason) != "abort" and not isinstance(stop_reason, str),
+                # Ended here (stop string): the engine hears of it after this.
+                ends_follow=not isinstance(stop_reason, str),
+                # An abort (a client gone, perhaps while queued) waits for nothing: this
+                # runs on the server's event loop, and the engine hears of it after.
+                wait=not aborted,
             )
             bounds = sys.modules.get("actbus.capture.http")
             http = bounds.current() if bounds is not None else None
             if http is not None:
-                out.actbus_fetch = http.wants_fetch(self.request_id)
+                # The sample's id, for its rows to take its reservation's place when kept.
+                out.actbus_fetch = http.wants_fetch(self.request_id) and self.request_id
                 if finish_reason is not None:
-                    http.done([self.request_id])
+                    http.done([self.request_id], aborted=aborted)
         scores = sys.modules.get("actbus.monitor.returns")
         col = scores.collector_for(self.request_id) if scores is not None else None
         if col is not None:
@@ -579,7 +585,7 @@ def _wrap_completion_output(orig):
                 self.detokenizer.num_output_tokens(),
                 final=finish_reason is not None,
                 delta=self.output_kind == RequestOutputKind.DELTA,
-                wait=str(finish_reason) != "abort",  # aborted: nobody waits for the rest
+                wait=not aborted,  # aborted: nobody waits for the rest
             )
         return out
 
