@@ -74,6 +74,7 @@ def server(tiny_models, tmp_path_factory):
         # The server's paths are under test, not the compiled graph (the session engines
         # capture with torch.compile on): eager starts in half the time on CPU.
         "--enforce-eager", "--actbus-admin-key", ADMIN,
+        "--enable-scale-out",  # vLLM's /inference/v1/generate: another HTTP route in
         "--actbus-config", json.dumps({
             "steer": {"layers": [1, 2], "hooks": ["post_block"], "vector_dirs": [str(vectors)]},
             "monitor": {"monitors": server_monitors(tiny_models["llama"])},
@@ -523,6 +524,17 @@ def test_a_client_gone_while_queued_never_holds_up_the_server(server):
     assert took[-1] < 1.0 and took[len(took) // 2] < 0.1, took[-5:]
     assert done == [200] * 8
     assert _neighbour(server) == before
+
+
+def test_scale_out_generate_is_an_http_caller(server):
+    """``/inference/v1/generate`` (``--enable-scale-out``) takes sampling parameters, its
+    ``extra_args`` a mapping, from the peer: an HTTP caller's, bounded like any other."""
+    sp = {"max_tokens": 400, "extra_args": {"actbus": {"return": True}}}
+    body = {"model": str(server.model), "token_ids": list(range(3, 13)), "sampling_params": sp}
+    case = Case("scale-out", "POST", "/inference/v1/generate", json.dumps(body).encode())
+    status, text = _send(server, case)
+    assert status == 400 and "http_return_max_request_mb (0.6 MiB)" in text, (status, text[:300])
+    _healthy(server)
 
 
 def test_inspect_eval_reads_activations_and_scores(server, tmp_path):
