@@ -53,7 +53,7 @@ import torch
 from actbus.bus.accounting import LatencyWindow, SubCounters
 from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import Clock, Policy, policy_of
-from actbus.bus.protocol import Subscription
+from actbus.bus.protocol import Subscription, frame_limit
 from actbus.bus.spill import SpillLog
 from actbus.wire import (
     DATA,
@@ -159,6 +159,7 @@ class Route:
         # until acknowledged (a block is reused only once nothing refers to it).
         self.reading: deque[tuple[int, torch.Tensor]] = deque()
         self.share: Share | None = None  # set: the shared-memory path (a local subscriber)
+        self.pidfd: int | None = None  # its process, on the shared-memory path (leases.py)
         self.shm_fallback = 0  # messages it got over the socket: no room in the region
         self.inflight_bytes = 0
         self.spill: SpillLog | None = None
@@ -179,6 +180,7 @@ class Route:
 
     def _subscribe(self, sub: Subscription, policy: Policy) -> None:
         self.sub, self.policy = sub, policy
+        self.max_frame = frame_limit(sub.window_bytes)  # what its socket accepts
         self.unit = f"g:{sub.group}" if sub.group else self.ident.hex()
         self.variant_key = (
             repr((sorted((sub.match or {}).items()), sub.returned_only))
@@ -186,15 +188,20 @@ class Route:
             else None
         )
 
-    def resubscribe(self, sub: Subscription, policy: Policy, now: float) -> None:
+    def resubscribe(
+        self, sub: Subscription, policy: Policy, now: float, viewing: frozenset[int] | None
+    ) -> None:
         """The same subscriber said HELLO again (it thought the publisher went quiet):
         keep its queue and numbering, so nothing is lost or renumbered; its credit
-        starts afresh. A policy that did not change keeps its state."""
+        starts afresh. A policy that did not change keeps its state. The region blocks
+        of the messages it still views (``viewing``; None: it does not say) stay held
+        until acknowledged."""
         self._subscribe(sub, self.policy if dict(policy) == dict(self.policy) else policy)
         self.last_seen = now
         self.inflight.clear()
         self.inflight_bytes = 0
-        self.reading.clear()
+        if viewing is not None:
+            self.reading = deque(x for x in self.reading if x[0] in viewing)
 
     # -------------------------------------------------------------- accounting
     @property
@@ -344,6 +351,9 @@ class Route:
                         frames = [self.ident, REGION, pack_seq(seq, self.proof(seq))]
                         frames += [m.header_bytes, desc]
                 if held is None:
+                    if self._oversized(nbytes):
+                        pending.popleft()
+                        continue
                     frames = [
                         self.ident,
                         DATA,
@@ -356,6 +366,9 @@ class Route:
                 nbytes, step, seq = rec.payload_len, rec.step, rec.seq
                 if not self.may_send(nbytes):
                     return
+                if self._oversized(nbytes):
+                    self.spill.discard()
+                    continue
                 try:
                     header_bytes, payload = self.spill.read_head()
                 except OSError as e:
@@ -384,6 +397,24 @@ class Route:
             self.inflight_bytes += nbytes
             self.c.sent += 1
             self.c.bytes_sent += nbytes
+
+    def _oversized(self, nbytes: int) -> bool:
+        """A message above what its socket accepts (``frame_limit``: sent, it would
+        only close the connection) is dropped and counted, never sent; the first
+        warned about, naming the fix."""
+        if nbytes <= self.max_frame:
+            return False
+        if not self.c.dropped["oversized"]:
+            log.warning(
+                "actbus: a %d-byte message is above what subscriber %r accepts on its "
+                "socket (%d bytes: its window_bytes); dropped and counted as oversized: "
+                "give it a larger --window-mb",
+                nbytes,
+                self.sub.name[:64],
+                self.max_frame,
+            )
+        self.c.dropped["oversized"] += 1
+        return True
 
     def close(self, reason: str) -> int:
         """It is gone: what waited for it is dropped (counted under ``reason``), its
@@ -512,12 +543,19 @@ class Router:
         return max(self.routed_step, self.skipped_step)
 
     # ------------------------------------------------------------- subscribers
-    def subscribe(self, ident: bytes, sub: Subscription, now: float) -> tuple[Route, bool]:
-        """Add a subscriber, or renew one that said HELLO again; True if new."""
+    def subscribe(
+        self,
+        ident: bytes,
+        sub: Subscription,
+        now: float,
+        viewing: frozenset[int] | None = frozenset(),
+    ) -> tuple[Route, bool]:
+        """Add a subscriber, or renew one that said HELLO again; True if new.
+        ``viewing``: the messages it still views (``Route.resubscribe``)."""
         policy = policy_of(sub, clock=self._clock)
         route = self.routes.get(ident)
         if route is not None:
-            route.resubscribe(sub, policy, now)
+            route.resubscribe(sub, policy, now, viewing)
             self.snapshot = tuple(self.routes.values())  # what it wants may have changed
             return route, False
         route = self.routes[ident] = Route(
