@@ -55,6 +55,7 @@ import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from actbus.bus.farewell import held
 from actbus.bus.leases import Retired, open_pidfd, parse_pid, parse_viewing
 from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.protocol import MAX_VIEWING, MAX_WINDOW, Subscription
@@ -165,6 +166,12 @@ class Publisher:
         self._sock.setsockopt(zmq.RCVHWM, PEER_INBOX)
         try:
             self._auth.apply(self._ctx, self._sock)  # CURVE + authenticator, before bind
+            # libzmq replaces an ipc path's socket file when it binds: a stale one (its
+            # publisher killed) is meant to go, a live publisher's is not.
+            if address.startswith("ipc://") and held(address):
+                raise zmq.ZMQError(
+                    zmq.EADDRINUSE, "a live process accepts connections there already"
+                )
             self._sock.bind(address)
         except zmq.ZMQError as e:
             self._sock.close()

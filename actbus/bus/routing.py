@@ -38,7 +38,6 @@ import hashlib
 import logging
 import math
 import os
-import shutil
 import tempfile
 import time
 import weakref
@@ -54,7 +53,7 @@ from actbus.bus.accounting import LatencyWindow, SubCounters
 from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import Clock, Policy, policy_of
 from actbus.bus.protocol import Subscription, frame_limit
-from actbus.bus.spill import SpillLog
+from actbus.bus.spill import SpillLog, SpillRoot, sweep
 from actbus.wire import (
     DATA,
     PROOF_BYTES,
@@ -521,7 +520,7 @@ class Router:
         self._send = send
         self._clock = clock
         self._spill_parent = spill_dir
-        self._spill_root: Path | None = None
+        self._spill_root: SpillRoot | None = None
         self.routes: dict[bytes, Route] = {}
         self.snapshot: tuple[Route, ...] = ()
         # Per snapshot: the subscribers that want each (layer, hook), so what a message
@@ -532,6 +531,10 @@ class Router:
         )
         self.latency = LatencyWindow()
         self.counters: Counter[str] = Counter()  # publisher thread
+        # What publishers killed before this one left (its own is made when first used).
+        self.counters["stale_spills_removed"] = sweep(
+            Path(spill_dir if spill_dir is not None else tempfile.gettempdir())
+        )
         self.engine_counts: Counter[str] = Counter()  # engine thread only
         self.routed_step = -1  # by the publisher thread
         self.joined = 0  # subscribers ever added: the next one's serial
@@ -596,13 +599,12 @@ class Router:
             if route.spill is not None:
                 route.spill.close()
         if self._spill_root is not None:
-            shutil.rmtree(self._spill_root, ignore_errors=True)
+            self._spill_root.close()
 
     def _spill_dir(self) -> Path:
         if self._spill_root is None:
-            root = tempfile.mkdtemp(prefix="actbus-spill-", dir=self._spill_parent)
-            self._spill_root = Path(root)
-        return self._spill_root
+            self._spill_root = SpillRoot(self._spill_parent)
+        return self._spill_root.path
 
     # -------------------------------------------------------------- admission
     def admit(
