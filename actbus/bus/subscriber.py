@@ -50,9 +50,9 @@ import zmq
 from actbus.bus.protocol import (
     MAX_VIEWING,
     MAX_WINDOW,
-    RECV_QUEUE,
     Subscription,
     frame_limit,
+    recv_queue,
 )
 from actbus.bus.security import ClientAuth
 from actbus.bus.shm import Mapping, ShmError, host_facts, wanted_by_default
@@ -423,9 +423,9 @@ class Subscriber:
         sock.setsockopt(zmq.ROUTING_ID, ident)
         sock.setsockopt(zmq.LINGER, 0)
         # Credit holds on arrival: a publisher sending past it is held at its own
-        # queue (ours holds RECV_QUEUE messages), a frame above our limit closes the
+        # queue (ours holds recv_queue messages), a frame above our limit closes the
         # connection unread (protocol.frame_limit).
-        sock.setsockopt(zmq.RCVHWM, RECV_QUEUE)
+        sock.setsockopt(zmq.RCVHWM, recv_queue(self.subscription.window))
         sock.setsockopt(zmq.MAXMSGSIZE, frame_limit(self.subscription.window_bytes))
         self._auth.apply(sock, watch=ident == self._ident)
         sock.connect(self.address)

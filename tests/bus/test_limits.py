@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from actbus.bus import Batch, Event, Publisher, Subscriber, Subscription, SubscriptionRejected
-from actbus.bus.protocol import MAX_MATCH_BYTES, parse_match
+from actbus.bus.protocol import MAX_MATCH_BYTES, parse_match, recv_queue
 from actbus.bus.publisher import PEER_QUEUE, STATS_INTERVAL_S
 from actbus.bus.statsview import stats_subscription
 from actbus.config import CaptureConfig
@@ -333,10 +333,10 @@ def test_a_subscriber_dropped_and_let_in_again_takes_the_new_numbering(address):
 
 def test_a_publisher_flooding_past_credit_is_held_at_its_own_queue(address):
     """A hostile publisher sends ``actbus stats``'s subscriber (no layers: no data,
-    one message of credit) 1 MiB messages as fast as it can while it does not read:
-    the subscriber's socket takes a few and no more (the flood waits in the hostile
-    side's queue, not in the subscriber's memory); what it did take is refused as
-    unsolicited, counted, and never yielded."""
+    one message of credit) 64 KiB messages as fast as it can while it does not read:
+    the subscriber's socket takes its credit and room for session messages and no more
+    (the flood waits in the hostile side's queue, not in the subscriber's memory);
+    what it did take is refused as unsolicited, counted, and never yielded."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -350,16 +350,18 @@ def test_a_publisher_flooding_past_credit_is_held_at_its_own_queue(address):
         assert tag == HELLO
         welcome = {"schema": SCHEMA_VERSION, "publisher_id": "hostile", "heartbeat_s": 60.0}
         router.send_multipart([ident, WELCOME, msgpack.packb(welcome)])
-        header, _ = message(0, rows=256)  # 256 x 1024 float32: 1 MiB
+        header, _ = message(0, rows=16)  # 16 x 1024 float32: 64 KiB
         payload = bytes(header.nbytes)
         sent = 0
         with contextlib.suppress(zmq.Again):
-            for seq in range(200):
+            for seq in range(2000):
                 router.send_multipart(
                     [ident, DATA, pack_seq(seq, b"p" * 8), header.encode(), payload]
                 )
                 sent += 1
-        assert sent < 64, f"{sent} MiB taken past a credit of one message"
+        # Its receive queue, the hostile side's 4 and what the kernel buffers: no more.
+        room = recv_queue(stats_subscription().window)
+        assert sent < room + 64, f"{sent} messages taken past a credit of one"
         got = [sub.recv(timeout=0.2) for _ in range(sent + 2)]
         assert not any(isinstance(b, Batch) for b in got)
         assert sub.stats.rejected_by.get("unsolicited", 0) >= 1
