@@ -854,8 +854,8 @@ class Publisher:
         The region blocks it was sent are retired, not freed (``leases.py``): it may
         still view them (all, or those its BYE names in ``viewing``)."""
         if s.pidfd is not None:
-            held = [(seq, t) for seq, t in s.reading if viewing is None or seq in viewing]
-            self._retired.retire(s.ident, s.pidfd, held)
+            kept = [(seq, t) for seq, t in s.reading if viewing is None or seq in viewing]
+            self._retired.retire(s.ident, s.pidfd, kept)
             s.pidfd = None
         unacked = s.close(reason)
         with self._cond:

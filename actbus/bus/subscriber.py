@@ -666,11 +666,15 @@ class Subscriber:
                 # Forgotten (timed out, or not reading): the next WELCOME is a new session.
                 if self.welcome is not None:
                     self.stats.evicted += 1
-                    log.warning(
-                        "the publisher at %s had dropped this subscriber (it was silent "
-                        "or not reading); subscribing again, what was sent meanwhile is lost",
-                        self.address,
-                    )
+                    n = self.stats.evicted
+                    if n & (n - 1) == 0:  # 1, 2, 4...: a publisher cannot flood the log
+                        log.warning(
+                            "the publisher at %s had dropped this subscriber (it was silent "
+                            "or not reading; %d times so far); subscribing again, what was "
+                            "sent meanwhile is lost",
+                            self.address,
+                            n,
+                        )
                 self.welcome = None
                 if self._held:  # their blocks are the publisher's again once we say so
                     self._copy_out(everything=True)
