@@ -369,3 +369,22 @@ def test_a_filtered_subscriber_is_not_offered_the_region(publisher, address):
     finally:
         only.close()
         every.close()
+
+
+def test_a_view_kept_past_close_is_never_reused(publisher, address):
+    """A consumer that keeps a view of its own (a row) past ``close``: the BYE says the
+    subscriber still views that message, so its block is retired, not reused; the
+    engine's next copies land elsewhere."""
+    sub = Subscriber(address, Subscription(window=4, name="closer"))
+    sub.wait_welcome(10)
+    publisher.publish(*message(1))
+    (batch,) = recv_batches(sub, 1)
+    row = batch.tensor[0]  # a view of its own: close cannot copy it out
+    del batch
+    sub.close()
+    wait_for(lambda: "closer" not in publisher.stats()["subscribers"], 10, "it left")
+    fills = []
+    while (t := publisher.host_tensor((4, 1024), torch.float32)) is not None:
+        fills.append(t.fill_(158.0))
+    assert fills and bool((row == 1.0).all())
+    assert publisher.stats()["shm"]["retired_blocks"] == 1
