@@ -625,7 +625,7 @@ class Publisher:
             self._send_session(ident, REJECT, {"reason": why})
             return
         with self._cond:
-            s, new = self._router.subscribe(ident, sub, now, viewing)
+            s, new = self._router.subscribe(ident, sub, now)
         if new:  # blocks it was sent before it was dropped: those it no longer views go
             self._retired.settle(ident, viewing)
         # A filtered subscriber reads from the socket: the region holds every

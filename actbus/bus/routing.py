@@ -187,20 +187,16 @@ class Route:
             else None
         )
 
-    def resubscribe(
-        self, sub: Subscription, policy: Policy, now: float, viewing: frozenset[int] | None
-    ) -> None:
+    def resubscribe(self, sub: Subscription, policy: Policy, now: float) -> None:
         """The same subscriber said HELLO again (it thought the publisher went quiet):
         keep its queue and numbering, so nothing is lost or renumbered; its credit
         starts afresh. A policy that did not change keeps its state. The region blocks
-        of the messages it still views (``viewing``; None: it does not say) stay held
-        until acknowledged."""
+        of what it was sent stay held (``reading``) until it acknowledges them in that
+        numbering: some may still be on their way to it, or viewed."""
         self._subscribe(sub, self.policy if dict(policy) == dict(self.policy) else policy)
         self.last_seen = now
         self.inflight.clear()
         self.inflight_bytes = 0
-        if viewing is not None:
-            self.reading = deque(x for x in self.reading if x[0] in viewing)
 
     # -------------------------------------------------------------- accounting
     @property
@@ -546,19 +542,12 @@ class Router:
         return max(self.routed_step, self.skipped_step)
 
     # ------------------------------------------------------------- subscribers
-    def subscribe(
-        self,
-        ident: bytes,
-        sub: Subscription,
-        now: float,
-        viewing: frozenset[int] | None = frozenset(),
-    ) -> tuple[Route, bool]:
-        """Add a subscriber, or renew one that said HELLO again; True if new.
-        ``viewing``: the messages it still views (``Route.resubscribe``)."""
+    def subscribe(self, ident: bytes, sub: Subscription, now: float) -> tuple[Route, bool]:
+        """Add a subscriber, or renew one that said HELLO again; True if new."""
         policy = policy_of(sub, clock=self._clock)
         route = self.routes.get(ident)
         if route is not None:
-            route.resubscribe(sub, policy, now, viewing)
+            route.resubscribe(sub, policy, now)
             self.snapshot = tuple(self.routes.values())  # what it wants may have changed
             return route, False
         route = self.routes[ident] = Route(

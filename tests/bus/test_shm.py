@@ -17,7 +17,7 @@ import zmq
 
 from actbus.bus import Batch, Publisher, Subscriber, Subscription
 from actbus.bus.routing import PENDING_LIMIT
-from actbus.bus.shm import DESCRIPTOR, HEADER_BYTES, Region, host_facts
+from actbus.bus.shm import DESCRIPTOR, HEADER_BYTES, Mapping, Region, host_facts
 from actbus.wire import (
     CREDIT,
     HELLO,
@@ -388,3 +388,39 @@ def test_a_view_kept_past_close_is_never_reused(publisher, address):
         fills.append(t.fill_(158.0))
     assert fills and bool((row == 1.0).all())
     assert publisher.stats()["shm"]["retired_blocks"] == 1
+
+
+def test_a_second_hello_keeps_the_blocks_of_what_was_sent(publisher, address):
+    """A subscriber says HELLO again (it thought the publisher went quiet) while it
+    views a message it has not acknowledged: its credit starts afresh, but the block
+    stays held until it acknowledges that message; the engine's next copies land
+    elsewhere."""
+    ctx = zmq.Context()
+    peer = _dealer(ctx, address)
+    hello = pack_map(
+        {
+            "schema": SCHEMA_VERSION,
+            "window": 4,
+            "name": "again",
+            "shm": {**host_facts(), "pid": os.getpid()},
+        }
+    )
+    try:
+        peer.send_multipart([HELLO, hello])
+        tag, body = peer.recv_multipart()
+        assert tag == WELCOME
+        mapping = Mapping.attach(msgpack.unpackb(body)["shm"])
+        publisher.publish(*message(1))
+        while (frames := peer.recv_multipart())[0] != REGION:
+            pass
+        rows, _ = mapping.tensor(frames[3], Header.decode(frames[2]))
+        peer.send_multipart([HELLO, hello])  # the same identity: a second HELLO
+        while peer.recv_multipart()[0] != WELCOME:
+            pass
+        fills = []
+        while (t := publisher.host_tensor((4, 1024), torch.float32)) is not None:
+            fills.append(t.fill_(158.0))
+        assert fills and bool((rows == 1.0).all())
+    finally:
+        peer.close()
+        ctx.term()
