@@ -10,13 +10,12 @@ which grew with the number of such connections.
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.support.procs import actbus_serve, wait_for
-from tests.support.rawhttp import api_server, post_unread, status_of
+from tests.support.rawhttp import api_server, post_unread, returns_stats, status_of
 
 pytestmark = pytest.mark.engine
 MIB = 1 << 20
@@ -40,11 +39,6 @@ def server(tiny_models, tmp_path_factory):
     ]  # fmt: skip
     with actbus_serve(model, tmp / "server.log", *args) as (base, proc):
         yield base, proc, model
-
-
-def _stats(base: str) -> dict:
-    with urllib.request.urlopen(f"{base}/v1/actbus/returns", timeout=30) as r:
-        return json.loads(r.read())
 
 
 def test_unread_return_responses_hold_no_more_than_the_server_cap(server):
@@ -73,13 +67,13 @@ def test_unread_return_responses_hold_no_more_than_the_server_cap(server):
         grown = api.memory_info().rss - rss0
         sent = statuses.count(200)
         assert grown <= (SERVER_MB + 50) * MIB, f"grew {grown / MIB:.0f} MiB; {sent} answered"
-        stats = _stats(base)
+        stats = returns_stats(base)
     finally:
         for s in socks:
             s.close()
     assert sent + statuses.count(400) == 100, statuses
     assert sent == 3 and stats["refused"]["server"] == 100 - sent, stats
-    wait_for(lambda: _stats(base)["held_bytes"] == 0, 60, "the reservations to go")
+    wait_for(lambda: returns_stats(base)["held_bytes"] == 0, 60, "the reservations to go")
     wait_for(lambda: api.memory_info().rss - rss0 <= 50 * MIB, 60, "the memory to go back")
     read = post_unread(base, "/v1/completions", body)
     assert status_of(read, 120) == 200

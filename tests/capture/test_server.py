@@ -31,7 +31,7 @@ from tests.capture.hostile_http import OUTSIDE, Case, corpus, number_cases
 from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.procs import ROOT, actbus_serve, wait_for
-from tests.support.rawhttp import metric
+from tests.support.rawhttp import metric, returns_stats
 from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
@@ -415,13 +415,6 @@ def _client_at(server, source: str):
     return openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", max_retries=0, http_client=http)
 
 
-def _returns_stats(server) -> dict:
-    """``GET /v1/actbus/returns``: what the server holds for HTTP callers, and what it
-    refused or dropped."""
-    with urllib.request.urlopen(f"{server.base}/v1/actbus/returns", timeout=30) as r:
-        return json.loads(r.read())
-
-
 def test_one_client_cannot_starve_the_others_of_the_fetch_store(server):
     """Issue 45, 7: rows kept for fetching are shared out by client. One client that
     keeps its share (``http_return_fetch_client_mb``) unfetched is refused more, with
@@ -445,12 +438,12 @@ def test_one_client_cannot_starve_the_others_of_the_fetch_store(server):
     r = other.completions.create(model=model, prompt=list(range(3, 13)), max_tokens=220,
                                  extra_body=ask)  # fmt: skip
     kept.append(_extra(r.choices[0])["activations"]["fetch"])
-    stats = _returns_stats(server)
+    stats = returns_stats(server.base)
     assert stats["refused"]["client"] == 1, stats
     assert set(stats["stored_by_client"]) == {"127.0.0.5", "127.0.0.6"}, stats
     for path in kept:
         assert fetch(server.base, path).complete is True
-    assert _returns_stats(server)["held_bytes"] == 0
+    assert returns_stats(server.base)["held_bytes"] == 0
 
 
 def test_one_http_call_is_held_to_the_request_cap_over_its_prompts(server):
@@ -477,7 +470,9 @@ def test_one_http_call_is_held_to_the_request_cap_over_its_prompts(server):
     assert sorted(back) == [0, 1]
     for got in back.values():
         assert got.complete is True and got.positions.tolist() == list(range(109))
-    wait_for(lambda: _returns_stats(server)["held_bytes"] == 0, 30, "the call's reservations to go")
+    wait_for(
+        lambda: returns_stats(server.base)["held_bytes"] == 0, 30, "the call's reservations to go"
+    )
 
 
 def test_a_client_gone_while_queued_never_holds_up_the_server(server):

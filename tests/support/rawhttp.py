@@ -1,6 +1,7 @@
 """HTTP clients as hostile peers behave, on real sockets: ones that send a request and
 never read the answer, from a loopback address of their choosing (a client of its own
-to the server); and what the server process holds meanwhile."""
+to the server); and what the server process holds meanwhile (its memory, its metrics,
+its counts of returned rows)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,10 @@ def metric(base: str, name: str) -> float:
         for line in text.splitlines()
         if line.startswith(name + "{") or line.startswith(name + " ")
     )
+
+
+def returns_stats(base: str) -> dict:
+    """``GET /v1/actbus/returns``: what the server holds for HTTP callers, and what it
+    refused or dropped."""
+    with urllib.request.urlopen(f"{base}/v1/actbus/returns", timeout=30) as r:
+        return json.loads(r.read())
