@@ -128,13 +128,17 @@ class CaptureConfig:
     max_subscribers: int = 256
     """Subscribers at once; one more is refused, naming this key."""
     http_return_max_request_mb: float = 256.0
-    """Rows one HTTP request (all its samples) may ask back with ``"return"``, in MiB,
-    counted from its prompt, ``max_tokens`` and selection before it is queued; a request
-    asking more is refused (HTTP 400) naming this key (``actbus.capture.http``)."""
+    """Rows one HTTP call (all its prompts and samples) may ask back with ``"return"``,
+    in MiB, counted from its prompts, ``max_tokens`` and selection before they are
+    queued; a call asking more is refused (HTTP 400) naming this key
+    (``actbus.capture.http``)."""
     http_return_max_server_mb: float = 2048.0
-    """Rows the server holds for HTTP callers at once, in MiB: those reserved by requests
-    in flight plus those waiting to be fetched; a request beyond it is refused, naming
-    this key."""
+    """Rows the server holds for HTTP callers at once, in MiB: those reserved by calls
+    in flight (until their responses are sent) plus those waiting to be fetched; a
+    request beyond it is refused, naming this key."""
+    http_return_fetch_client_mb: float = 512.0
+    """Rows one client (its address) may have kept, or on their way, for fetching at
+    once, in MiB; a ``"fetch"`` request beyond it is refused, naming this key."""
     http_return_fetch_ttl_s: float = 300.0
     """How long rows kept for ``GET /v1/actbus/returns/ID`` wait to be fetched (once)."""
     shm_mb: float = 1024.0
@@ -205,6 +209,7 @@ class CaptureConfig:
             ("max_subscribers", int, 1, "an integer >= 1"),
             ("http_return_max_request_mb", (int, float), 0.001, "MiB >= 0.001"),
             ("http_return_max_server_mb", (int, float), 0.001, "MiB >= 0.001"),
+            ("http_return_fetch_client_mb", (int, float), 0.001, "MiB >= 0.001"),
             ("http_return_fetch_ttl_s", (int, float), 1.0, "seconds >= 1"),
             ("shm_mb", (int, float), 0, "MiB >= 0 (0: no shared memory)"),
         ):

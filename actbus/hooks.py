@@ -44,6 +44,8 @@ ENTRY_POINTS = "actbus.hooks"
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 MAX_HOOKS = 16
 """Hooks one request may carry."""
+HOOK_KEYS = ("name", "layer", "point")
+"""The keys of a hook selected by name."""
 
 
 @dataclass
@@ -118,6 +120,12 @@ def take_hooks(
                 )
             layer, point, item = h.layer, h.point, ["obj", None]
         elif isinstance(h, dict):
+            extra = sorted(str(k) for k in h if k not in HOOK_KEYS)
+            if extra:
+                raise ConfigError(
+                    f"{w}.{extra[0]:.40}: unknown key; a hook names "
+                    f"{', '.join(HOOK_KEYS)} (and nothing else)"
+                )
             name = h.get("name")
             if name not in cfg.named:
                 raise ConfigError(
@@ -133,6 +141,36 @@ def take_hooks(
             raise ConfigError(f"{w}.point: expected one of the hookable points {list(cfg.points)}")
         out.append([*item, layer, point, h])
     return (raw or None), out
+
+
+def resolve_named(names: tuple[str, ...], where: str = "actbus.user_hooks.named") -> dict:
+    """Each named hook's callable, loaded from the installed entry points of group
+    ``actbus.hooks`` in one scan, at start: a name not installed fails the start
+    (the engine step never searches for one)."""
+    if not names:
+        return {}
+    from importlib.metadata import entry_points
+
+    found: dict[str, Any] = {}
+    for e in entry_points(group=ENTRY_POINTS):
+        found.setdefault(e.name, e)
+    missing = [n for n in names if n not in found]
+    if missing:
+        have = sorted(found)[:20] or "none"
+        raise ConfigError(
+            f"{where}: {missing} not installed as entry points of group {ENTRY_POINTS!r} "
+            f"(installed: {have}); install the package that provides them or drop the names"
+        )
+    out = {}
+    for n in names:
+        try:
+            fn = found[n].load()
+        except Exception as e:
+            raise ConfigError(f"{where}: hook {n!r} does not load ({type(e).__name__}: {e})") from e
+        if not callable(fn):
+            raise ConfigError(f"{where}: hook {n!r} ({found[n].value}) is not callable")
+        out[n] = fn
+    return out
 
 
 def to_wire(hooks: list, caller_id: str) -> list:
@@ -184,11 +222,15 @@ class HookRunner:
 
     current: HookRunner | None = None
 
-    def __init__(self, model: nn.Module, gather=None) -> None:
+    def __init__(self, model: nn.Module, gather=None, named: dict | None = None) -> None:
+        """``named``: the engine's named hooks, resolved at start (``resolve_named``)."""
         self.model = model
         self.gather = gather
         self._reqs: dict[str, _Req] = {}
-        self._named: dict[str, Callable] = {}
+        self._named: dict[str, Callable] = dict(named or {})
+        self.unknown = 0
+        """Hooks left out because their name was not resolved at start (the front end
+        refuses such names, so none; counted in case)."""
         self._layout: list[tuple[_Req, int, int, int]] = []  # req, lo, hi, first position
         HookRunner.current = self
 
@@ -212,21 +254,15 @@ class HookRunner:
                     tokens.append(name)
                     got.append((h.fn, int(layer), str(point), h.saved.setdefault(caller, {})))
                 else:
-                    fn = self._load(str(name))
-                    if fn is not None:
-                        got.append((fn, int(layer), str(point), {}))
+                    fn = self._named.get(str(name))
+                    if fn is None:
+                        self.unknown += 1
+                        log.error(
+                            "actbus: request %s: hook %s was not resolved at start", rid, name
+                        )
+                        continue
+                    got.append((fn, int(layer), str(point), {}))
             self._reqs[rid] = _Req(caller, got, tokens)
-
-    def _load(self, name: str) -> Callable | None:
-        if name not in self._named:
-            from importlib.metadata import entry_points
-
-            found = [e for e in entry_points(group=ENTRY_POINTS) if e.name == name]
-            if not found:
-                log.error("actbus: no installed hook %s (entry points %s)", name, ENTRY_POINTS)
-                return None
-            self._named[name] = found[0].load()
-        return self._named[name]
 
     def fill(self, req_ids: list[str], offsets, starts: dict[str, int]) -> None:
         self._layout = [

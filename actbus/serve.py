@@ -1,8 +1,8 @@
 """``actbus serve``: vLLM's OpenAI-compatible server with the publisher on.
 
-It turns capture flags into vLLM's ``--additional-config`` (and, with steering, adds
-the steering endpoints as vLLM ``--middleware``) and starts the server as vLLM itself
-would; every other argument goes to vLLM unchanged, and the config is
+It turns capture flags into vLLM's ``--additional-config``, adds actbus's endpoints
+and HTTP calls (``actbus.engine.routes``) as vLLM ``--middleware``, and starts the
+server as vLLM itself would; every other argument goes to vLLM unchanged, and the config is
 validated the same way as in ``LLM(...)`` before the engine starts.
 
 The server runs as a child process, in a process group of its own, and this one
@@ -92,11 +92,12 @@ def serve_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
     CaptureConfig.from_dict(cfg).check_data_parallel(of_args(vllm_args)[0])
     if any(a == "--additional-config" or a.startswith("--additional-config=") for a in vllm_args):
         raise ConfigError("--additional-config: actbus serve writes it; use --actbus-config")
-    # With steering on: the endpoints for named vectors and global steering
-    # (actbus.engine.routes), through vLLM's own --middleware flag.
-    steer = ["--middleware", "actbus.engine.routes.middleware"] if "steer" in cfg else []
+    # actbus's endpoints (actbus.engine.routes: fetching returned rows, and with steering
+    # on named vectors and global steering) and the HTTP calls that bound returned rows
+    # until they are sent, through vLLM's own --middleware flag.
+    routes = ["--middleware", "actbus.engine.routes.middleware"]
     if args.actbus_admin_key is not None:
-        if not steer:
+        if "steer" not in cfg:
             raise ConfigError(
                 "--actbus-admin-key: this server has no steering endpoints; add a 'steer' "
                 "entry to --actbus-config"
@@ -113,7 +114,7 @@ def serve_command(argv: list[str], env: dict[str, str] | None = None) -> list[st
         args.model,
         "--additional-config",
         json.dumps({"actbus": cfg}),
-        *steer,
+        *routes,
         *vllm_args,
     ]
 

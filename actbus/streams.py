@@ -54,11 +54,13 @@ def parse_layers(
     owner = f"model {model}" if model else "the model"
     for i, v in enumerate(raw):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"{where}[{i}]: expected a 0-based layer index (int >= 0), got {v!r}")
+            raise ConfigError(
+                f"{where}[{i}]: expected a 0-based layer index (int >= 0), got {show_int(v)}"
+            )
         if num_layers is not None and v >= num_layers:
             raise ConfigError(
-                f"{where}[{i}]: layer {v} is out of range; {owner} has {num_layers} decoder "
-                f"layers (valid: 0..{num_layers - 1})"
+                f"{where}[{i}]: layer {show_int(v)} is out of range; {owner} has "
+                f"{num_layers} decoder layers (valid: 0..{num_layers - 1})"
             )
         if tapped is not None and v not in tapped:
             raise ConfigError(

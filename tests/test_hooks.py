@@ -47,6 +47,71 @@ def test_who_may_pass_what():
         take_hooks({"user_hooks": [h]}, None, over_http=False, in_process=True)
 
 
+def test_a_hook_entry_with_an_unknown_key_is_refused():
+    cfg = HooksConfig.from_dict({"layers": [1], "named": ["mine"]})
+    for extra in ({"scale": 2.0}, {"args": {}}):
+        with pytest.raises(
+            ConfigError, match=rf"user_hooks\[0\]\.{next(iter(extra))}: unknown key"
+        ):
+            take_hooks(
+                {"user_hooks": [{"name": "mine", "layer": 1, **extra}]},
+                cfg,
+                over_http=True,
+                in_process=False,
+            )
+
+
+HOOK_SOURCE = "def halve(call):\n    return 0.5 * call.rows\n"
+
+
+def _install_hook(folder, name: str) -> None:
+    """A package providing hook ``name`` as an entry point of group actbus.hooks."""
+    (folder / "myhooks.py").write_text(HOOK_SOURCE)
+    info = folder / "myhooks-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: myhooks\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[actbus.hooks]\n{name} = myhooks:halve\n")
+
+
+def test_named_hooks_resolve_once_at_start(tmp_path, monkeypatch):
+    """Resolved from the installed entry points at start; a request's admission (in the
+    engine step) looks them up, never scanning again; a name not installed fails the
+    start, naming it."""
+    import importlib.metadata
+
+    from actbus.hooks import HookRunner, resolve_named
+
+    _install_hook(tmp_path, "halver")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"\['nowhere'\] not installed as entry points"):
+        resolve_named(("halver", "nowhere"))
+    named = resolve_named(("halver",))
+    runner = HookRunner(torch.nn.Linear(2, 2), named=named)
+
+    def scan(*a, **k):
+        raise AssertionError("entry points scanned inside the engine step")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", scan)
+    runner.admit([("r", 4, {"user_hooks": [["name", "halver", 1, "post_block"]]})], set())
+    target = torch.ones(4, 3)
+    runner.fill(["r"], [0, 4], {"r": 0})
+    runner.run(target, None, 1, "post_block")
+    assert torch.equal(target, torch.full((4, 3), 0.5))
+
+
+@pytest.mark.engine
+def test_an_engine_naming_a_hook_not_installed_does_not_start(tiny_models, tmp_path):
+    cfg = {"publish": f"ipc://{tmp_path}/bus.sock", "layers": [0], "requests": "selected"}
+    cfg["user_hooks"] = {"layers": [1], "named": ["nowhere"]}
+    try:
+        llm = start_in_process(tiny_models["llama"], cfg, max_model_len=256, max_num_seqs=2)
+    except ConfigError as e:
+        assert "actbus.user_hooks.named: ['nowhere'] not installed" in str(e)
+    else:
+        stop_llm(llm)
+        pytest.fail("an engine started with a named hook that is not installed")
+
+
 def _scale(layer: int, point: str, factor: float) -> HFScale:
     return HFScale(layer, point, torch.zeros(1), factor=factor)
 

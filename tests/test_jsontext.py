@@ -1,6 +1,7 @@
 """JSON text from a peer (a request's ``vllm_xargs`` entry, a steering endpoint's body):
-refused with the field named when too long (before parsing), not JSON, or too deep,
-never a RecursionError (an HTTP 500)."""
+refused with the field named when too long (before parsing), not JSON, too deep, a list
+too long or an integer past Python's digits, never a RecursionError or ValueError (an
+HTTP 500)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ from actbus.jsontext import MAX_DEPTH, parse_json_text
         ("{not json", "f: not valid JSON (Expecting property name"),
         (b"\xff\xfe", "f: not valid JSON"),
         ("x" * (5 << 20), "f: 5242880 bytes of JSON, more than the 4194304 allowed"),
+        # Issue 45: every list's length is checked before its items, named by its path.
+        ('{"positions": [' + "0," * 1_900_000 + "0]}", "f.positions: a list of 1900001 items"),
+        ('{"steer": [{"vector": [' + "1," * 70_000 + "1]}]}", "f.steer[0].vector: a list of"),
+        ('{"layers": [1, ' + "9" * 5000 + "]}", "f: an integer of 5000 digits at column 16"),
     ],
 )
 def test_hostile_json_text_is_a_named_error(text, needle):

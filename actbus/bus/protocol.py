@@ -37,8 +37,37 @@ __all__ = [
 MAX_WINDOW = 1024
 """Credit in messages a subscriber may ask for: the publisher's per-peer ZeroMQ queue
 holds this many data messages plus room for session messages (``publisher.py``)."""
+MAX_VIEWING = 4 * MAX_WINDOW
+"""Seqs a HELLO or BYE may name in ``viewing`` (messages whose rows a subscriber still
+views; one holding more names none, and all its blocks are kept)."""
 MAX_WINDOW_BYTES = 1 << 40
 """Credit in bytes the wire accepts; each publisher caps it lower (``max_window_mb``)."""
+MIN_FRAME_BYTES = 1 << 20
+"""The least a subscriber accepts in one frame: room for session messages (a STATS
+reply is about 300 bytes a subscriber) and for messages above a small byte window."""
+SESSION_ROOM = 256
+"""Session messages (heartbeats, marks, stats) a subscriber's socket holds unread
+beyond its credit: 128 s of heartbeats at the default period while its consumer is
+busy, after which the publisher's own queue for it fills, as before."""
+
+
+def recv_queue(window: int) -> int:
+    """Messages a subscriber's socket holds received and unread (its ZMQ_RCVHWM): its
+    credit and ``SESSION_ROOM``. What a publisher sends past that waits in the
+    publisher's queue for it (which drops a peer whose queue fills), never in the
+    subscriber's memory."""
+    return window + SESSION_ROOM
+
+
+def frame_limit(window_bytes: int) -> int:
+    """The largest frame a subscriber with this byte credit accepts (its
+    ZMQ_MAXMSGSIZE: a larger one closes the connection before it is allocated). The
+    publisher never sends one over it: such a message is dropped for that subscriber
+    and counted (``oversized``). So a publisher, hostile or not, costs a subscriber at
+    most ``recv_queue`` frames of this size, however far it floods past credit."""
+    return max(window_bytes, MIN_FRAME_BYTES)
+
+
 MAX_NAME = 200
 MAX_MATCH_KEYS = 64
 MAX_MATCH_BYTES = 8192

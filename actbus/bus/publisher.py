@@ -55,8 +55,10 @@ import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from actbus.bus.farewell import held
+from actbus.bus.leases import Retired, open_pidfd, parse_pid, parse_viewing
 from actbus.bus.outlet import Admission, TapOffer
-from actbus.bus.protocol import MAX_WINDOW, Subscription
+from actbus.bus.protocol import MAX_VIEWING, MAX_WINDOW, Subscription
 from actbus.bus.routing import Item, Route, Router
 from actbus.bus.security import ServerAuth
 from actbus.bus.shm import DEFAULT_SHM_MB, DESCRIPTOR, Region, ShmError, same_host
@@ -143,6 +145,7 @@ class Publisher:
         self._shm_bytes = int(shm_mb * (1 << 20))
         self._region: Region | None = None  # made by the publisher thread, read by any
         self._shm_failed = False
+        self._retired = Retired()  # blocks departed subscribers may still view
         self._heartbeat_s = heartbeat_s
         self._timeout_s = subscriber_timeout_s
         # Refuses a non-loopback bind without CURVE keys (ConfigError), before any socket.
@@ -163,6 +166,12 @@ class Publisher:
         self._sock.setsockopt(zmq.RCVHWM, PEER_INBOX)
         try:
             self._auth.apply(self._ctx, self._sock)  # CURVE + authenticator, before bind
+            # libzmq replaces an ipc path's socket file when it binds: a stale one (its
+            # publisher killed) is meant to go, a live publisher's is not.
+            if address.startswith("ipc://") and held(address):
+                raise zmq.ZMQError(
+                    zmq.EADDRINUSE, "a live process accepts connections there already"
+                )
             self._sock.bind(address)
         except zmq.ZMQError as e:
             self._sock.close()
@@ -346,7 +355,13 @@ class Publisher:
                 "stall_s": round(self.stall_s, 3),
                 "capture_s": round(self._capture_s, 4),
                 "publisher_cpu_s": round(self._thread_cpu_s, 4),
-                "shm": region.stats() if (region := self._region) is not None else {},
+                "shm": {
+                    **region.stats(),
+                    "retired_blocks": self._retired.held,
+                    "retired_released": self._retired.released,
+                }
+                if (region := self._region) is not None
+                else {},
                 "auth_denied": self._auth.denied,  # CURVE keys refused (see security.py)
                 "log_lines_held": self._peer_log.held_total,
                 "latency": self._router.latency.summary(),
@@ -437,6 +452,10 @@ class Publisher:
             log.exception("actbus publisher thread failed; capture data is no longer sent")
         finally:
             self._router.close()  # deletes every spill
+            for s in self._subs.values():
+                if s.pidfd is not None:
+                    os.close(s.pidfd)
+            self._retired.close()
             region, self._region = self._region, None  # the engine allocates no more
             if region is not None:
                 region.close()  # its memory goes with the last block and mapping
@@ -520,8 +539,9 @@ class Publisher:
                 sub.last_seen = now
                 self._answer_stats(sub, now)
         elif tag == BYE:
+            viewing = parse_viewing(msg.get("viewing"), MAX_VIEWING)
             if sub is not None:
-                self._remove(sub, "left")
+                self._remove(sub, "left", viewing)
         elif tag == MARK:
             self._mark(sub, msg)
         else:
@@ -592,6 +612,7 @@ class Publisher:
     def _hello(self, ident: bytes, msg: dict[str, Any], now: float) -> None:
         try:
             sub = Subscription.from_wire(msg)
+            viewing = parse_viewing(msg.get("viewing"), MAX_VIEWING)
         except WireError as e:
             self._reject(f"HELLO refused: {e}")
             self._send_session(ident, REJECT, {"reason": str(e)})
@@ -605,7 +626,11 @@ class Publisher:
             return
         with self._cond:
             s, new = self._router.subscribe(ident, sub, now)
-        region = self._local_region(msg.get("shm"))
+        if new:  # blocks it was sent before it was dropped: those it no longer views go
+            self._retired.settle(ident, viewing)
+        # A filtered subscriber reads from the socket: the region holds every
+        # request's rows, and its mapping would show it those its filter cuts out.
+        region = None if sub.filters_requests else self._local_region(msg.get("shm"), s)
         s.share = self._share if region is not None else None
         if new:
             self._peer_log.log(
@@ -630,11 +655,22 @@ class Publisher:
             s.flush()
 
     # ------------------------------------------------------------- shared memory
-    def _local_region(self, facts: Any) -> Region | None:
+    def _local_region(self, facts: Any, s: Route) -> Region | None:
         """The region for a subscriber whose HELLO says it runs on this host as this
-        user (``shm.host_facts``), made on first use; None: it gets the socket path."""
+        user (``shm.host_facts``), made on first use; None: it gets the socket path.
+        Its process is known by a pidfd (``leases.py``: the blocks it may still view
+        are never recycled before it exits); without one it reads from the socket."""
         if not same_host(facts) or self._shm_bytes <= 0 or self._shm_failed:
             return None
+        if s.pidfd is None:
+            pid = parse_pid(facts)
+            if self._retired.full or pid is None:
+                self._counters["shm_refused"] += 1
+                return None
+            s.pidfd = open_pidfd(pid)
+            if s.pidfd is None:
+                self._counters["shm_refused"] += 1
+                return None
         if self._region is None:
             try:
                 pin = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -754,6 +790,7 @@ class Publisher:
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat(self) -> None:
+        self._retired.poll()  # blocks of departed subscribers whose process exited
         now = time.monotonic()
         latency = self._router.latency.summary()
         shared = {"published": self._router.counters["published"], "latency": latency}
@@ -812,8 +849,14 @@ class Publisher:
             )
         self._remove(s, reason)
 
-    def _remove(self, s: Route, reason: str) -> None:
-        """Forget ``s``: what waited for it is dropped (counted), its spill deleted."""
+    def _remove(self, s: Route, reason: str, viewing: frozenset[int] | None = None) -> None:
+        """Forget ``s``: what waited for it is dropped (counted), its spill deleted.
+        The region blocks it was sent are retired, not freed (``leases.py``): it may
+        still view them (all, or those its BYE names in ``viewing``)."""
+        if s.pidfd is not None:
+            kept = [(seq, t) for seq, t in s.reading if viewing is None or seq in viewing]
+            self._retired.retire(s.ident, s.pidfd, kept)
+            s.pidfd = None
         unacked = s.close(reason)
         with self._cond:
             self._router.discard(s)

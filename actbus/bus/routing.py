@@ -38,7 +38,6 @@ import hashlib
 import logging
 import math
 import os
-import shutil
 import tempfile
 import time
 import weakref
@@ -53,8 +52,8 @@ import torch
 from actbus.bus.accounting import LatencyWindow, SubCounters
 from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import Clock, Policy, policy_of
-from actbus.bus.protocol import Subscription
-from actbus.bus.spill import SpillLog
+from actbus.bus.protocol import Subscription, frame_limit
+from actbus.bus.spill import SpillLog, SpillRoot, sweep
 from actbus.wire import (
     DATA,
     PROOF_BYTES,
@@ -159,6 +158,7 @@ class Route:
         # until acknowledged (a block is reused only once nothing refers to it).
         self.reading: deque[tuple[int, torch.Tensor]] = deque()
         self.share: Share | None = None  # set: the shared-memory path (a local subscriber)
+        self.pidfd: int | None = None  # its process, on the shared-memory path (leases.py)
         self.shm_fallback = 0  # messages it got over the socket: no room in the region
         self.inflight_bytes = 0
         self.spill: SpillLog | None = None
@@ -179,6 +179,7 @@ class Route:
 
     def _subscribe(self, sub: Subscription, policy: Policy) -> None:
         self.sub, self.policy = sub, policy
+        self.max_frame = frame_limit(sub.window_bytes)  # what its socket accepts
         self.unit = f"g:{sub.group}" if sub.group else self.ident.hex()
         self.variant_key = (
             repr((sorted((sub.match or {}).items()), sub.returned_only))
@@ -189,12 +190,13 @@ class Route:
     def resubscribe(self, sub: Subscription, policy: Policy, now: float) -> None:
         """The same subscriber said HELLO again (it thought the publisher went quiet):
         keep its queue and numbering, so nothing is lost or renumbered; its credit
-        starts afresh. A policy that did not change keeps its state."""
+        starts afresh. A policy that did not change keeps its state. The region blocks
+        of what it was sent stay held (``reading``) until it acknowledges them in that
+        numbering: some may still be on their way to it, or viewed."""
         self._subscribe(sub, self.policy if dict(policy) == dict(self.policy) else policy)
         self.last_seen = now
         self.inflight.clear()
         self.inflight_bytes = 0
-        self.reading.clear()
 
     # -------------------------------------------------------------- accounting
     @property
@@ -344,6 +346,9 @@ class Route:
                         frames = [self.ident, REGION, pack_seq(seq, self.proof(seq))]
                         frames += [m.header_bytes, desc]
                 if held is None:
+                    if self._oversized(nbytes):
+                        pending.popleft()
+                        continue
                     frames = [
                         self.ident,
                         DATA,
@@ -356,6 +361,9 @@ class Route:
                 nbytes, step, seq = rec.payload_len, rec.step, rec.seq
                 if not self.may_send(nbytes):
                     return
+                if self._oversized(nbytes):
+                    self.spill.discard()
+                    continue
                 try:
                     header_bytes, payload = self.spill.read_head()
                 except OSError as e:
@@ -384,6 +392,24 @@ class Route:
             self.inflight_bytes += nbytes
             self.c.sent += 1
             self.c.bytes_sent += nbytes
+
+    def _oversized(self, nbytes: int) -> bool:
+        """A message above what its socket accepts (``frame_limit``: sent, it would
+        only close the connection) is dropped and counted, never sent; the first
+        warned about, naming the fix."""
+        if nbytes <= self.max_frame:
+            return False
+        if not self.c.dropped["oversized"]:
+            log.warning(
+                "actbus: a %d-byte message is above what subscriber %r accepts on its "
+                "socket (%d bytes: its window_bytes); dropped and counted as oversized: "
+                "give it a larger --window-mb",
+                nbytes,
+                self.sub.name[:64],
+                self.max_frame,
+            )
+        self.c.dropped["oversized"] += 1
+        return True
 
     def close(self, reason: str) -> int:
         """It is gone: what waited for it is dropped (counted under ``reason``), its
@@ -490,7 +516,7 @@ class Router:
         self._send = send
         self._clock = clock
         self._spill_parent = spill_dir
-        self._spill_root: Path | None = None
+        self._spill_root: SpillRoot | None = None
         self.routes: dict[bytes, Route] = {}
         self.snapshot: tuple[Route, ...] = ()
         # Per snapshot: the subscribers that want each (layer, hook), so what a message
@@ -501,6 +527,10 @@ class Router:
         )
         self.latency = LatencyWindow()
         self.counters: Counter[str] = Counter()  # publisher thread
+        # What publishers killed before this one left (its own is made when first used).
+        self.counters["stale_spills_removed"] = sweep(
+            Path(spill_dir if spill_dir is not None else tempfile.gettempdir())
+        )
         self.engine_counts: Counter[str] = Counter()  # engine thread only
         self.routed_step = -1  # by the publisher thread
         self.joined = 0  # subscribers ever added: the next one's serial
@@ -558,13 +588,12 @@ class Router:
             if route.spill is not None:
                 route.spill.close()
         if self._spill_root is not None:
-            shutil.rmtree(self._spill_root, ignore_errors=True)
+            self._spill_root.close()
 
     def _spill_dir(self) -> Path:
         if self._spill_root is None:
-            root = tempfile.mkdtemp(prefix="actbus-spill-", dir=self._spill_parent)
-            self._spill_root = Path(root)
-        return self._spill_root
+            self._spill_root = SpillRoot(self._spill_parent)
+        return self._spill_root.path
 
     # -------------------------------------------------------------- admission
     def admit(

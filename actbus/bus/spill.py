@@ -10,18 +10,87 @@ live stream, not a durable log (it dies with the publisher, as the stream does).
 
 Each record on disk is ``seq u64 | header_len u32 | payload_len u64 | header |
 payload`` (little-endian), so a segment is readable on its own when debugging.
+
+A publisher killed (kill -9) deletes nothing: its spill directory (``SpillRoot``,
+named ``actbus-spill-*``) holds a lock file its publisher keeps locked while it lives,
+so the next publisher to start with the same parent directory finds it unlocked and
+deletes it (``sweep``); a live publisher's is locked, and never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
 import shutil
 import struct
+import tempfile
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 _PREFIX = struct.Struct("<QIQ")
+ROOT_PREFIX = "actbus-spill-"
+_NEW_PREFIX = ".actbus-spill-new-"  # until its lock is held: never swept
+LOCK_FILE = "owner.lock"
+log = logging.getLogger("actbus.publisher")
+
+
+class SpillRoot:
+    """One publisher's spill directory, locked for as long as the publisher lives."""
+
+    def __init__(self, parent: str | Path | None) -> None:
+        """Made under ``parent`` (None: the system temp dir)."""
+        where = Path(parent if parent is not None else tempfile.gettempdir())
+        new = Path(tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=where))
+        fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # Named for ``sweep`` only once locked: it never sees one it could take as dead.
+        self.path = where / (ROOT_PREFIX + new.name.removeprefix(_NEW_PREFIX))
+        os.rename(new, self.path)
+        self._lock = fd
+
+    def close(self) -> None:
+        """Delete it (every subscriber's spill in it), then let go of the lock."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(self._lock)
+
+
+def sweep(parent: Path) -> int:
+    """Delete the spill directories under ``parent`` whose publisher is gone; how many.
+
+    Only this user's ``actbus-spill-*`` directories with a lock file are judged: one
+    whose lock can be taken has no live owner (the kernel lets go of a killed
+    process's locks). One that is locked, or has no lock file, is left alone."""
+    swept = 0
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return 0
+    for e in entries:
+        if not e.name.startswith(ROOT_PREFIX):
+            continue
+        try:
+            if not e.is_dir(follow_symlinks=False) or e.stat().st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(e.path, LOCK_FILE), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its publisher lives
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(e.path, ignore_errors=True)
+            swept += 1
+        finally:
+            os.close(fd)
+    if swept:
+        log.info("actbus: deleted %d spill directories killed publishers left in %s", swept, parent)
+    return swept
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from actbus.bus.protocol import MAX_WINDOW, Subscription
 from actbus.bus.subscriber import Batch, Event, Subscriber
 from actbus.experts import ExpertLoad
 from actbus.flags import HelpFormatter
+from actbus.logcap import capped_text
 from actbus.streams import ROUTER_HOOK
 
 CLIENT_NAME = "actbus-stats"
@@ -47,6 +48,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SPARK = " ▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 64
 """Characters of a layer's load line: one per expert, or per run of adjacent experts."""
+MAX_DEPTH = 32
+"""Nesting of a STATS reply kept; deeper is shown as text (the publisher's is 4 deep)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,7 +77,9 @@ def parser() -> argparse.ArgumentParser:
 
 def stats_subscription() -> Subscription:
     """Wants no layer: no data is ever routed to it."""
-    return Subscription(policy="drop_newest", layers=(), window=1, name=CLIENT_NAME)
+    return Subscription(
+        policy="drop_newest", layers=(), window=1, window_bytes=1 << 20, name=CLIENT_NAME
+    )
 
 
 def request(sub: Subscriber, timeout: float) -> dict[str, Any]:
@@ -84,7 +89,7 @@ def request(sub: Subscriber, timeout: float) -> dict[str, Any]:
     while (left := deadline - time.monotonic()) > 0:
         out = sub.recv(timeout=left)
         if isinstance(out, Event) and out.kind == "stats":
-            return out.body
+            return plain(out.body)
     raise TimeoutError(f"no stats from {sub.address} within {timeout}s")
 
 
@@ -100,11 +105,32 @@ def request_all(sub: FanIn, timeout: float) -> dict[str, dict[str, Any]]:
         if isinstance(ev, Event) and ev.kind == "stats" and ev.source is not None:
             src = ev.source
             out[src.address] = {
-                **ev.body,
+                **plain(ev.body),
                 "publisher_id": src.publisher_id,
                 "dp_rank": src.dp_rank,
             }
     return {a: out[a] for a in sub.publishers if a in out}
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """A STATS reply as JSON and the table can show it: it is the publisher's msgpack,
+    which may hold bytes (shown as hex), bytes keys (as text) and other types (their
+    repr, capped), nested past ``MAX_DEPTH`` (as text)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, bytes):
+        return value.hex()
+    if depth >= MAX_DEPTH:
+        return capped_text(repr(value))
+    if isinstance(value, dict):
+        return {_key(k): plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v, depth + 1) for v in value]
+    return capped_text(repr(value))
+
+
+def _key(k: Any) -> str:
+    return k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k)
 
 
 def expert_subscription() -> Subscription:

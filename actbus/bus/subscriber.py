@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -46,7 +47,13 @@ from typing import Any
 import torch
 import zmq
 
-from actbus.bus.protocol import MAX_WINDOW, Subscription
+from actbus.bus.protocol import (
+    MAX_VIEWING,
+    MAX_WINDOW,
+    Subscription,
+    frame_limit,
+    recv_queue,
+)
 from actbus.bus.security import ClientAuth
 from actbus.bus.shm import Mapping, ShmError, host_facts, wanted_by_default
 from actbus.logcap import capped, capped_text
@@ -202,6 +209,10 @@ class SubscriberStats:
     copied_out: int = 0
     """Region messages copied into private memory because the consumer kept them while
     they held half its credit (so the publisher could reuse their blocks)."""
+    evicted: int = 0
+    """Times the publisher had dropped this subscriber (silent past its
+    ``subscriber_timeout_s``, or not reading) and it subscribed again: what was sent
+    meanwhile is lost. Views it held stay valid (the publisher retires their blocks)."""
 
 
 class Subscriber:
@@ -245,7 +256,6 @@ class Subscriber:
         self._ctx = zmq.Context() if context is None else context
         self._ident = uuid.uuid4().bytes
         self._sock = self._make_socket(self._ident)
-        self._sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what can arrive
         self._next_seq = 0  # lowest seq not yet received (or known lost)
         self._receipt: tuple[int, bytes] | None = None  # the newest message read: seq, proof
         self._shm = wanted_by_default() if shm is None else shm
@@ -386,12 +396,15 @@ class Subscriber:
         """Say goodbye and release the sockets. Idempotent."""
         if self._sock.closed:
             return
+        if self._held:  # kept batches become private: the publisher reuses their blocks
+            self._copy_out(everything=True)
+        bye = pack_map({"viewing": self._viewing()})
         self._mapping = None  # the region goes with the last view handed out
         self._stop.set()
         if self._keeper is not None:
             self._keeper.join(timeout=5)
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send_multipart([BYE, pack_map({})], zmq.NOBLOCK)
+            self._sock.send_multipart([BYE, bye], zmq.NOBLOCK)
         self._auth.close()
         self._sock.close(linger=100)
         if self._own_ctx:
@@ -409,6 +422,11 @@ class Subscriber:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, ident)
         sock.setsockopt(zmq.LINGER, 0)
+        # Credit holds on arrival: a publisher sending past it is held at its own
+        # queue (ours holds recv_queue messages), a frame above our limit closes the
+        # connection unread (protocol.frame_limit).
+        sock.setsockopt(zmq.RCVHWM, recv_queue(self.subscription.window))
+        sock.setsockopt(zmq.MAXMSGSIZE, frame_limit(self.subscription.window_bytes))
         self._auth.apply(sock, watch=ident == self._ident)
         sock.connect(self.address)
         return sock
@@ -452,8 +470,18 @@ class Subscriber:
         self._last_hello = time.monotonic()
         hello = self.subscription.to_wire()
         if self._shm:
-            hello["shm"] = host_facts()  # the publisher offers its region if they match
+            # The publisher offers its region if they match, and knows this process
+            # by its pid: blocks it may still view outlive a timeout (``leases.py``).
+            hello["shm"] = {**host_facts(), "pid": os.getpid()}
+            hello["viewing"] = self._viewing()
         self._send([HELLO, pack_map(hello)])
+
+    def _viewing(self) -> list[int] | None:
+        """The region messages whose rows are still viewed here (a HELLO's and BYE's
+        ``viewing``): the publisher frees the blocks of the others it was holding for
+        us. None (more than ``MAX_VIEWING``): it keeps them all."""
+        self._collect_released()
+        return sorted(self._held) if len(self._held) <= MAX_VIEWING else None
 
     def _silent(self, now: float) -> bool:
         if self.welcome is None:
@@ -635,7 +663,21 @@ class Subscriber:
         if tag == REJECT:
             reason = capped_text(str(body.get("reason", "")))
             if "unknown subscriber" in reason:
-                self.welcome = None  # forgotten (timed out): the next WELCOME is a new session
+                # Forgotten (timed out, or not reading): the next WELCOME is a new session.
+                if self.welcome is not None:
+                    self.stats.evicted += 1
+                    n = self.stats.evicted
+                    if n & (n - 1) == 0:  # 1, 2, 4...: a publisher cannot flood the log
+                        log.warning(
+                            "the publisher at %s had dropped this subscriber (it was silent "
+                            "or not reading; %d times so far); subscribing again, what was "
+                            "sent meanwhile is lost",
+                            self.address,
+                            n,
+                        )
+                self.welcome = None
+                if self._held:  # their blocks are the publisher's again once we say so
+                    self._copy_out(everything=True)
                 self._hello()
                 return None
             raise SubscriptionRejected(f"publisher at {self.address} refused: {reason}")
@@ -748,6 +790,11 @@ class Subscriber:
             raise WireError(f"data message has {len(frames)} frames, expected 4")
         seq, proof = unpack_seq(frames[1].buffer)
         header = Header.decode(frames[2].buffer)
+        if not self.subscription.wants(header.layer, header.hook):
+            raise WireError(
+                f"layer {header.layer} hook {header.hook!r:.40} was not subscribed to",
+                "unsolicited",
+            )
         view = None
         if frames[0].bytes == REGION:
             if self._mapping is None:

@@ -174,14 +174,18 @@ class ReturnCollector(Collector):
         final: bool,
         delta: bool,
         ends_follow: bool = True,
+        wait: bool = True,
     ) -> Activations | None:
         """The rows for an output with ``num_generated`` tokens so far: views of the
         request's buffers, made in constant time under the lock (the receiving thread
         is never held up by an output being made).
 
-        ``ends_follow`` is False when the front end itself ended the request (an
-        abort, a stop string): the engine learns of it only after this output is
-        made, so the request's end cannot come first and is not waited for.
+        ``ends_follow`` is False when the front end itself ended the request (a stop
+        string): the engine learns of it only after this output is made, so the
+        request's end cannot come first and is not waited for. ``wait`` is False for
+        an abort: nobody reads its rows, and they may never come (a request still
+        queued was never computed), so its final output takes what is there at once,
+        and the engine hears of the abort without delay.
         """
         key = (request_id, index)
         with self._cond:
@@ -189,11 +193,11 @@ class ReturnCollector(Collector):
             if p is None:
                 return None
             limit = p.prompt_len + num_generated - 1  # positions fed so far
-            want = wait = None
+            want = None
             if final:
                 want = _expected_rows(p.sel, p.prompt_len, limit)
-                wait = RETURN_TIMEOUT_S if (want is not None or ends_follow) else 0.0
-                self._wait_final(lambda: self._arrived(p, limit, want), wait)
+                bound = RETURN_TIMEOUT_S if wait and (want is not None or ends_follow) else 0.0
+                self._wait_final(lambda: self._arrived(p, limit, want), bound)
                 self._drop(key)
                 self._disown_if_done(request_id)
                 if not self._pending:  # idle: keep no slab alive for requests to come

@@ -9,7 +9,8 @@ cannot know by itself: the caller's request id and ``n``. Requests whose
 selection needs prompt positions skip *reading* the prefix cache, so those
 positions are computed, not silently missing; other requests keep the cache.
 
-A selection sent as JSON text (``vllm_xargs``, the only form HTTP carries) may ask
+A request reaching an engine that vLLM's servers made (any route: ``actbus.engine.trust``),
+or sent as JSON text (``vllm_xargs``), is an HTTP caller's. Its selection may ask
 for ``"return": true`` (rows in each choice) or ``"return": "fetch"`` (rows kept for
 ``GET /v1/actbus/returns/ID``); what it may get back is bounded before it is queued
 (``actbus.capture.http``), and ``actbus.engine.responses`` writes the rows into the
@@ -28,8 +29,8 @@ Monitors (``"monitor"``, ``"monitor_global"``: ``actbus.monitor.frontend``) are
 resolved here as well; a monitored request scores every prompt token, so it skips
 reading the prefix cache. Steering (``extra_args["actbus"]["steer"]`` and
 ``"steer_global"``) is resolved here too (``actbus.steer.frontend``) and travels in
-the same normalized entry; a request steered in its prompt gets a cache salt derived
-from that steering.
+the same normalized entry; the blocks holding a steered request's steered KV get a
+salt derived from that steering (``actbus.engine.kvsalt``).
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from actbus.capture import calls
 from actbus.capture.http import Ticket, parse_return, row_bytes
 from actbus.capture.http import for_config as http_for_config
 from actbus.capture.selection import Selection, parse_selection
 from actbus.config import check_request_id
-from actbus.engine import closing
+from actbus.engine import closing, trust
 from actbus.errors import ConfigError
 from actbus.hooks import cache_salt as hooks_salt
 from actbus.hooks import take_hooks
@@ -73,6 +75,7 @@ def patch() -> bool:
         return True
     InputProcessor.process_inputs = _wrap_process_inputs(InputProcessor.process_inputs)
     InputProcessor._actbus_patched = True
+    trust.patch()
     try:
         from vllm.v1.engine.core_client import InprocClient, MPClient
     except ImportError:
@@ -295,17 +298,21 @@ class _Frontend:
             and int(vllm_config.parallel_config.world_size) == 1
         )
 
-    def parse(self, params: Any) -> RequestAsk:
-        """What the request's ``extra_args.actbus`` asks of the engine, checked."""
+    def parse(self, params: Any, trusted: bool = False) -> RequestAsk:
+        """What the request's ``extra_args.actbus`` asks of the engine, checked.
+        ``trusted``: the engine is an in-process Python caller's (``actbus.engine.trust``)
+        and the entry is not JSON text; anything else is checked as an HTTP caller's:
+        path sources confined, returned rows bounded, no ``Hook`` objects."""
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get(KEY) if isinstance(extra, dict) else None
-        over_http = isinstance(raw, str)
-        http_mode = None
-        if over_http:  # over HTTP: vllm_xargs={"actbus": "<json>"}
+        if isinstance(raw, str):  # over HTTP: vllm_xargs={"actbus": "<json>"}
             raw = parse_json_text(raw, "extra_args.actbus", hint=XARGS_HINT)
-            if isinstance(raw, dict) and "return" in raw:
-                raw = dict(raw)
-                raw["return"], http_mode = parse_return(raw["return"])
+            trusted = False
+        over_http = not trusted
+        http_mode = None
+        if over_http and isinstance(raw, dict) and "return" in raw:
+            raw = dict(raw)
+            raw["return"], http_mode = parse_return(raw["return"])
         raw, monitors, scores_back = take_monitors(raw, self.cfg.monitor)
         raw, hooks = take_hooks(
             raw, self.cfg.user_hooks, over_http=over_http, in_process=self.in_process
@@ -350,7 +357,7 @@ class _Frontend:
             self.row_bytes = row_bytes(mc.get_hidden_size(), mc.dtype)
         n = int(getattr(sp, "n", 1) or 1)
         return http_for_config(self.cfg).admit(
-            sel, _prompt_len(request), sp.max_tokens, n, self.row_bytes, fetch
+            sel, _prompt_len(request), sp.max_tokens, n, self.row_bytes, fetch, calls.CURRENT.get()
         )
 
 
@@ -374,7 +381,11 @@ def _wrap_process_inputs(orig):
     def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
         fe = frontend_for(self)
         try:
-            ask = fe.parse(params) if fe.active and _is_sampling(params) else NOTHING_ASKED
+            ask = (
+                fe.parse(params, trust.trusted(self))
+                if fe.active and _is_sampling(params)
+                else NOTHING_ASKED
+            )
         except ConfigError as e:
             raise _client_error(e) from None
         sel, steer, monitors, scores_back = ask.selection, ask.steer, ask.monitors, ask.scores_back
@@ -388,10 +399,9 @@ def _wrap_process_inputs(orig):
         wire: dict[str, Any] = {}
         if steer is not None:
             wire["steer"] = steer.to_wire()
-            salt = steer.cache_salt(_prompt_len(request))
-            if salt is not None:  # steered prompt tokens: their KV is this steering's own
-                old = getattr(request, "cache_salt", None)
-                request.cache_salt = f"{old}|{salt}" if old else salt
+            salt = steer.kv_salt(_prompt_len(request))
+            if salt is not None:  # the blocks from its first steered position on
+                wire["kv_salt"] = list(salt)
         if hooks:  # a hook may read or change any prompt row: no shared prompt KV
             caller = str(getattr(request, "external_req_id", None) or request_id)
             wire["user_hooks"] = hooks_wire(hooks, caller)
@@ -537,7 +547,7 @@ def _wrap_abort(orig):
                 returns.forget(gone)
         bounds = sys.modules.get("actbus.capture.http")
         if bounds is not None and bounds.current() is not None:
-            bounds.current().done(gone)
+            bounds.current().done(gone, aborted=True)
         return out
 
     return abort_requests
@@ -550,6 +560,7 @@ def _wrap_completion_output(orig):
         from actbus.capture.returns import collector_for
 
         collector = collector_for(self.request_id)  # vLLM's own id of this sample
+        aborted = str(finish_reason) == "abort"
         if collector is not None:
             from vllm.sampling_params import RequestOutputKind
 
@@ -559,15 +570,19 @@ def _wrap_completion_output(orig):
                 self.detokenizer.num_output_tokens(),
                 final=finish_reason is not None,
                 delta=self.output_kind == RequestOutputKind.DELTA,
-                # Ended here (abort, stop string): the engine hears of it after this.
-                ends_follow=str(finish_reason) != "abort" and not isinstance(stop_reason, str),
+                # Ended here (stop string): the engine hears of it after this.
+                ends_follow=not isinstance(stop_reason, str),
+                # An abort (a client gone, perhaps while queued) waits for nothing: this
+                # runs on the server's event loop, and the engine hears of it after.
+                wait=not aborted,
             )
             bounds = sys.modules.get("actbus.capture.http")
             http = bounds.current() if bounds is not None else None
             if http is not None:
-                out.actbus_fetch = http.wants_fetch(self.request_id)
+                # The sample's id, for its rows to take its reservation's place when kept.
+                out.actbus_fetch = http.wants_fetch(self.request_id) and self.request_id
                 if finish_reason is not None:
-                    http.done([self.request_id])
+                    http.done([self.request_id], aborted=aborted)
         scores = sys.modules.get("actbus.monitor.returns")
         col = scores.collector_for(self.request_id) if scores is not None else None
         if col is not None:
@@ -579,7 +594,7 @@ def _wrap_completion_output(orig):
                 self.detokenizer.num_output_tokens(),
                 final=finish_reason is not None,
                 delta=self.output_kind == RequestOutputKind.DELTA,
-                wait=str(finish_reason) != "abort",  # aborted: nobody waits for the rest
+                wait=not aborted,  # aborted: nobody waits for the rest
             )
         return out
 

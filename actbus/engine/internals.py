@@ -157,6 +157,36 @@ def scheduler_problems() -> list[str]:
     )
 
 
+def steer_problems() -> list[str]:
+    """What steering reads of the engine core: the prefix cache's block hashes (salted
+    where steered KV lies, ``kvsalt.py``) and the waiting queue (a request waits there
+    for its table rows, ``steer_rows.py``)."""
+    from actbus.engine import kvsalt
+
+    try:
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.core.sched.request_queue import RequestQueue
+    except ImportError as e:
+        return [f"vLLM's prefix cache or request queue does not import ({e})"]
+    out = [
+        f"RequestQueue.{m} is gone"
+        for m in ("add_request", "remove_requests")
+        if not callable(getattr(RequestQueue, m, None))
+    ]
+    fn = getattr(kv_cache_utils, kvsalt.FUNCTION, None)
+    if not callable(fn):
+        return [*out, f"kv_cache_utils.{kvsalt.FUNCTION} is gone"]
+    try:
+        got = tuple(inspect.signature(inspect.unwrap(fn)).parameters)[: len(kvsalt.PARAMS)]
+    except (TypeError, ValueError):
+        return out
+    if got != kvsalt.PARAMS:
+        out.append(
+            f"kv_cache_utils.{kvsalt.FUNCTION} takes {got} where actbus reads {kvsalt.PARAMS}"
+        )
+    return out
+
+
 def runner_class_problems(runner: str, cls: type) -> list[str]:
     """A runner class's methods, and for V2 its per-step ``InputBatch``."""
     out = signature_problems(cls, RUNNER_METHODS[runner])

@@ -19,7 +19,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from actbus.engine import frontend, pushes, runner_v1, runner_v2, scheduler, session
+    from actbus.engine import frontend, kvsalt, pushes, runner_v1, runner_v2, scheduler, session
 
     patched = [name for name, mod in (("v1", runner_v1), ("v2", runner_v2)) if mod.patch()]
     if not patched:
@@ -27,6 +27,8 @@ def register() -> None:
     if not frontend.patch():
         log.warning("actbus: vLLM's InputProcessor not found; per-request selections are off")
     scheduler.patch()
+    if not kvsalt.patch():  # an engine that steers is refused at start (internals)
+        log.warning("actbus: vLLM's block hashes not found; steering cannot start")
     pushes.patch()
     session.patch_worker()
     _patch_engine_args()

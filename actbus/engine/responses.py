@@ -79,7 +79,8 @@ class _Choice:
         self.scores: Any = None
         self.rows: list[Any] = []  # Activations pieces, in order
         self.final = False
-        self.fetch = False
+        self.fetch: str | None = None
+        """The sample's id when its rows are kept for fetching."""
 
     def seen(self, out: Any) -> bool:
         from actbus.monitor.returns import MonitorScores
@@ -90,7 +91,7 @@ class _Choice:
             self.scores = MonitorScores.join(self.scores, ms)
         if acts is not None:
             self.rows.append(acts)
-            self.fetch = bool(getattr(out, "actbus_fetch", False))
+            self.fetch = getattr(out, "actbus_fetch", None) or None
         if out.finish_reason is not None:
             self.final = True
         return ms is not None or acts is not None
@@ -125,18 +126,19 @@ def _joined(pieces: list[Any]) -> Any:
     )
 
 
-def _rows_field(acts: Any, final: bool, fetch: bool) -> dict[str, Any]:
+def _rows_field(acts: Any, final: bool, fetch: str | None) -> dict[str, Any]:
+    """Inline rows, or (``fetch``: the sample's id) where its rows are kept."""
     from actbus.capture import http
 
     if not fetch:
         return http.to_json(acts, final)
     blob = http.to_safetensors(acts)
     bounds = http.current()
-    key = bounds.put(blob) if bounds is not None else None
+    key = bounds.put(blob, fetch) if bounds is not None else None
     if key is None:
         return {
-            "error": "the server holds no more rows for fetching "
-            "(http_return_max_server_mb); fetch earlier responses or retry",
+            "error": "the server holds no more rows for fetching (http_return_max_server_mb, "
+            "or this client's http_return_fetch_client_mb); fetch earlier responses or retry",
             "complete": False,
         }
     return {

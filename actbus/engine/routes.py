@@ -11,7 +11,12 @@ answers ``/v1/actbus/...`` itself and passes every other request on:
 - ``GET`` / ``PUT /v1/actbus/steer/global``: body ``{"entries": [...]}``;
 - ``GET /v1/actbus/returns/ID``: a response's rows kept for fetching (``"return":
   "fetch"``), once, as safetensors; behind the completions' own key (``--api-key``),
-  not the admin key, and the ID (random, 192 bits) is the caller's alone.
+  not the admin key, and the ID (random, 192 bits) is the caller's alone;
+- ``GET /v1/actbus/returns``: the rows held for HTTP callers, and every request and
+  choice refused or dropped by the limits (``HttpReturns.stats``), behind the same key.
+
+Every other POST (a completion) runs inside an HTTP call (``actbus.capture.calls``):
+what its prompts reserve for returned rows lasts until its response is sent.
 
 Middleware added this way runs before vLLM's API-key check, so it checks for itself.
 With an admin key (``actbus serve --actbus-admin-key``, or ``ACTBUS_ADMIN_KEY`` in the
@@ -33,6 +38,7 @@ import hmac
 import os
 from typing import Any
 
+from actbus.capture import calls
 from actbus.capture.http import FETCH_PATH
 from actbus.engine.api import steering
 from actbus.errors import ConfigError
@@ -41,6 +47,8 @@ from actbus.steer.config import ADMIN_KEY_ENV, VectorSource
 
 PREFIX = "/v1/actbus/"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+RETURNS_PATH = FETCH_PATH.rstrip("/")
+"""``GET``: what the server holds for HTTP callers, and what it refused or dropped."""
 MAX_BODY_BYTES = 8 << 20
 """A call's body: global entries with inline vectors of a wide model fit."""
 
@@ -69,7 +77,8 @@ def _bearer_ok(request: Any, tokens: list[str]) -> bool:
 
 
 def _fetch(request: Any) -> Any:
-    """``GET /v1/actbus/returns/ID``: behind the API key, as the completion was."""
+    """``GET /v1/actbus/returns/ID`` (and ``GET /v1/actbus/returns``, the counts):
+    behind the API key, as the completion was."""
     from fastapi.responses import JSONResponse, Response
 
     from actbus.capture import http
@@ -79,8 +88,10 @@ def _fetch(request: Any) -> Any:
         return JSONResponse({"error": "actbus: fetching rows needs the server's API key"}, 401)
     if request.method != "GET":
         return JSONResponse({"error": f"{request.method}: fetch rows with GET"}, 405)
-    key = request.url.path[len(http.FETCH_PATH) :]
     bounds = http.current()
+    if request.url.path == RETURNS_PATH:
+        return JSONResponse(http.stats())
+    key = request.url.path[len(http.FETCH_PATH) :]
     blob = bounds.take(key) if bounds is not None and len(key) <= 64 else None
     if blob is None:
         return JSONResponse(
@@ -127,8 +138,10 @@ async def middleware(request: Any, call_next: Any) -> Any:
     """Answer ``/v1/actbus/...``; everything else goes to vLLM."""
     path = request.url.path
     if not path.startswith(PREFIX):
+        if request.method == "POST":  # a completion: its returned rows' HTTP call
+            return await calls.around(request, call_next)
         return await call_next(request)
-    if path.startswith(FETCH_PATH):
+    if path.startswith(FETCH_PATH) or path == RETURNS_PATH:
         return _fetch(request)
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool

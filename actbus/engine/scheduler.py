@@ -5,6 +5,9 @@ why. The scheduler knows: it wrapped here to note each freed request's status
 and to hand the reasons to the workers on the next ``SchedulerOutput`` (an extra
 attribute; the output travels to workers pickled or in-process, both keep it).
 An aborted request's rows are then marked partial downstream.
+
+The scheduler also counts the steering table's rows (``actbus.engine.steer_rows``) and
+keeps a steered request waiting while its rows do not fit.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from actbus.engine.steer_rows import RowBudget, requeue
 from actbus.steps import StepRequests
 
 ATTR = "_actbus_end_reasons"
@@ -53,6 +57,21 @@ def _active(scheduler: Any) -> bool:
     return cached
 
 
+def _row_budget(scheduler: Any) -> RowBudget | None:
+    """The scheduler's count of the steering table's rows; None: the engine does not steer."""
+    if "_actbus_rows" not in scheduler.__dict__:
+        budget = None
+        if _active(scheduler):
+            from actbus.engine.session import _checked, max_num_seqs
+
+            checked = _checked(scheduler.vllm_config)
+            steer = checked[0].steer if checked is not None else None
+            if steer is not None:
+                budget = RowBudget(steer.table_rows(max_num_seqs(scheduler.vllm_config)) - 1)
+        scheduler._actbus_rows = budget
+    return scheduler._actbus_rows
+
+
 def _wrap_free_request(orig):
     @functools.wraps(orig)
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -61,6 +80,9 @@ def _wrap_free_request(orig):
             self.__dict__.setdefault("_actbus_ended", {})[request.request_id] = _REASONS.get(
                 status, "unknown"
             )
+            budget = _row_budget(self)
+            if budget is not None:
+                budget.release(request.request_id)
         return orig(self, request, *args, **kwargs)
 
     return _free_request
@@ -69,7 +91,18 @@ def _wrap_free_request(orig):
 def _wrap_schedule(orig):
     @functools.wraps(orig)
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        out = orig(self, *args, **kwargs)
+        budget = _row_budget(self) if _active(self) else None
+        waiting = list(self.waiting) if budget is not None and self.waiting else []
+        held = budget.hold_back(waiting) if waiting else []
+        if held:  # out of this step's reach: scheduled once their rows fit
+            self.waiting.remove_requests(held)
+        try:
+            out = orig(self, *args, **kwargs)
+        finally:
+            if held:
+                requeue(self.waiting, waiting, held)
+        if budget is not None:
+            budget.scheduled(out.scheduled_new_reqs)
         ended = self.__dict__.get("_actbus_ended")
         if ended:
             setattr(out, ATTR, {r: ended.pop(r) for r in out.finished_req_ids if r in ended})

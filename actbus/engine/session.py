@@ -34,6 +34,7 @@ from actbus.engine.internals import (
     runner_problems,
     scheduler_problems,
     signature_problems,
+    steer_problems,
     vllm_version,
 )
 from actbus.engine.layers import wrap_layer
@@ -42,7 +43,7 @@ from actbus.engine.mode import mode_line
 from actbus.engine.moe import model_experts, wrap_router
 from actbus.engine.parts import EngineParts
 from actbus.errors import ConfigError
-from actbus.hooks import HookRunner, install_hooks
+from actbus.hooks import HookRunner, install_hooks, resolve_named
 from actbus.monitor.config import MonitorConfig
 from actbus.monitor.graph import MonitorTables, install_monitors
 from actbus.monitor.weights import MonitorWeights, load_weights
@@ -131,7 +132,13 @@ def steer_frontend(cfg: CaptureConfig, vllm_config: Any) -> SteerFrontend | None
         monitors=cfg.monitor,
         stages=pipeline_stages(vllm_config),
         max_len=int(mc.max_model_len),
+        max_rows=cfg.steer.request_rows(max_num_seqs(vllm_config)),
     )
+
+
+def max_num_seqs(vllm_config: Any) -> int:
+    """Requests the engine runs at once (the steering table's default size follows it)."""
+    return int(getattr(vllm_config.scheduler_config, "max_num_seqs", 256) or 256)
 
 
 def validate(vllm_config: Any) -> CaptureConfig | None:
@@ -143,10 +150,12 @@ def validate(vllm_config: Any) -> CaptureConfig | None:
     cfg = checked[0]
     mc = vllm_config.model_config
     if cfg.steer is not None:  # named vectors load and global entries resolve, or fail now
+        require(steer_problems(), "the engine core's steering")
         steer_frontend(cfg, vllm_config)
         LiveVectors.of(cfg.steer, mc.get_hidden_size())  # live vectors' first values load
     if cfg.user_hooks is not None:
         check_hook_graphs(vllm_config.compilation_config)
+        resolve_named(cfg.user_hooks.named)  # every named hook installed, or fail now
     if cfg.monitor is not None:  # monitors' layers exist and their weights load, or fail now
         monitor_weights(cfg.monitor, num_layers(mc), mc.get_hidden_size())
     if not os.environ.get(PRECHECKED_ENV):  # actbus serve warned already
@@ -184,7 +193,7 @@ def attach(
     monitors: _Monitors | None = None
     if cfg.steer is not None:  # every rank: TP ranks add the same vectors, stages their own
         steer_layers = anat.owned(cfg.steer.resolve_layers(n))
-        max_seqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 256) or 256)
+        max_seqs = max_num_seqs(vllm_config)
         tables = install_steering(
             decoder,
             post_attn_norm=form.post_attn_norm,
@@ -193,7 +202,7 @@ def attach(
             hidden_size=hidden,
             max_rows=max_rows,
             per_token=cfg.steer.per_token,
-            max_vectors=cfg.steer.max_vectors or 8 * max_seqs + 1,
+            max_vectors=cfg.steer.table_rows(max_seqs),
             dtype=mc.dtype,
             device=device,
             ops=cfg.steer.ops,
@@ -221,7 +230,7 @@ def attach(
         install_hooks(decoder, hooked, cfg.user_hooks.points)
         for i in hooked:
             wrap_layer(decoder[i], form)  # its form: gpt-oss's arguments, an adapter's
-        parts.hooks = HookRunner(model, _tp_gather())
+        parts.hooks = HookRunner(model, _tp_gather(), resolve_named(cfg.user_hooks.named))
     # Every rank that holds monitor tables (the harvest's, or its gates') takes pushes.
     parts.monitor_tables = None if monitors is None else monitors.tables
     return parts

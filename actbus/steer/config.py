@@ -41,6 +41,8 @@ MAX_ROWS = 2048
 table while the request runs); counted before any row is converted."""
 MAX_DIRECTIONS = 16
 """Directions one ``ablate`` entry projects out at most."""
+DEFAULT_REQUEST_ROWS = 64
+"""``max_request_vectors`` unset: at most this many, and at most an eighth of the table."""
 GATE_KEYS = ("monitor", "layer", "feature", "threshold", "sharpness", "source")
 GATE_SOURCES = ("token", "previous")
 # Where each point runs inside a decoder layer (``actbus.engine.layers.wrap_layer``):
@@ -212,6 +214,9 @@ class SteerConfig:
     """Vectors added to one token at one point, at most (global and own together)."""
     max_vectors: int = 0
     """Rows of the device table of vectors in use; 0: 8 per running request, plus one."""
+    max_request_vectors: int = 0
+    """Distinct vectors (table rows) one request may hold, global ones included; 0: an
+    eighth of the table's usable rows, at most 64. A request past it is refused."""
     vectors: dict[str, VectorSource] = field(default_factory=dict)
     live: dict[str, VectorSource | None] = field(default_factory=dict)
     """Live vectors: names whose values pushes over the control endpoint replace while
@@ -238,6 +243,7 @@ class SteerConfig:
             "hooks",
             "per_token",
             "max_vectors",
+            "max_request_vectors",
             "vectors",
             "live",
             "global",
@@ -258,6 +264,7 @@ class SteerConfig:
         for name, lo, hi in (
             ("per_token", 1, 64),
             ("max_vectors", 0, 1 << 20),
+            ("max_request_vectors", 0, 1 << 20),
             ("max_named", 1, 1 << 16),
         ):
             if name in raw:
@@ -306,6 +313,23 @@ class SteerConfig:
         parse_steer(glob, f"{where}.global")  # the form; the model is checked later
         kw["global_steer"] = tuple(glob)
         return cls(**kw)
+
+    def table_rows(self, max_num_seqs: int) -> int:
+        """Rows of the device table (row 0 stays zero: one fewer is usable)."""
+        return self.max_vectors or 8 * max_num_seqs + 1
+
+    def request_rows(self, max_num_seqs: int) -> int:
+        """Distinct vectors one request may hold; a ConfigError when set past the table."""
+        usable = self.table_rows(max_num_seqs) - 1
+        if not self.max_request_vectors:
+            return max(1, min(DEFAULT_REQUEST_ROWS, usable // 8))
+        if self.max_request_vectors > usable:
+            raise ConfigError(
+                f"actbus.steer.max_request_vectors: {self.max_request_vectors} is more than "
+                f"the steering table's {usable} usable rows (actbus.steer.max_vectors, or 8 "
+                "per max_num_seqs); lower it or raise max_vectors"
+            )
+        return self.max_request_vectors
 
     def resolve_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.all_layers:

@@ -11,13 +11,15 @@ A name of the engine's live vectors (``actbus.steer.live``) is not resolved here
 worker resolves it when it admits the request, to the version in use then
 (``actbus.steer.live``).
 
-Steering that touches prompt tokens changes their KV cache, so such a request gets a
-cache salt derived from that steering (same steering, shared cache; different or
-none, separate). Decode-only steering leaves the prompt's cache shared. The version
-of a live vector is unknown here, so prompt steering with one gets a salt of its own:
-such a request shares prompt blocks with no other. A gated
-entry's gate is part of that steering (its monitor, column, threshold, sharpness and
-source), so gated prefill steering never shares prompt blocks with other requests.
+Steering changes the KV cache of the positions it steers and of every one after
+them, so a steered request gets a salt for the blocks from its first steered position
+on (``RequestSteer.kv_salt``, ``actbus.engine.kvsalt``), derived from that steering:
+same steering at the same positions, shared blocks; different or none, separate. The
+blocks before (a decode-only request's prompt) keep their plain hashes and stay shared.
+The version of a live vector is unknown here, so steering with one gets a salt of its
+own: such a request shares its steered blocks with no other. A gated entry's gate is
+part of that steering (its monitor, column, threshold, sharpness and source), so gated
+steering shares its steered blocks only with the same gate.
 """
 
 from __future__ import annotations
@@ -95,13 +97,30 @@ class Resolved:
             return [*key, None if self.gate is None else list(self.gate), list(self.terms)]
         return key if self.gate is None else [*key, list(self.gate)]
 
-    def touches_prompt(self, prompt_len: int) -> bool:
+    def first_steered(self, prompt_len: int) -> int | None:
+        """The first position whose stream this entry may change (None: none), from its
+        tier and positions; a gate may keep it shut, but may open it."""
         s = self.spec
+        lo, hi = 0, None
         if s.tier == "decode" or s.positions == "generated":
-            return False
+            lo = prompt_len
+        if s.tier == "prefill" or s.positions == "prompt":
+            hi = prompt_len
+        if s.positions == "last_prompt":
+            lo, hi = max(lo, prompt_len - 1), prompt_len
         if isinstance(s.positions, tuple):
-            return any(p < prompt_len for p in s.positions)
-        return True
+            listed = [p for p in s.positions if p >= lo and (hi is None or p < hi)]
+            return min(listed) if listed else None
+        return lo if hi is None or lo < hi else None
+
+    @property
+    def by_prompt(self) -> bool:
+        """Whether the positions it steers depend on the prompt's length."""
+        return self.spec.tier != "base" or self.spec.positions in (
+            "prompt",
+            "generated",
+            "last_prompt",
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,17 +138,23 @@ class RequestSteer:
         }
         return {"vectors": vectors, "entries": [r.key() for r in self.entries]}
 
-    def cache_salt(self, prompt_len: int) -> str | None:
-        """A digest of the steering that changes prompt tokens' KV; None if none does.
-        Prompt steering with a live vector (its version is chosen in the worker) makes
-        the salt unique to this request."""
-        touching = [r for r in self.entries if r.touches_prompt(prompt_len)]
-        keys = sorted(json.dumps(r.key()) for r in touching)
-        if not keys:
+    def kv_salt(self, prompt_len: int) -> tuple[int, str] | None:
+        """The first position whose KV this steering may change, and a digest of the
+        steering as a function of position (``actbus.engine.kvsalt`` salts the blocks
+        from there on); None if it changes none. Same steering at the same positions,
+        same salt: such requests share their steered blocks too. Steering with a live
+        vector (its version is chosen in the worker) makes the salt this request's own."""
+        firsts = [(r.first_steered(prompt_len), r) for r in self.entries]
+        touching = [r for first, r in firsts if first is not None]
+        if not touching:
             return None
+        keys = sorted(json.dumps(r.key()) for r in touching)
+        if any(r.by_prompt for r in touching):  # its positions are the prompt's own
+            keys.append(f"prompt_len={prompt_len}")
         if any(r.live is not None for r in touching):
             keys.append(secrets.token_hex(16))
-        return "actbus-steer:" + hashlib.sha256("\n".join(keys).encode()).hexdigest()[:32]
+        digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:32]
+        return min(f for f, _ in firsts if f is not None), "actbus-steer:" + digest
 
 
 class SteerFrontend:
@@ -145,10 +170,14 @@ class SteerFrontend:
         monitors: MonitorConfig | None = None,
         stages: tuple[int, ...] | None = None,
         max_len: int | None = None,
+        max_rows: int | None = None,
     ) -> None:
-        """``max_len``: the model's ``max_model_len``, which listed positions must be below."""
+        """``max_len``: the model's ``max_model_len``, which listed positions must be below;
+        ``max_rows``: distinct vectors one request may hold (``SteerConfig.request_rows``;
+        None: no bound, for front ends that never reach an engine)."""
         self.cfg = cfg
         self.max_len = max_len
+        self.max_rows = max_rows
         self.monitors = monitors
         self.stages = stages
         """Per layer, the pipeline stage that computes it (None: one stage)."""
@@ -329,6 +358,7 @@ class SteerFrontend:
         confine = None if trusted else self.confine
         resolved = self.resolve(self.parse(raw, GLOBAL_WHERE), GLOBAL_WHERE, confine)
         self._check_per_token(resolved, GLOBAL_WHERE)
+        self._check_rows(resolved, GLOBAL_WHERE)
         with self._lock:
             self._global = resolved
 
@@ -354,7 +384,19 @@ class SteerFrontend:
         if not entries:
             return None
         self._check_per_token(entries, where)
+        self._check_rows(entries, where)
         return RequestSteer(entries)
+
+    def _check_rows(self, entries: tuple[Resolved, ...], where: str) -> None:
+        """At most ``max_rows`` distinct vectors (rows of the engine's table): one request
+        never fills the table its neighbours steer from."""
+        n = len({r.vector_key for r in entries})
+        if self.max_rows is not None and n > self.max_rows:
+            raise ConfigError(
+                f"{where}: {n} distinct vectors (replaced rows, directions, latents; global "
+                f"entries included); one request may hold at most {self.max_rows} rows of the "
+                "engine's steering table (actbus.steer.max_request_vectors)"
+            )
 
     def _check_per_token(self, entries: tuple[Resolved, ...], where: str) -> None:
         """At most ``per_token`` slots per token at one point: entries on listed

@@ -267,9 +267,9 @@ class Steerer:
         need = [d for d in vectors if d not in self._rows]
         if len(need) > len(self._free):
             self.skipped += 1
-            log.error(
+            log.error(  # the scheduler keeps such a request waiting (steer_rows): a bug
                 "actbus: request %s is NOT steered: the steering table is full (%d rows in "
-                "use); raise actbus.steer.max_vectors",
+                "use), which the scheduler's count of rows should have prevented",
                 rid, len(self._rows),
             )  # fmt: skip
             return None

@@ -4,6 +4,7 @@ requests and the log lines it causes; and stats name subscribers, never identiti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -14,8 +15,9 @@ import pytest
 import zmq
 
 from actbus.bus import Batch, Event, Publisher, Subscriber, Subscription, SubscriptionRejected
-from actbus.bus.protocol import MAX_MATCH_BYTES, parse_match
+from actbus.bus.protocol import MAX_MATCH_BYTES, parse_match, recv_queue
 from actbus.bus.publisher import PEER_QUEUE, STATS_INTERVAL_S
+from actbus.bus.statsview import stats_subscription
 from actbus.config import CaptureConfig
 from actbus.errors import ConfigError
 from actbus.logcap import LogRate
@@ -28,6 +30,7 @@ from actbus.wire import (
     SCHEMA_VERSION,
     STATS,
     WELCOME,
+    pack_seq,
     unpack_seq,
 )
 from tests.support.bus_procs import message
@@ -326,3 +329,43 @@ def test_a_subscriber_dropped_and_let_in_again_takes_the_new_numbering(address):
     finally:
         sub.close()
         pub.close(timeout=1)
+
+
+def test_a_publisher_flooding_past_credit_is_held_at_its_own_queue(address):
+    """A hostile publisher sends ``actbus stats``'s subscriber (no layers: no data,
+    one message of credit) 64 KiB messages as fast as it can while it does not read:
+    the subscriber's socket takes its credit and room for session messages and no more
+    (the flood waits in the hostile side's queue, not in the subscriber's memory);
+    what it did take is refused as unsolicited, counted, and never yielded."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, 4)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so
+    router.setsockopt(zmq.SNDTIMEO, 1000)  # a send that waits this long: held back
+    router.bind(address)
+    sub = Subscriber(address, stats_subscription(), keepalive=False, shm=False)
+    try:
+        ident, tag, _ = router.recv_multipart()
+        assert tag == HELLO
+        welcome = {"schema": SCHEMA_VERSION, "publisher_id": "hostile", "heartbeat_s": 60.0}
+        router.send_multipart([ident, WELCOME, msgpack.packb(welcome)])
+        header, _ = message(0, rows=16)  # 16 x 1024 float32: 64 KiB
+        payload = bytes(header.nbytes)
+        sent = 0
+        with contextlib.suppress(zmq.Again):
+            for seq in range(2000):
+                router.send_multipart(
+                    [ident, DATA, pack_seq(seq, b"p" * 8), header.encode(), payload]
+                )
+                sent += 1
+        # Its receive queue, the hostile side's 4 and what the kernel buffers: no more.
+        room = recv_queue(stats_subscription().window)
+        assert sent < room + 64, f"{sent} messages taken past a credit of one"
+        got = [sub.recv(timeout=0.2) for _ in range(sent + 2)]
+        assert not any(isinstance(b, Batch) for b in got)
+        assert sub.stats.rejected_by.get("unsolicited", 0) >= 1
+    finally:
+        sub.close()
+        router.close()
+        ctx.term()

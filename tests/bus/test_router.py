@@ -19,7 +19,7 @@ import torch
 
 from actbus.bus.outlet import Admission, TapOffer
 from actbus.bus.policies import POLICIES, DropNewest, parse_policy, policy_of, register
-from actbus.bus.protocol import Subscription
+from actbus.bus.protocol import MIN_FRAME_BYTES, Subscription
 from actbus.bus.routing import PENDING_LIMIT, Item, Route, Router
 from actbus.wire import (
     DATA,
@@ -655,3 +655,15 @@ def test_the_publisher_and_a_forwarding_stage_are_both_outlets():
 
     assert issubclass(Publisher, Outlet) and issubclass(StageForwarder, Outlet)
     assert not issubclass(Router, Outlet)
+
+
+def test_a_message_above_what_a_subscribers_socket_accepts_is_dropped_and_counted(bus):
+    """A subscriber accepts frames up to its byte window (at least ``MIN_FRAME_BYTES``):
+    a larger message would only close its connection, so it is a counted drop, a gap,
+    for every policy, and the next message goes."""
+    rows = MIN_FRAME_BYTES // (HIDDEN * 4) + 1
+    for policy in ("block", "drop_newest"):
+        s = bus.join(policy, policy, window_bytes=1 << 20, layers=(7,))
+        bus.publish(*message(0, rows=rows, layer=7))
+        bus.publish(*message(1, layer=7))
+        assert bus.seqs(s) == [1] and s.c.dropped == {"oversized": 1} and balanced(s)

@@ -6,16 +6,29 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import signal
 import time
 
 import msgpack
+import numpy as np
 import pytest
+import torch
 import zmq
 
 from actbus.bus import Batch, Publisher, Subscriber, Subscription
 from actbus.bus.routing import PENDING_LIMIT
-from actbus.bus.shm import DESCRIPTOR, HEADER_BYTES, Region, host_facts
-from actbus.wire import CREDIT, HELLO, REGION, SCHEMA_VERSION, WELCOME, pack_map, pack_seq
+from actbus.bus.shm import DESCRIPTOR, HEADER_BYTES, Mapping, Region, host_facts
+from actbus.wire import (
+    CREDIT,
+    HELLO,
+    REGION,
+    SCHEMA_VERSION,
+    WELCOME,
+    Header,
+    RowIndex,
+    pack_map,
+    pack_seq,
+)
 from tests.support.bus_procs import Proc, message
 from tests.support.procs import recv_batches, wait_for
 
@@ -153,7 +166,7 @@ def test_a_lying_subscriber_holds_no_more_than_its_window(publisher, address):
     ctx = zmq.Context()
     liar = _dealer(ctx, address)
     hello = {"schema": SCHEMA_VERSION, "policy": "drop_newest", "window": 4, "name": "liar"}
-    liar.send_multipart([HELLO, pack_map({**hello, "shm": host_facts()})])
+    liar.send_multipart([HELLO, pack_map({**hello, "shm": {**host_facts(), "pid": os.getpid()}})])
     tag, body = liar.recv_multipart()
     assert tag == WELCOME and "shm" in msgpack.unpackb(body)
     try:
@@ -266,3 +279,148 @@ def test_a_killed_subscriber_gives_its_blocks_back(publisher, address):
         assert _dev_shm() == before
     finally:
         holder.kill()
+
+
+def test_a_subscriber_dropped_while_paused_still_reads_its_own_rows(address):
+    """Paused past ``subscriber_timeout_s`` holding a view: the publisher drops it but
+    retires its block rather than reuse it, so the engine's next copies land elsewhere
+    and the view still reads 1.0, not 158.0. Resumed, it learns it was dropped
+    (``evicted``), says it views nothing more (its batch copied out), and the block
+    comes back."""
+    pub = Publisher(
+        address, info={"model": "t"}, heartbeat_s=0.1, subscriber_timeout_s=0.5, shm_mb=1
+    )
+    sub = Subscriber(address, Subscription(window=4, name="paused"), keepalive=False)
+    try:
+        sub.wait_welcome(10)
+        pub.publish(*message(1))
+        (batch,) = recv_batches(sub, 1)
+        assert batch.shared
+        wait_for(lambda: "paused" not in pub.stats()["subscribers"], 10, "the paused one dropped")
+        fills = []  # the engine's next host copies: every block the region still gives
+        while (t := pub.host_tensor((4, 1024), torch.float32)) is not None:
+            fills.append(t.fill_(158.0))
+        assert fills and bool((batch.tensor == 1.0).all())
+        assert pub.stats()["shm"]["retired_blocks"] == 1
+        del fills
+        wait_for(
+            lambda: (sub.recv(timeout=0.05), sub.stats.welcomes)[1] == 2, 10, "subscribed again"
+        )
+        assert sub.stats.evicted == 1 and bool((batch.tensor == 1.0).all())
+        assert pub.stats()["shm"]["retired_blocks"] == 0
+        pub.publish(*message(2))
+        assert float(recv_batches(sub, 1)[0].tensor[0, 0]) == 2.0
+    finally:
+        sub.close()
+        pub.close(timeout=2)
+
+
+def test_a_stopped_subscribers_blocks_wait_for_its_process_to_exit(address):
+    """SIGSTOP of a subscriber holding ten views: dropped at its timeout, its blocks
+    stay retired (it may resume and read them); after kill -9 they come back."""
+    pub = Publisher(
+        address, info={"model": "t"}, heartbeat_s=0.1, subscriber_timeout_s=0.5, shm_mb=4
+    )
+    holder = Proc("holder", address, "10")
+    try:
+        holder.ready(1)
+        for step in range(10):
+            pub.publish(*message(step))
+        assert holder.line(30) == "held 10 shm"
+        os.kill(holder.popen.pid, signal.SIGSTOP)
+        wait_for(lambda: "holder" not in pub.stats()["subscribers"], 10, "the holder dropped")
+        assert pub.stats()["departed"][-1]["reason"] == "timeout"
+        assert _used(pub) >= 10 * MSG and pub.stats()["shm"]["retired_blocks"] == 10
+        holder.kill()
+        wait_for(lambda: _used(pub) == 0, 10, "its blocks back once it exited")
+        assert pub.stats()["shm"]["retired_released"] == 10
+    finally:
+        holder.kill()
+        pub.close(timeout=2)
+
+
+def test_a_filtered_subscriber_is_not_offered_the_region(publisher, address):
+    """The region holds every request's rows: a subscriber whose filter cuts some out
+    is not offered it (its mapping would show it the rows cut out), and reads its
+    own, a copy, from the socket; an unfiltered one beside it reads the region."""
+    ri = RowIndex(
+        ["train-req", "eval-req"],
+        np.array([0, 2, 4]),
+        np.arange(4),
+        np.arange(4),
+        tags=[{"split": "train"}, {"split": "eval"}],
+    )
+    header = Header(0, 0, "post_block", "float32", (4, 1024), "test", ri)
+    rows = torch.arange(4, dtype=torch.float32)[:, None].repeat(1, 1024)
+    only = Subscriber(address, Subscription(match={"split": "train"}, name="train"))
+    every = Subscriber(address, Subscription(name="every"))
+    try:
+        only.wait_welcome(10)
+        every.wait_welcome(10)
+        assert "shm" not in only.welcome and "shm" in every.welcome
+        publisher.publish(header, rows)
+        (mine,) = recv_batches(only, 1)
+        (all_rows,) = recv_batches(every, 1)
+        assert mine.header.rows.request_ids == ["train-req"] and not mine.shared
+        assert mine.tensor[:, 0].tolist() == [0.0, 1.0]
+        assert only.stats.path == "socket" and every.stats.path == "shm" and all_rows.shared
+        st = publisher.stats()["subscribers"]
+        assert st["train"]["path"] == "socket" and st["every"]["path"] == "shm"
+    finally:
+        only.close()
+        every.close()
+
+
+def test_a_view_kept_past_close_is_never_reused(publisher, address):
+    """A consumer that keeps a view of its own (a row) past ``close``: the BYE says the
+    subscriber still views that message, so its block is retired, not reused; the
+    engine's next copies land elsewhere."""
+    sub = Subscriber(address, Subscription(window=4, name="closer"))
+    sub.wait_welcome(10)
+    publisher.publish(*message(1))
+    (batch,) = recv_batches(sub, 1)
+    row = batch.tensor[0]  # a view of its own: close cannot copy it out
+    del batch
+    sub.close()
+    wait_for(lambda: "closer" not in publisher.stats()["subscribers"], 10, "it left")
+    fills = []
+    while (t := publisher.host_tensor((4, 1024), torch.float32)) is not None:
+        fills.append(t.fill_(158.0))
+    assert fills and bool((row == 1.0).all())
+    assert publisher.stats()["shm"]["retired_blocks"] == 1
+
+
+def test_a_second_hello_keeps_the_blocks_of_what_was_sent(publisher, address):
+    """A subscriber says HELLO again (it thought the publisher went quiet) while it
+    views a message it has not acknowledged: its credit starts afresh, but the block
+    stays held until it acknowledges that message; the engine's next copies land
+    elsewhere."""
+    ctx = zmq.Context()
+    peer = _dealer(ctx, address)
+    hello = pack_map(
+        {
+            "schema": SCHEMA_VERSION,
+            "window": 4,
+            "name": "again",
+            "shm": {**host_facts(), "pid": os.getpid()},
+        }
+    )
+    try:
+        peer.send_multipart([HELLO, hello])
+        tag, body = peer.recv_multipart()
+        assert tag == WELCOME
+        mapping = Mapping.attach(msgpack.unpackb(body)["shm"])
+        publisher.publish(*message(1))
+        while (frames := peer.recv_multipart())[0] != REGION:
+            pass
+        rows, _ = mapping.tensor(frames[3], Header.decode(frames[2]))
+        peer.send_multipart([HELLO, hello])  # the same identity: a second HELLO
+        while peer.recv_multipart()[0] != WELCOME:
+            pass
+        fills = []
+        while (t := publisher.host_tensor((4, 1024), torch.float32)) is not None:
+            fills.append(t.fill_(158.0))
+        assert fills and bool((rows == 1.0).all())
+    finally:
+        peer.close()
+        ctx.term()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -260,3 +261,42 @@ def test_actbus_stats_counts_the_expert_load_and_refuses_bad_router_rows(address
     console.print(statsview.render_experts(e))
     text = console.export_text()
     assert "4 experts, top 2" in text and "L1" in text and "3:50%" in text
+
+
+def test_actbus_stats_json_shows_a_reply_holding_bytes(address, capsys):
+    """A STATS reply is the publisher's msgpack: bytes values and keys are shown as
+    hex and text, not a crash of ``--json``."""
+    import msgpack
+    import zmq
+
+    from actbus.wire import HELLO, SCHEMA_VERSION, STATS, WELCOME
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 20000)
+    router.bind(address)
+    reply = {"published": 3, "odd": b"\x00\xff", b"key": [b"ab", {"deep": b"\x01"}]}
+
+    def answer() -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            while True:
+                ident, tag, _ = router.recv_multipart()
+                if tag == HELLO:
+                    welcome = {"schema": SCHEMA_VERSION, "publisher_id": "p", "heartbeat_s": 60}
+                    router.send_multipart([ident, WELCOME, msgpack.packb(welcome)])
+                elif tag == STATS:
+                    router.send_multipart([ident, STATS, msgpack.packb(reply)])
+                    return
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        rc = main(["stats", "--connect", address, "--json", "--timeout", "20"])
+    finally:
+        t.join(timeout=30)
+        router.close()
+        ctx.term()
+    assert rc == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap == {"published": 3, "odd": "00ff", "key": ["6162", {"deep": "01"}]}

@@ -86,8 +86,9 @@ def xargs_corpus(hidden: int) -> list[tuple[str, object]]:
 def number_cases(hidden: int) -> list[tuple[str, object, str]]:
     """Numbers that fit Python but not the type they become (int32 positions, float32
     scales and thresholds), in entries otherwise valid, with the field the refusal
-    names: (name, the request's actbus, field). Before the boundary checked them, a
-    position past int64 killed the engine (HTTP 500) and the rest were accepted."""
+    names: (name, the request's actbus: a value, or JSON text, field). Before the
+    boundary checked them, a position past int64 killed the engine (HTTP 500) and the
+    rest were accepted."""
     v = [0.25] * hidden
     w = "extra_args.actbus"
     return [
@@ -102,6 +103,12 @@ def number_cases(hidden: int) -> list[tuple[str, object, str]]:
         ("threshold past float32", _steer([{"vector": v, "layers": 2,
                                             "gate": {"monitor": "gate", "threshold": 1e39}}]),
          f"{w}.steer[0].gate.threshold"),
+        # Issue 45: 1.9M positions (3.6 MiB) were each checked on the event loop (a
+        # second); a 5000-digit integer, past Python's int parsing, was an HTTP 500.
+        ("1.9M capture positions", {"layers": [3], "positions": [0] * 1_900_000},
+         f"{w}.positions: a list of 1900000 items, more than the 65536"),
+        ("a 5000-digit layer", '{"layers": [' + "7" * 5000 + "]}",
+         f"{w}: an integer of 5000 digits at column 13"),
     ]  # fmt: skip
 
 

@@ -9,7 +9,15 @@ import json
 import pytest
 import torch
 
-from actbus.capture.http import FETCH, HttpReturns, parse_return, to_json, to_safetensors
+from actbus.capture.calls import HttpCall
+from actbus.capture.http import (
+    FETCH,
+    HttpReturns,
+    b64_len,
+    parse_return,
+    to_json,
+    to_safetensors,
+)
 from actbus.capture.returns import Activations
 from actbus.capture.selection import Selection
 from actbus.client import returned
@@ -74,14 +82,14 @@ def test_the_limits_name_themselves_and_reservations_are_let_go():
     row = 1024
     with pytest.raises(ConfigError, match=r"http_return_max_request_mb \(1 MiB\)"):
         b.admit(SEL, 10, 600, 1, row, False)  # 609 positions x 2 taps x 1 KiB
-    t1 = b.admit(SEL, 10, 100, 2, row, False)  # 2 x 109 positions x 2 taps x 1 KiB
-    assert b.held() == 2 * 109 * 2 * row
+    t1 = b.admit(SEL, 10, 100, 2, row, False)  # 2 x 109 positions x 2 taps x 1 KiB, base64
+    assert b.held() == 2 * 2 * b64_len(109 * row)
     with pytest.raises(ConfigError, match=r"http_return_max_server_mb \(1 MiB\)"):
-        b.admit(SEL, 10, 300, 1, row, True)  # 618 KiB more
+        b.admit(SEL, 10, 300, 1, row, True)  # 618 KiB more (raw: kept for fetching)
     b.attach(t1, "a-0")
     b.attach(t1, "a-1")
     b.done(["a-0"])
-    assert b.held() == 109 * 2 * row
+    assert b.held() == 2 * b64_len(109 * row)
     del t1
     gc.collect()  # the request's state is gone: whatever is left goes with it
     assert b.held() == 0
@@ -89,13 +97,50 @@ def test_the_limits_name_themselves_and_reservations_are_let_go():
     key = b.put(blob)
     assert key and b.held() == len(blob)
     assert b.take(key) == blob and b.take(key) is None and b.held() == 0
-    assert b.refused == {"request": 1, "server": 1, "store": 0}
+    assert b.refused == {"request": 1, "server": 1, "client": 0, "store": 0}
+
+
+def test_one_call_is_bounded_over_its_prompts_and_held_until_sent():
+    """The prompts of one HTTP call count together against the per-request limit, and
+    a refusal names the call's own total; the server's refusal counts only other calls'
+    rows as others'. A call's reservation outlives its final outputs until the call
+    ends; rows kept for fetching take their sample's place, shared out by client."""
+    b = HttpReturns(MIB, 3 * MIB // 2, ttl_s=300, max_client=MIB // 2)
+    row = 1024
+    call = HttpCall("10.0.0.1")
+    first = b.admit(SEL, 10, 100, 1, row, False, call)  # 2 taps x base64 of 109 KiB: 0.28 MiB
+    b.admit(SEL, 10, 100, 2, row, False, call)
+    with pytest.raises(ConfigError) as e:
+        b.admit(SEL, 10, 100, 1, row, False, call)
+    msg = str(e.value)
+    assert "this HTTP call's 4 prompts" not in msg and "this HTTP call's 3 prompts" in msg, msg
+    assert "1.14 MiB of rows back in all (its prompt 2: 0.28 MiB" in msg, msg
+    assert "http_return_max_request_mb (1 MiB)" in msg, msg
+    b.attach(first, "c-0")
+    b.done(["c-0"])  # its final output: still held, its bytes are not sent yet
+    assert b.held() == 3 * 2 * b64_len(109 * row)
+    other = HttpCall("10.0.0.2")
+    with pytest.raises(ConfigError, match=r"holds 0\.85 MiB of rows for other HTTP calls"):
+        b.admit(SEL, 10, 250, 1, row, False, other)  # 0.67 MiB more: past 1.5 MiB
+    b.end_call(call)
+    assert b.held() == 0
+    fetched = b.admit(SEL, 10, 100, 1, row, True, other)  # 218 KiB, raw
+    b.attach(fetched, "f-0")
+    b.done(["f-0"])
+    with pytest.raises(ConfigError, match=r"this client \(10\.0\.0\.2\).*fetch_client_mb"):
+        b.admit(SEL, 10, 200, 1, row, True, other)  # 418 KiB more: past its 512 KiB
+    key = b.put(b"x" * 1000, "f-0")  # kept: in place of its reservation
+    assert b.held() == 1000 and b.stats()["stored_by_client"] == {"10.0.0.2": 1000}
+    b.end_call(other)
+    assert b.held() == 1000 and b.take(key) == b"x" * 1000 and b.held() == 0
+    assert b.refused == {"request": 1, "server": 1, "client": 1, "store": 0}
 
 
 def test_stored_rows_expire():
     b = HttpReturns(MIB, 2 * MIB, ttl_s=0.0)
     key = b.put(b"x" * 100)
     assert b.take(key) is None and b.held() == 0
+    assert b.stats()["expired"] == 1 and b.stats()["expired_bytes"] == 100  # counted
 
 
 def test_the_fetch_endpoint_asks_for_the_api_key(monkeypatch):

@@ -9,7 +9,6 @@ with Ctrl-C (SIGINT), as a user would, and checks the stream ended for its subsc
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -31,16 +30,18 @@ from actbus.cli import consumer_command
 from tests.capture.hostile_http import OUTSIDE, Case, corpus, number_cases
 from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
-from tests.support.procs import ROOT, free_port, wait_healthy
+from tests.support.procs import ROOT, actbus_serve, wait_for
+from tests.support.rawhttp import metric, returns_stats
 from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the tiny model has none
 LAYERS, HOOKS = [0, 3], ["post_block", "mlp_out"]
-REQUEST_MB, SERVER_MB = 0.5, 1
-"""The server's ``http_return_max_request_mb`` and ``http_return_max_server_mb``: a
-request of 4 taps x 229 float32 rows of the tiny Llama (hidden 128) fits, two fit the
-server, three do not."""
+REQUEST_MB, SERVER_MB, CLIENT_MB = 0.6, 1, 0.5
+"""The server's ``http_return_max_request_mb``, ``http_return_max_server_mb`` and
+``http_return_fetch_client_mb``: a request of 4 taps x 229 float32 rows of the tiny
+Llama (hidden 128: 0.45 MiB, 0.6 as base64) fits; kept for fetching, two fit the server
+(from two clients), three do not."""
 
 
 ADMIN = "admin-key-of-the-test-server"
@@ -61,40 +62,30 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    address, port = f"ipc://{tmp}/bus.sock", free_port()
-    log = open(tmp / "server.log", "w")  # noqa: SIM115 (closed below)
+    address = f"ipc://{tmp}/bus.sock"
     (tmp / "chat.jinja").write_text(TEMPLATE)
     vectors = vector_dir(tmp, Path(tiny_models["llama"]))
-    cmd = [
-        sys.executable, "-m", "actbus.cli", "serve", str(tiny_models["llama"]),
+    args = [
         "--layers", ",".join(map(str, LAYERS)), "--hooks", ",".join(HOOKS),
         "--requests", "selected", "--publish", address,
         "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
         "--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "64",
-        "--host", "127.0.0.1", "--port", str(port), "--chat-template", str(tmp / "chat.jinja"),
+        "--chat-template", str(tmp / "chat.jinja"),
         # The server's paths are under test, not the compiled graph (the session engines
         # capture with torch.compile on): eager starts in half the time on CPU.
         "--enforce-eager", "--actbus-admin-key", ADMIN,
+        "--enable-scale-out",  # vLLM's /inference/v1/generate: another HTTP route in
         "--actbus-config", json.dumps({
             "steer": {"layers": [1, 2], "hooks": ["post_block"], "vector_dirs": [str(vectors)]},
             "monitor": {"monitors": server_monitors(tiny_models["llama"])},
             # Small bounds, so requests of this module's size meet them (a row: 512 bytes).
             "http_return_max_request_mb": REQUEST_MB, "http_return_max_server_mb": SERVER_MB,
+            "http_return_fetch_client_mb": CLIENT_MB,
         }),
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}  # the worker's actbus line is INFO
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, proc, tmp / "server.log", 300)
-        yield Server(base, address, Path(tiny_models["llama"]), proc, tmp / "server.log", vectors)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    model, log = Path(tiny_models["llama"]), tmp / "server.log"
+    with actbus_serve(model, log, *args) as (base, proc):
+        yield Server(base, address, model, proc, log, vectors)
 
 
 def vector_dir(tmp: Path, model: Path) -> Path:
@@ -380,12 +371,12 @@ def test_returned_rows_limits_and_fetch(server):
                              extra_body=_ret("big"))  # fmt: skip
     assert e.value.status_code == 400
     hidden = json.loads((server.model / "config.json").read_text())["hidden_size"]
-    assert "http_return_max_request_mb (0.5 MiB)" in str(e.value), str(e.value)
+    assert "http_return_max_request_mb (0.6 MiB)" in str(e.value), str(e.value)
     assert f"1 sample(s) x 409 positions x 4 taps x {4 * hidden} bytes a row" in str(e.value)
     prompt = list(range(3, 13))
     kept = []
-    for i in range(2):  # about 0.45 MiB each: two fit in the server's 1 MiB
-        r = c.completions.create(
+    for i in range(2):  # about 0.45 MiB each: two fit in the server's 1 MiB (two clients')
+        r = _client_at(server, f"127.0.0.{2 + i}").completions.create(
             model=model, prompt=prompt, max_tokens=220, temperature=0,
             extra_body={"ignore_eos": True, **_ret(f"fetch{i}", **{"return": "fetch"})},
         )  # fmt: skip
@@ -402,15 +393,143 @@ def test_returned_rows_limits_and_fetch(server):
     with pytest.raises(urllib.error.HTTPError) as gone:  # once
         fetch(server.base, kept[0]["fetch"])
     assert gone.value.code == 404
+    with urllib.request.urlopen(server.base + kept[1]["fetch"], timeout=30) as resp:
+        blob = resp.read()
+    assert len(blob) == kept[1]["bytes"] and set(load(blob)) >= {"L0.post_block", "positions"}
     r = c.completions.create(model=model, prompt=prompt, max_tokens=220, temperature=0,
                              extra_body={"ignore_eos": True, **_ret("inline")})  # fmt: skip
     inline = returned(r)[0]
     assert got.positions.tolist() == inline.positions.tolist() == list(range(229))
     for key, t in inline.tensors.items():
         assert torch.equal(got[key], t), key
-    with urllib.request.urlopen(server.base + kept[1]["fetch"], timeout=30) as resp:
-        blob = resp.read()
-    assert len(blob) == kept[1]["bytes"] and set(load(blob)) >= {"L0.post_block", "positions"}
+
+
+def _client_at(server, source: str):
+    """An openai client whose connections come from ``source`` (a loopback address: a
+    client of its own, to the server)."""
+    import httpx
+    import openai
+
+    transport = httpx.HTTPTransport(local_address=source)
+    http = httpx.Client(transport=transport, timeout=120)
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", max_retries=0, http_client=http)
+
+
+def test_one_client_cannot_starve_the_others_of_the_fetch_store(server):
+    """Issue 45, 7: rows kept for fetching are shared out by client. One client that
+    keeps its share (``http_return_fetch_client_mb``) unfetched is refused more, with
+    a 400 naming the key, and counted; another client's rows are still kept (before,
+    the first client's two took the whole server and every other caller got a 400)."""
+    from actbus.client import fetch
+
+    model = str(server.model)
+    ask = {"ignore_eos": True, **_ret("share", **{"return": "fetch"})}
+    greedy, other = _client_at(server, "127.0.0.5"), _client_at(server, "127.0.0.6")
+    r = greedy.completions.create(model=model, prompt=list(range(3, 13)), max_tokens=220,
+                                  extra_body=ask)  # fmt: skip
+    kept = [_extra(r.choices[0])["activations"]["fetch"]]
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        # 0.08 MiB more: within the server's room, past this client's share
+        greedy.completions.create(model=model, prompt=[5, 6, 7], max_tokens=40, extra_body=ask)
+    assert "this client (127.0.0.5)" in str(e.value), str(e.value)
+    assert "http_return_fetch_client_mb (0.5 MiB)" in str(e.value), str(e.value)
+    r = other.completions.create(model=model, prompt=list(range(3, 13)), max_tokens=220,
+                                 extra_body=ask)  # fmt: skip
+    kept.append(_extra(r.choices[0])["activations"]["fetch"])
+    stats = returns_stats(server.base)
+    assert stats["refused"]["client"] == 1, stats
+    assert set(stats["stored_by_client"]) == {"127.0.0.5", "127.0.0.6"}, stats
+    for path in kept:
+        assert fetch(server.base, path).complete is True
+    assert returns_stats(server.base)["held_bytes"] == 0
+
+
+def test_one_http_call_is_held_to_the_request_cap_over_its_prompts(server):
+    """Issue 45, 4: ``http_return_max_request_mb`` bounds one HTTP call over all its
+    prompts and samples (it was counted per prompt: a call of many prompts got back
+    many times the cap). Three prompts that each fit alone are a 400 naming the call's
+    own total and the key; two that fit together come back whole."""
+    import openai
+
+    c = openai.OpenAI(base_url=f"{server.base}/v1", api_key="x", timeout=120, max_retries=0)
+    model = str(server.model)
+    prompt = list(range(3, 13))  # 109 positions x 4 taps x 512 bytes: 0.28 MiB as base64
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=model, prompt=[prompt] * 3, max_tokens=100,
+                             extra_body={"ignore_eos": True, **_ret("call3")})  # fmt: skip
+    text = str(e.value)
+    assert "this HTTP call's 3 prompts may get up to 0.85 MiB of rows back in all" in text, text
+    assert "http_return_max_request_mb (0.6 MiB)" in text and "prompt 2: 0.28 MiB" in text, text
+    r = c.completions.create(model=model, prompt=[prompt] * 2, max_tokens=100, temperature=0,
+                             extra_body={"ignore_eos": True, **_ret("call2")})  # fmt: skip
+    from actbus.client import returned
+
+    back = returned(r)
+    assert sorted(back) == [0, 1]
+    for got in back.values():
+        assert got.complete is True and got.positions.tolist() == list(range(109))
+    wait_for(
+        lambda: returns_stats(server.base)["held_bytes"] == 0, 30, "the call's reservations to go"
+    )
+
+
+def test_a_client_gone_while_queued_never_holds_up_the_server(server):
+    """Issue 45, 1: a ``"return": true`` request still queued whose client hangs up.
+    Its final output (the abort's) used to wait, on the server's event loop, for rows
+    of a prompt never computed: ``/health`` took seconds (5, with nothing else
+    returning rows), and the engine heard of the abort only after. Now ``/health``
+    answers at once all the while, and the neighbour is bitwise the same."""
+    import http.client
+    from urllib.parse import urlparse
+
+    before = _neighbour(server)
+    plain = {"model": str(server.model), "prompt": [5, 6, 7], "max_tokens": 500,
+             "ignore_eos": True, "temperature": 0}  # fmt: skip
+    done: list[int] = []
+    blockers = [
+        threading.Thread(target=lambda: done.append(_send(server, Case(
+            "blocker", "POST", "/v1/completions", json.dumps(plain).encode()))[0]))
+        for _ in range(8)  # the server's --max-num-seqs: the next request queues
+    ]  # fmt: skip
+    for t in blockers:
+        t.start()
+    try:
+        wait_for(lambda: metric(server.base, "vllm:num_requests_running") >= 8, 60, "8 running")
+        u = urlparse(server.base)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        body = {"model": str(server.model), "prompt": list(range(3, 43)), "max_tokens": 4,
+                **_ret("queued", positions="all")}  # fmt: skip
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        waiting = "vllm:num_requests_waiting"
+        wait_for(lambda: metric(server.base, waiting) >= 1, 30, "the request to queue")
+        conn.close()  # gone, while queued
+        took = []
+        deadline = time.monotonic() + 3.0  # the old stall: 5 s (STALL_S)
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            _healthy(server)
+            took.append(time.monotonic() - t0)
+    finally:
+        for t in blockers:
+            t.join(timeout=240)
+    took.sort()
+    assert took[-1] < 1.0 and took[len(took) // 2] < 0.1, took[-5:]
+    assert done == [200] * 8
+    assert _neighbour(server) == before
+
+
+def test_scale_out_generate_is_an_http_caller(server):
+    """``/inference/v1/generate`` (``--enable-scale-out``) takes sampling parameters, its
+    ``extra_args`` a mapping, from the peer: an HTTP caller's, bounded like any other."""
+    sp = {"max_tokens": 400, "extra_args": {"actbus": {"return": True}}}
+    body = {"model": str(server.model), "token_ids": list(range(3, 13)), "sampling_params": sp}
+    case = Case("scale-out", "POST", "/inference/v1/generate", json.dumps(body).encode())
+    status, text = _send(server, case)
+    assert status == 400 and "http_return_max_request_mb (0.6 MiB)" in text, (status, text[:300])
+    _healthy(server)
 
 
 def test_inspect_eval_reads_activations_and_scores(server, tmp_path):
@@ -791,7 +910,7 @@ def test_hostile_http_calls_are_refused_and_leave_the_server_serving(server):
     assert _call(server.base, "DELETE", "vectors/good")[0] == 200
 
 
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(7))
 def test_hostile_numbers_are_refused(server, case):
     """Numbers past the type they become, over HTTP (issue 33): a 400 naming the field,
     and the server serves on with its neighbour unchanged. The first case also goes to
@@ -800,9 +919,10 @@ def test_hostile_numbers_are_refused(server, case):
     hidden = json.loads((server.model / "config.json").read_text())["hidden_size"]
     name, actbus, field = number_cases(hidden)[case]
     before = _neighbour(server)
+    text = actbus if isinstance(actbus, str) else json.dumps(actbus, separators=(",", ":"))
     body = json.dumps({
         "model": str(server.model), "prompt": [5, 6, 7], "max_tokens": 2,
-        "vllm_xargs": {"actbus": json.dumps(actbus)},
+        "vllm_xargs": {"actbus": text},
     }).encode()  # fmt: skip
     status, text = _send(server, Case(name, "POST", "/v1/completions", body))
     assert status == 400 and field in text, (name, status, text[:300])

@@ -202,21 +202,29 @@ def _frontend(**kw) -> SteerFrontend:
     )
 
 
-def test_cache_salt_follows_prefill_steering():
+def test_kv_salt_starts_at_the_first_steered_position():
     fe = _frontend()
     fe.registry.register("v", np.ones(H))
 
     def salt(entries, prompt_len=10):
         rs = fe.request(entries, True, "steer")
-        return rs.cache_salt(prompt_len) if rs is not None else None
+        return rs.kv_salt(prompt_len) if rs is not None else None
 
     base = [{"vector": "v", "layers": 1}]
-    assert salt(base) is not None and salt(base) == salt([{"vector": "v", "layers": [1]}])
+    assert salt(base)[0] == 0 and salt(base) == salt([{"vector": "v", "layers": [1]}])
     assert salt(base) != salt([{"vector": "v", "layers": 1, "scale": 2.0}])
-    assert salt([{"vector": "v", "layers": 1, "tier": "decode"}]) is None
-    assert salt([{"vector": "v", "layers": 1, "positions": "generated"}]) is None
-    assert salt([{"vector": "v", "layers": 1, "positions": [12]}]) is None
-    assert salt([{"vector": "v", "layers": 1, "positions": [3, 12]}]) is not None
+    # steering on generated tokens salts the blocks from the first generated one
+    decode = salt([{"vector": "v", "layers": 1, "tier": "decode"}])
+    assert decode[0] == 10 and decode != salt([{"vector": "v", "layers": 1, "tier": "decode"}], 12)
+    assert salt([{"vector": "v", "layers": 1, "positions": "generated"}])[0] == 10
+    assert salt([{"vector": "v", "layers": 1, "positions": [12]}])[0] == 12
+    assert salt([{"vector": "v", "layers": 1, "positions": [3, 12]}])[0] == 3
+    assert salt([{"vector": "v", "layers": 1, "positions": "last_prompt"}])[0] == 9
+    assert salt([{"vector": "v", "layers": 1, "tier": "decode", "positions": [3]}]) is None
+    # steered positions tied to the prompt's length: a longer prompt, another salt
+    prefill = [{"vector": "v", "layers": 1, "tier": "prefill"}]
+    assert salt(prefill)[0] == 0 and salt(prefill) != salt(prefill, 12)
+    assert salt(base) == salt(base, 12)  # every position alike: shared
     # a named vector replaced: the salt follows its values, not its name
     before = salt(base)
     fe.registry.register("v", np.full(H, 2.0))
@@ -397,10 +405,11 @@ def test_live_vectors_config_front_end_and_salts():
         "vectors": {},
         "entries": [[1, "post_block", "live:dir", 0.0, 2.0, "base", "all"]],
     }
-    a, b = rs.cache_salt(10), rs.cache_salt(10)
-    assert a is not None and b is not None and a != b  # this request's own prompt blocks
+    a, b = rs.kv_salt(10), rs.kv_salt(10)
+    assert a is not None and b is not None and a != b  # this request's own blocks
     decode = fe.request([{"vector": "dir", "layers": 1, "tier": "decode"}], True, "s")
-    assert decode.cache_salt(10) is None
+    c, d = decode.kv_salt(10), decode.kv_salt(10)
+    assert c[0] == 10 and c != d  # from its first generated token on, its own
 
 
 def test_worker_resolves_live_vectors_at_admission_and_keeps_the_version():

@@ -328,7 +328,7 @@ def test_pipeline_stages_follow_vllms_partition(monkeypatch):
     assert pipeline_stages(config(4, 2)) == (0, 1, 1, 1)
 
 
-def test_a_gate_needs_monitors_and_salts_the_prefill_cache():
+def test_a_gate_needs_monitors_and_salts_the_steered_blocks():
     from actbus.errors import ConfigError
 
     entry = {"vector": "v", "layers": 2, "gate": {"monitor": "p", "threshold": 0.5}}
@@ -337,12 +337,12 @@ def test_a_gate_needs_monitors_and_salts_the_prefill_cache():
     fe = _frontend()
 
     def salt(e):
-        return fe.request([e], True, "steer").cache_salt(10)
+        return fe.request([e], True, "steer").kv_salt(10)
 
     plain = {k: v for k, v in entry.items() if k != "gate"}
     assert salt(entry) is not None and salt(entry) != salt(plain)
     assert salt(entry) != salt({**entry, "gate": {"monitor": "p", "threshold": 0.6}})
-    assert salt({**entry, "tier": "decode"}) is None
+    assert salt({**entry, "tier": "decode"})[0] == 10
     # the engine's global entries take gates too
     fe.set_global([entry])
     assert fe.global_entries[0].gate is not None

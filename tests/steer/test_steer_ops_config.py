@@ -96,16 +96,16 @@ def test_clamp_reads_one_latent_and_confines_http_callers(tmp_path):
         f.request([{**out, "sae": str(tmp_path / "topk")}], True, "s", trusted=True)
 
 
-def test_prompt_ops_salt_the_cache_and_decode_ones_do_not():
+def test_ops_salt_the_blocks_from_their_first_position():
     f = _front()
     row = {"op": "replace", "layers": 1, "positions": [3], "rows": [[0.5] * H]}
     other = {**row, "rows": [[0.25] * H]}
     decode = {"op": "ablate", "layers": 1, "tier": "decode", "directions": [1.0, *[0.0] * 7]}
 
     def salt(*entries):
-        return f.request(list(entries), True, "s").cache_salt(prompt_len=10)
+        return f.request(list(entries), True, "s").kv_salt(prompt_len=10)
 
     assert salt(row) is not None and salt(row) == salt(row)
     assert salt(row) != salt(other)
-    assert salt(decode) is None
-    assert salt({**row, "positions": [12]}) is None  # a generated position
+    assert salt(row)[0] == 3 and salt(decode)[0] == 10
+    assert salt({**row, "positions": [12]})[0] == 12  # a generated position

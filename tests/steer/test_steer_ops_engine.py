@@ -297,3 +297,37 @@ def test_gated_ops_match_hf(sched_engine, tmp_path):
     for out, h, (_, gate) in zip(outs, hf, gates, strict=True):
         h.gate = gate
         _check(out, path, [h])
+
+
+def test_table_rows_bounded_per_request_and_a_full_table_makes_requests_wait(sched_engine):
+    """The Llama engine's table has 8 x 16 + 1 rows (max_num_seqs 16), 128 usable, and
+    one request may hold 16 (an eighth). A request with 17 distinct rows is refused,
+    naming the bound; nine requests of 16 distinct rows each, sent together, need 144:
+    the last waits for rows and is then steered exactly as when it runs alone, and so
+    are the others."""
+    llm = sched_engine.llm
+    path = sched_engine.model_path
+    vocab = llm.get_tokenizer().vocab_size
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    # 20 tokens and 6 generated: no block is ever full, so no run reads another's KV
+    prompts = [_prompts(vocab, 1, seed=81 + i, length=20)[0] for i in range(9)]
+    norm = _stream_norm(path, prompts[0])
+
+    def rows(i: int, n: int = 16) -> list[dict]:
+        r = _vectors(hidden, n, norm, seed=100 + i)
+        entry = {"op": "replace", "layers": 1, "positions": list(range(n))}
+        return [{**entry, "rows": [v.tolist() for v in r]}]
+
+    with pytest.raises(
+        ValueError,
+        match=r"17 distinct vectors .* at most 16 rows of the "
+        r"engine's steering table \(actbus\.steer\.max_request_vectors\)",
+    ):
+        _generate(llm, [prompts[0]], [_params(rows(0, 17), ret=None)])
+    batch = _generate(llm, prompts, [_params(rows(i), ret="generated") for i in range(9)])
+    for i in (8, 0):
+        alone = _generate(llm, [prompts[i]], [_params(rows(i), ret="generated")])[0]
+        got, want = batch[i].outputs[0], alone.outputs[0]
+        assert list(got.token_ids) == list(want.token_ids), f"request {i} was not steered"
+        for key in want.activations.tensors:
+            assert torch.equal(got.activations[key], want.activations[key]), (i, key)

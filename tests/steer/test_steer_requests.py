@@ -185,6 +185,58 @@ def test_prefix_cache_separates_prefill_steering_and_keeps_decode_hits(sched_eng
     assert list(outs[4].outputs[0].token_ids) == list(outs[0].outputs[0].token_ids)
 
 
+def test_generated_tokens_steered_stay_out_of_plain_requests_cache(sched_engine):
+    """A conversation re-sent unsteered (its prompt the steered request's prompt and
+    generated tokens) reads the unsteered prompt blocks they share, and computes the
+    blocks that hold steered tokens afresh: exactly what it gets after an unsteered run.
+    Each run starts from an empty cache and the same unsteered prefill of the prompt,
+    so the block both share was computed alike."""
+    from vllm import SamplingParams
+
+    llm = sched_engine.llm
+    vocab = llm.get_tokenizer().vocab_size
+    prompt = _prompts(vocab, 1, seed=53, length=60)[0]  # one full block, then 28 tokens
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    v = _vectors(hidden, 1, 2.0 * _stream_norm(sched_engine.model_path, prompt), seed=9)[0]
+    d = _vectors(hidden, 1, 1.0, seed=10)[0]
+    ops = {
+        "add": [{"vector": v.tolist(), "layers": 1, "tier": "decode"}],
+        "replace": [
+            {"op": "replace", "layers": 1, "positions": [60, 61], "rows": [v.tolist()] * 2}
+        ],
+        "ablate": [
+            {"op": "ablate", "layers": 2, "positions": "generated", "directions": d.tolist()}
+        ],
+    }
+
+    def run(tokens, steer=None, max_tokens=8):
+        # captured rows of generated tokens only: prompt blocks are read from cache
+        actbus = {"positions": "generated", **({"steer": steer} if steer else {})}
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+            extra_args={"actbus": actbus},
+        )  # fmt: skip
+        out = _generate(llm, [tokens], [params])[0]
+        c = out.outputs[0]
+        return (
+            list(c.token_ids),
+            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)],
+            out,
+        )
+
+    for name, steer in ops.items():
+        resent = prompt + run(prompt, steer)[0][:6]  # 2 full blocks: the 2nd holds steered KV
+        assert llm.reset_prefix_cache()
+        run(prompt, max_tokens=1)  # the prompt's first block, unsteered; no second one
+        want = run(resent)
+        assert llm.reset_prefix_cache()
+        run(prompt, steer)  # the same first block, and a second holding steered tokens
+        got = run(resent)
+        cached = (want[2].num_cached_tokens, got[2].num_cached_tokens)
+        assert cached == (32, 32), (name, cached)  # the unsteered prompt block is shared
+        assert got[:2] == want[:2], f"{name}: a plain request read KV steered for another"
+
+
 def test_hot_change_takes_effect_for_new_requests_without_recompiling(sched_engine):
     """A request in flight keeps the vector it started with; one admitted after the
     change gets the new one; the engine compiles and captures nothing."""

@@ -34,7 +34,6 @@ def require_actbus_plugin() -> None:
     )
 
 
-
 def gpu_memory() -> dict:
     """A check engine's GPU memory arguments. ``ACTBUS_GPU_SHARE`` (default 0.3): the
     share of the GPU it may take. ``ACTBUS_GPU_KV_GIB``, where set: a fixed KV cache,

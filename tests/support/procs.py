@@ -7,9 +7,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,29 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) ->
         if time.monotonic() > deadline:
             raise TimeoutError(f"the server was not healthy within {timeout:.0f} s")
         time.sleep(1)
+
+
+@contextmanager
+def actbus_serve(model: Path, log: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``actbus serve MODEL ARGS`` on a free loopback port, started as a user starts it:
+    (its base URL, its process) once healthy; stopped (SIGTERM, then SIGKILL) after."""
+    port = free_port()
+    out = open(log, "w")  # noqa: SIM115 (closed below)
+    cmd = [sys.executable, "-m", "actbus.cli", "serve", str(model), *args,
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}  # the worker's actbus line is INFO
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, log, 300)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out.close()
 
 
 def manifest(out: Path) -> dict[str, Any] | None:

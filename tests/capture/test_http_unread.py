@@ -1,0 +1,80 @@
+"""HTTP clients that ask rows back and never read the answer (issue 45, 2), against a
+real ``actbus serve`` whose answers are large enough (megabytes) to outgrow what the
+kernel's socket buffers take, so what the server holds for them shows in its memory.
+
+A call's reservation used to end when its final output was made, not when its bytes
+were sent: each client that did not read kept its whole response in the API server,
+which grew with the number of such connections.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import actbus_serve, wait_for
+from tests.support.rawhttp import api_server, post_unread, returns_stats, status_of
+
+pytestmark = pytest.mark.engine
+MIB = 1 << 20
+SERVER_MB = 20
+"""``http_return_max_server_mb``: three of this module's calls fit (4 MiB of rows each,
+5.3 MiB as base64 text)."""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("unread")
+    model = Path(tiny_models["llama"])
+    args = [
+        "--layers", "0,3", "--hooks", "post_block,mlp_out", "--requests", "selected",
+        "--publish", f"ipc://{tmp}/bus.sock", "--dtype", "float32",
+        "--max-model-len", "512", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.3",
+        "--num-gpu-blocks-override", "64", "--enforce-eager",
+        "--actbus-config", json.dumps({
+            "http_return_max_request_mb": 16, "http_return_max_server_mb": SERVER_MB,
+        }),
+    ]  # fmt: skip
+    with actbus_serve(model, tmp / "server.log", *args) as (base, proc):
+        yield base, proc, model
+
+
+def test_unread_return_responses_hold_no_more_than_the_server_cap(server):
+    """100 clients, one after another, each sending a ``"return": true`` call (4
+    samples x 500 positions x 4 taps: 4 MiB of rows) and reading nothing. A call's
+    reservation lasts until its response is sent, so the server keeps its cap
+    (``http_return_max_server_mb``) of them and refuses the rest, counted; the API
+    server grows by no more than that cap plus 50 MiB (it grew with every client: by
+    hundreds of MiB here). Once they hang up, the reservations and the memory are given
+    back, and a call that reads its answer is served."""
+    base, proc, model = server
+    api = api_server(proc.pid)
+    body = {"model": str(model), "prompt": [7] * 500, "max_tokens": 1, "n": 4,
+            "vllm_xargs": {"actbus": json.dumps({"return": True})}}  # fmt: skip
+    warm = post_unread(base, "/v1/completions", body)  # one, read whole, first
+    warm.settimeout(120)
+    while warm.recv(1 << 16):
+        pass
+    warm.close()
+    rss0 = api.memory_info().rss
+    socks, statuses = [], []
+    try:
+        for _ in range(100):  # one after another: each answered before the next asks
+            socks.append(post_unread(base, "/v1/completions", body))
+            statuses.append(status_of(socks[-1], 300))
+        grown = api.memory_info().rss - rss0
+        sent = statuses.count(200)
+        assert grown <= (SERVER_MB + 50) * MIB, f"grew {grown / MIB:.0f} MiB; {sent} answered"
+        stats = returns_stats(base)
+    finally:
+        for s in socks:
+            s.close()
+    assert sent + statuses.count(400) == 100, statuses
+    assert sent == 3 and stats["refused"]["server"] == 100 - sent, stats
+    wait_for(lambda: returns_stats(base)["held_bytes"] == 0, 60, "the reservations to go")
+    wait_for(lambda: api.memory_info().rss - rss0 <= 50 * MIB, 60, "the memory to go back")
+    read = post_unread(base, "/v1/completions", body)
+    assert status_of(read, 120) == 200
+    read.close()
