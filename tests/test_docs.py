@@ -111,6 +111,29 @@ def test_slugs_match_mkdocs() -> None:
     assert github_slug("Serve and train live") == "serve-and-train-live"
 
 
+# ------------------------------------------------------------ repository paths
+_REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:examples|benchmarks|tests|actbus)/[\w./-]*\w\.(?:py|sh|md))"
+)
+
+
+def missing_paths(text: str) -> list[str]:
+    """Repository files a page names (in prose or code, e.g. `examples/x.py`) that do
+    not exist: a user pastes them."""
+    return sorted({p for p in _REPO_PATH.findall(text) if not (ROOT / p).exists()})
+
+
+def test_every_repository_file_the_docs_name_exists() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    gone = {str(p.relative_to(ROOT)): m for p in pages if (m := missing_paths(p.read_text()))}
+    assert gone == {}, f"files named in the docs that do not exist: {gone}"
+
+
+def test_the_path_checker_finds_a_missing_file() -> None:
+    text = "see `examples/demo.py` and examples/no_such_example.py, not x/examples/y.py"
+    assert missing_paths(text) == ["examples/no_such_example.py"]
+
+
 # ------------------------------------------------------------------ code blocks
 def test_every_code_block_runs_or_is_marked_a_fragment() -> None:
     """Each Python and shell block of the README and docs/ is run by a test as pasted

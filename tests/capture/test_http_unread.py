@@ -41,27 +41,34 @@ def server(tiny_models, tmp_path_factory):
         yield base, proc, model
 
 
-def test_unread_return_responses_hold_no_more_than_the_server_cap(server):
-    """100 clients, one after another, each sending a ``"return": true`` call (4
-    samples x 500 positions x 4 taps: 4 MiB of rows) and reading nothing. A call's
-    reservation lasts until its response is sent, so the server keeps its cap
-    (``http_return_max_server_mb``) of them and refuses the rest, counted; the API
-    server grows by no more than that cap plus 50 MiB (it grew with every client: by
-    hundreds of MiB here). Once they hang up, the reservations and the memory are given
-    back, and a call that reads its answer is served."""
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_unread_return_responses_hold_no_more_than_the_server_cap(server, stream):
+    """Clients, one after another, each sending a ``"return": true`` call (4 samples x
+    500 positions x 4 taps: 4 MiB of rows) and reading nothing: 100 whole answers, 20
+    streamed ones. A call's reservation lasts until its response is sent, so the server
+    holds no more than its cap (``http_return_max_server_mb``): whole answers past it are
+    refused, counted; streamed ones are admitted, and what the server holds for them
+    stays within the cap. The API server grows by no more than that cap plus 50 MiB (it
+    grew with every client: by hundreds of MiB here, +129 MiB for 4 streamed ones).
+    Once they hang up, the reservations and the memory are given back, and a call that
+    reads its answer is served."""
     base, proc, model = server
+    clients = 20 if stream else 100
     api = api_server(proc.pid)
     body = {"model": str(model), "prompt": [7] * 500, "max_tokens": 1, "n": 4,
+            "stream": stream,
             "vllm_xargs": {"actbus": json.dumps({"return": True})}}  # fmt: skip
+    wait_for(lambda: returns_stats(base)["held_bytes"] == 0, 60, "earlier reservations to go")
     warm = post_unread(base, "/v1/completions", body)  # one, read whole, first
     warm.settimeout(120)
     while warm.recv(1 << 16):
         pass
     warm.close()
     rss0 = api.memory_info().rss
+    refused0 = returns_stats(base)["refused"]["server"]
     socks, statuses = [], []
     try:
-        for _ in range(100):  # one after another: each answered before the next asks
+        for _ in range(clients):  # one after another: each answered before the next asks
             socks.append(post_unread(base, "/v1/completions", body))
             statuses.append(status_of(socks[-1], 300))
         grown = api.memory_info().rss - rss0
@@ -71,8 +78,10 @@ def test_unread_return_responses_hold_no_more_than_the_server_cap(server):
     finally:
         for s in socks:
             s.close()
-    assert sent + statuses.count(400) == 100, statuses
-    assert sent == 3 and stats["refused"]["server"] == 100 - sent, stats
+    assert sent + statuses.count(400) == clients, statuses
+    assert stats["held_bytes"] <= SERVER_MB * MIB, stats
+    if not stream:  # a whole answer reserves its upper bound at admission
+        assert sent == 3 and stats["refused"]["server"] - refused0 == clients - sent, stats
     wait_for(lambda: returns_stats(base)["held_bytes"] == 0, 60, "the reservations to go")
     wait_for(lambda: api.memory_info().rss - rss0 <= 50 * MIB, 60, "the memory to go back")
     read = post_unread(base, "/v1/completions", body)
