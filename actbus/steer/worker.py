@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,25 +44,55 @@ class _Upload:
 
     A copy from pageable memory waits for the stream to drain, which would undo vLLM's
     overlap of input preparation with the previous forward. Each copy goes through a
-    fresh pinned tensor, kept (with an event) until the copy has run; copies stay in
-    stream order, so the forward that follows reads the new values. On CPU: a copy."""
+    pinned staging buffer, kept (with an event) until the copy has run; copies stay in
+    stream order, so the forward that follows reads the new values. Staging buffers are
+    pooled by size (powers of two) and reused once their copy has run: a fresh
+    ``pin_memory()`` per copy (``cudaHostAlloc``) was 12.5% of the engine thread's
+    busy time when ablating at 32 layers (benchmarks/RESULTS.md, issue 47). On CPU: a
+    copy."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._inflight: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._inflight: list[tuple[int, torch.Tensor, Any]] = []
 
     def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if not self.cuda:
             dst.copy_(src)
             return
-        self._inflight = [(t, e) for t, e in self._inflight if not e.query()]
-        host = src.pin_memory()
+        self._reclaim()
+        src = src.contiguous()
+        nbytes = src.numel() * src.element_size()
+        size = max(4096, 1 << max(0, nbytes - 1).bit_length())
+        pool = self._free.setdefault(size, [])
+        buf = pool.pop() if pool else self._pinned(size)
+        host = buf[:nbytes].view(src.dtype).view(src.shape)
+        host.copy_(src)
         dst.copy_(host, non_blocking=True)
+        self._inflight.append((size, buf, self._recorded()))
+
+    def _reclaim(self) -> None:
+        """Staging buffers whose copy has run go back to their pool."""
+        waiting = []
+        for size, buf, done in self._inflight:
+            if done.query():
+                self._free[size].append(buf)
+            else:
+                waiting.append((size, buf, done))
+        self._inflight = waiting
+
+    def _pinned(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def _recorded(self) -> Any:
         done = torch.cuda.Event()
         done.record()
-        self._inflight.append((host, done))
+        return done
 
 
+_KEY = 1 << 32
+"""``entry * _KEY + position``: one key per listed (entry, position); positions are
+below vLLM's context lengths, far below 2**32."""
 _GATE_ARRAYS = ("kind", "m", "col", "thr", "sharp")
 TIER_CODES = {"base": 0, "prefill": 1, "decode": 2}
 POSITION_CODES = {"all": 0, "prompt": 1, "generated": 2, "last_prompt": 3}
@@ -135,6 +166,8 @@ class _Batch:
     req: np.ndarray
     listed: dict[int, np.ndarray]  # entry -> its positions (mode LISTED)
     gate: _Gates | None = None  # concatenated; ``slot`` unused
+    listed_entry: np.ndarray | None = None  # bool per entry: its positions are listed
+    listed_keys: np.ndarray | None = None  # sorted ``entry * _KEY + position`` of them
     listed_late: bool = False  # a listed position past its request's prompt
     gate_slot: np.ndarray | None = None  # per steered request: its row of ``last``
 
@@ -463,6 +496,13 @@ class Steerer:
             req=np.repeat(np.arange(len(cat)), per_req),
             listed={int(base[k] + j): v for k, st in enumerate(cat) for j, v in st.listed.items()},
         )
+        if self._last.listed:
+            entries = np.fromiter(self._last.listed, dtype=np.int64)
+            self._last.listed_entry = np.zeros(len(self._last.point), dtype=bool)
+            self._last.listed_entry[entries] = True
+            self._last.listed_keys = np.sort(
+                np.concatenate([e * _KEY + v for e, v in self._last.listed.items()])
+            )
         self._last.listed_late = any(
             len(v) and int(v[-1]) >= st.prompt_len for st in cat for v in st.listed.values()
         )
@@ -493,9 +533,9 @@ class Steerer:
         row = lo[r] + within
         pos = first[r] + within
         keep = _entry_mask(bt.tier[pair], bt.mode[pair], pos, bt.prompt_len[r])
-        for entry, positions in bt.listed.items():
-            sel = pair == entry
-            keep[sel] &= np.isin(pos[sel], positions)
+        if bt.listed:  # one membership test for every listed entry's pairs
+            sel = bt.listed_entry[pair]
+            keep[sel] &= np.isin(pair[sel] * _KEY + pos[sel], bt.listed_keys)
         gt = bt.gate
         if gt is not None:  # previous-token gates closed where there is no such score
             prev = gt.kind[pair] == 2
