@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -44,7 +45,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -212,28 +212,69 @@ def read_rows(arm: str, resp: dict, n_layers: int) -> tuple[int, int]:
     return gen, int(hs.shape[0])
 
 
-async def _drive(arm, url, bodies, concurrency, n_layers, t0) -> list[tuple[int, int]]:
+_read = None
+"""A client process's share of the arm's count of responses read (``_count``)."""
+
+
+def _count(counter) -> None:
+    global _read
+    _read = counter
+
+
+async def _drive(arm, url, bodies, concurrency, n_layers, t0, limit) -> list[tuple[int, int]]:
     import httpx
 
     while time.time() < t0:  # every client starts at once
         await asyncio.sleep(0.005)
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=limit, limits=limits) as client:
 
         async def one(b):
             async with sem:
                 r = await client.post(f"{url}/v1/completions", json=b)
                 r.raise_for_status()
-                return read_rows(arm, r.json(), n_layers)
+                got = read_rows(arm, r.json(), n_layers)
+            if _read is not None:
+                with _read.get_lock():
+                    _read.value += 1
+            return got
 
         return await asyncio.gather(*(one(b) for b in bodies))
 
 
-def client(arm: str, url: str, bodies: list[dict], concurrency: int, n_layers: int, t0: float):
+def client(
+    arm: str, url: str, bodies: list[dict], concurrency: int, n_layers: int, t0: float, limit: float
+):
     """One client process's share: (per response (generated, rows), its end time)."""
-    got = asyncio.run(_drive(arm, url, bodies, concurrency, n_layers, t0))
+    got = asyncio.run(_drive(arm, url, bodies, concurrency, n_layers, t0, limit))
     return got, time.time()
+
+
+def clients(arm, url, shares, per, n_layers, t0, limit) -> list:
+    """Every client process's ``client``, all within ``limit`` seconds: a client that
+    has not ended by then fails the arm, saying how many responses were read, and its
+    process is killed (a hung read never holds the benchmark)."""
+    ctx = multiprocessing.get_context("spawn")
+    counter = ctx.Value("i", 0)
+    total = sum(len(s) for s in shares)
+    pool = ctx.Pool(len(shares), initializer=_count, initargs=(counter,))
+    try:
+        jobs = [pool.apply_async(client, (arm, url, s, per, n_layers, t0, limit)) for s in shares]
+        deadline = time.monotonic() + limit
+        out = []
+        for job in jobs:
+            try:
+                out.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
+            except multiprocessing.TimeoutError:
+                raise TimeoutError(
+                    f"the clients had read {counter.value} of {total} responses after "
+                    f"{limit:g} s (--arm-timeout)"
+                ) from None
+        return out
+    finally:
+        pool.terminate()
+        pool.join()
 
 
 def run_arm(arm: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
@@ -257,14 +298,12 @@ def run_arm(arm: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
         n = len(_arm(arm, args)[1])
         bodies = [body(arm, p, args, str(path)) for p in prompts]
         warm = [dict(b, max_tokens=8) for b in bodies[: min(16, len(bodies))]]
-        client(arm, url, warm, len(warm), n, time.time())  # compiles, graphs
+        clients(arm, url, [warm], len(warm), n, time.time(), args.arm_timeout)  # compiles
         k = max(1, args.clients)
-        shares = [bodies[i::k] for i in range(k)]
+        shares = [s for s in (bodies[i::k] for i in range(k)) if s]
         per = max(1, args.concurrency // k)
-        t0 = time.time() + 2.0
-        with ProcessPoolExecutor(k) as pool:
-            futs = [pool.submit(client, arm, url, s, per, n, t0) for s in shares if s]
-            results = [f.result() for f in futs]
+        t0 = time.time() + 5.0  # the client processes start (spawn) before it
+        results = clients(arm, url, shares, per, n, t0, args.arm_timeout)
         gen_s = max(end for _, end in results) - t0
         pairs = [p for got, _ in results for p in got]
         generated = sum(g for g, _ in pairs)
@@ -290,6 +329,12 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=None, help="client processes: 4 (--tiny: 1)")
     ap.add_argument("--arms", default=",".join(ARMS), help="arms to run, in order")
     ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument(
+        "--arm-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the warm-up, and then the timed requests, may take (each)",
+    )
     args = ap.parse_args()
     for key, v in DEFAULTS["tiny" if args.tiny else "gpu"].items():
         if getattr(args, key) is None:
