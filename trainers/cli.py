@@ -298,7 +298,7 @@ def _models(model: type, opts: argparse.Namespace, sub: SubscriberOptions, d_in:
     kw = values(opts, model, exclude=MODEL_FROM_SOURCE)
     swept = sweeps(model)
     grid = itertools.product(sub.layers or (), sub.hooks or (), *(kw[n] for n in swept))
-    return [
+    out = [
         model(
             d_in=d_in,
             layer=layer,
@@ -308,6 +308,15 @@ def _models(model: type, opts: argparse.Namespace, sub: SubscriberOptions, d_in:
         )
         for layer, hook, *v in grid
     ]
+    seen: set[str] = set()
+    for cfg in out:  # e.g. --k 32,64 with --kind relu, which has no k
+        if cfg.name in seen:
+            raise ValueError(
+                f"two models would be saved as {cfg.name!r}: drop the sweep values this "
+                "kind does not use, or give --name"
+            )
+        seen.add(cfg.name)
+    return out
 
 
 def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) -> dict:

@@ -298,6 +298,8 @@ def test_bad_flags_are_named():
         (*live[:-1], "-1", "--k", "2"): "error: --layer: expected a 0-based layer index",
         (*live, "--k", "2", "--hook", "post_blok"): "error: --hook: unknown hook 'post_blok'",
         (*live, "--k", "2", "--hooks", "post_block,pre_atn"): "error: --hooks[1]: unknown hook",
+        # relu has no k: two values of it would be two models of one name
+        (*live, "--kind", "relu", "--k", "2,4"): "two models would be saved as 'L0.post_block",
     }
     for (argv, want), (code, err) in zip(cases.items(), _run_many(*cases), strict=True):
         assert code == 2 and want in err, (argv, code, err[-2000:])
