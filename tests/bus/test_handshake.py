@@ -60,12 +60,18 @@ def test_a_layer_or_hook_the_publisher_does_not_tap_is_refused_at_once(tmp_path)
                     "--layers", "7", timeout=60)  # fmt: skip
         assert r.returncode == 1, r.stderr[-2000:]
         assert "taps layers [1, 3] and hooks ['post_block'], not layer 7" in r.stderr
+        assert "actbus run fs-sink: the publisher at" in r.stderr and "usage:" not in r.stderr
         assert time.monotonic() - t0 < 30
         r = _actbus("run", "sae", "--connect", address, "--layer", "1,7", "--no-progress",
                     "--out", str(tmp_path / "sae"))  # fmt: skip
-        assert r.returncode == 2, r.stderr[-2000:]
-        # named as typed (--layer), issue 34
-        assert "--layer: the publisher at" in r.stderr and "not layer 7 asked for" in r.stderr
+        # issue 50: the same refusal, the same status and one line in every command (it
+        # was status 2 with argparse's usage, as if a flag were malformed)
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert "actbus run sae: the publisher at" in r.stderr, r.stderr[-2000:]
+        assert "not layer 7 asked for" in r.stderr and "usage:" not in r.stderr
+        assert "Traceback" not in r.stderr
+        (line,) = [x for x in r.stderr.splitlines() if "not layer 7" in x]
+        assert line.startswith("actbus run sae: ")
         r = _actbus("run", "sae", "--connect", address, "--layer", "3", "--hook", "mlp_out",
                     "--d-in", "64", "--no-progress", "--out", str(tmp_path / "sae"))  # fmt: skip
         assert r.returncode == 1, r.stderr[-2000:]
