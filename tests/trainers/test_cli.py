@@ -475,6 +475,7 @@ def test_a_trainer_says_whom_it_waits_for_whom_it_joined_and_what_it_missed(tmp_
     ), out[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert (summary["policy"], summary["dropped"], summary["routed"]) == ("drop_oldest", n, 200)
+    assert out.count("warmed up: the first step starts") == 1, out[-3000:]  # issue 50
 
 
 def test_a_trainer_whose_every_push_failed_exits_non_zero(tmp_path):
