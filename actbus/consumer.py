@@ -248,6 +248,11 @@ def _run_once(
                 rejected = sub.stats.rejected
                 _call(consumer, "on_rejected", consumer.on_rejected, dict(sub.stats.rejected_by))
             if out is not None and _deliver(consumer, sub, out) and exit_on_end:
+                log.info(
+                    "the publisher ended the stream: stopping (--keep-waiting waits for "
+                    "another to start at %s)",
+                    address,
+                )
                 break
     except ConsumerFailed as e:
         failure = e

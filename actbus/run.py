@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 
 from actbus import consumer as consumers
 from actbus.bus import SubscriptionRejected
-from actbus.bus.options import SubscriberOptions
+from actbus.bus.options import SubscriberOptions, add_end_arguments
 from actbus.flags import HelpFormatter
 
 TRAINERS = "actbus.trainers"  # entry points: main(argv) -> exit code (trainers/cli.py)
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         defaults={"policy": cls.default_policy, "name": cls.name},
     )
     r = p.add_argument_group("run")
-    r.add_argument("--exit-on-end", action="store_true", help="exit when the publisher stops")
+    add_end_arguments(r)
     r.add_argument("--log-level", default="INFO", help="logging level")
     r.add_argument(
         "--on-error",

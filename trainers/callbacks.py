@@ -144,6 +144,10 @@ class DataStats(pl.Callback):
         self.every = max(1, every_steps)
         self.last: dict[str, float] = {}
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 0 and hasattr(self.dm, "first_step"):
+            self.dm.first_step()  # the warm-up is reported until now
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx % self.every == 0:
             self._log(trainer)

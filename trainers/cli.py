@@ -257,7 +257,7 @@ def _d_in(opts: argparse.Namespace, sub: SubscriberOptions) -> int:
         from consumers.fs import ActivationRun
 
         return ActivationRun(opts.run_dir).hidden_size
-    from actbus.bus import Subscription, SubscriptionRejected
+    from actbus.bus import Subscription
     from actbus.bus.subscriber import check_taps
 
     asked = (
@@ -267,10 +267,7 @@ def _d_in(opts: argparse.Namespace, sub: SubscriberOptions) -> int:
     )
     with sub.subscribe(Subscription(layers=(), name="trainer-probe-width"), waiting_for=asked) as s:
         info = s.wait_welcome(timeout=60)
-    try:
-        check_taps(sub.connect or "", info, sub.layers, sub.hooks)
-    except SubscriptionRejected as e:
-        raise ValueError(f"layers: {e}") from None
+    check_taps(sub.connect or "", info, sub.layers, sub.hooks)  # refused: SubscriptionRejected
     if "hidden_size" not in info:
         raise ValueError("the publisher does not announce hidden_size; pass --d-in")
     return int(info["hidden_size"])
@@ -298,7 +295,7 @@ def _models(model: type, opts: argparse.Namespace, sub: SubscriberOptions, d_in:
     kw = values(opts, model, exclude=MODEL_FROM_SOURCE)
     swept = sweeps(model)
     grid = itertools.product(sub.layers or (), sub.hooks or (), *(kw[n] for n in swept))
-    return [
+    out = [
         model(
             d_in=d_in,
             layer=layer,
@@ -308,6 +305,15 @@ def _models(model: type, opts: argparse.Namespace, sub: SubscriberOptions, d_in:
         )
         for layer, hook, *v in grid
     ]
+    seen: set[str] = set()
+    for cfg in out:  # e.g. --k 32,64 with --kind relu, which has no k
+        if cfg.name in seen:
+            raise ValueError(
+                f"two models would be saved as {cfg.name!r}: drop the sweep values this "
+                "kind does not use, or give --name"
+            )
+        seen.add(cfg.name)
+    return out
 
 
 def _fit(module, data_cfg: DataConfig, opts: argparse.Namespace, configs: list) -> dict:
@@ -480,9 +486,16 @@ def _parse(
             "--num-nodes: set NODE_RANK (this host's index), MASTER_ADDR and MASTER_PORT "
             "(rank 0's host and a free port) on every host"
         )
+    from actbus.bus import SubscriptionRejected
+
     try:
         configs, data_cfg = build(opts, sub, _d_in(opts, sub))
         opts.push_target = _push_target(opts, configs)
+    except SubscriptionRejected as e:
+        # The publisher's refusal, not a bad flag: one line and status 1, as every
+        # ``actbus run`` command ends on it (actbus/run.py, _fit_or_refused).
+        print(f"{parser.prog}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     except (ValueError, TimeoutError, FileNotFoundError) as e:
         parser.error(name_flag(parser, str(e), opts))
     return opts, configs, data_cfg

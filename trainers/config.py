@@ -16,6 +16,8 @@ from actbus.flags import flag
 from actbus.streams import point_key
 
 SAE_KINDS = ("topk", "batchtopk", "relu", "jumprelu")
+K_KINDS = ("topk", "batchtopk")
+"""The kinds ``k`` (active latents per token) means something for."""
 PROBE_KINDS = ("logistic", "linear")
 B_DEC_INITS = ("geometric_median", "mean", "zeros")
 DECODERS = ("sparse", "dense")
@@ -73,7 +75,7 @@ class SAEConfig:
             _check(self.expansion > 0, f"expansion: expected > 0, got {self.expansion}")
             self.d_sae = self.d_in * self.expansion
         _check(self.d_sae > 0, f"d_sae: expected > 0, got {self.d_sae}")
-        if self.kind in ("topk", "batchtopk"):
+        if self.kind in K_KINDS:
             _check(0 < self.k <= self.d_sae, f"k: expected 1..d_sae ({self.d_sae}), got {self.k}")
             if self.aux_k is None:
                 self.aux_k = self.d_in // 2
@@ -93,7 +95,8 @@ class SAEConfig:
         _check(self.layer >= 0, f"layer: expected >= 0, got {self.layer}")
         if not self.name:
             x = self.d_sae // self.d_in
-            self.name = f"{point_key(self.layer, self.hook)}-{self.kind}-k{self.k}-x{x}"
+            k = f"-k{self.k}" if self.kind in K_KINDS else ""  # relu, jumprelu: no k
+            self.name = f"{point_key(self.layer, self.hook)}-{self.kind}{k}-x{x}"
 
     @property
     def stream(self) -> str:

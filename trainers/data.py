@@ -89,6 +89,9 @@ class TokenHub:
         self.max_position = -1
         """The highest token position that arrived (the longest sequence, for checkpoints)."""
         self._progress_at = time.monotonic()
+        self.stepped = threading.Event()
+        """Set when the trainer starts its first step (``first_step``): until then the
+        warm-up is reported, however many batches Lightning and the prefetch took."""
 
     # -------------------------------------------------------------- source side
     def put(self, key: str, rows: TrainingRows, stop: threading.Event) -> None:
@@ -195,7 +198,9 @@ class TokenHub:
                         return None
                     sizes = {k: self._batch_size(k, draining) for k in self.keys}
                     break
-                if not self._warm:
+                if not self.stepped.is_set():
+                    # Warm or not: the first step also waits for the batches read ahead
+                    # of it (Lightning reads one more before it steps on the first).
                     self._log_warmup()
                 self._cond.wait(timeout=0.25)
             out = {}
@@ -220,12 +225,23 @@ class TokenHub:
         return min(b, have)
 
     def _log_warmup(self) -> None:
-        """Every ``WARMUP_LOG_S``: how many tokens each stream has of the warm-up."""
+        """Every ``WARMUP_LOG_S`` until the first step: how many tokens each stream has
+        of the warm-up, then of the batch the first step still waits for."""
         now = time.monotonic()
         if now - self._progress_at < WARMUP_LOG_S:
             return
         self._progress_at = now
         have = ", ".join(f"{k} {self._filled(k):,}" for k in self.keys)
+        if self._warm:
+            log.info(
+                "warming up: the warm-up's %s tokens per stream are in; the first step waits "
+                "for one more batch (read ahead of it): %s of the %s tokens per stream "
+                "(--batch-tokens)",
+                f"{self.cfg.warmup_tokens:,}",
+                have,
+                f"{self.cfg.batch_tokens:,}",
+            )
+            return
         log.info(
             "warming up: %s of the %s tokens per stream the first step waits for "
             "(--warmup-tokens)%s",
@@ -233,6 +249,12 @@ class TokenHub:
             f"{self.cfg.warmup_tokens:,}",
             "" if self.first_data_at is not None else "; nothing has arrived yet",
         )
+
+    def first_step(self) -> None:
+        """The trainer starts its first step: the warm-up is over (said once)."""
+        if not self.stepped.is_set():
+            self.stepped.set()
+            log.info("warmed up: the first step starts")
 
     def _max_reached(self) -> bool:
         m = self.cfg.max_tokens
@@ -644,6 +666,9 @@ class TokenStream(IterableDataset):
             if item is None:
                 return
 
+    def first_step(self) -> None:
+        self.hub.first_step()
+
     def stats(self) -> dict[str, float]:
         out = self.hub.stats()
         if self.source is not None:
@@ -701,6 +726,11 @@ class ActivationDataModule(LightningDataModule):
 
     def stats(self) -> dict[str, float]:
         return self.stream.stats() if self.stream is not None else {}
+
+    def first_step(self) -> None:
+        """The trainer starts its first step (``DataStats``): the warm-up's lines end."""
+        if self.stream is not None:
+            self.stream.first_step()
 
     def stop(self) -> bool:
         """End the subscription (or the stored run's reading): the first call lets the

@@ -230,3 +230,26 @@ def _match(pairs: list[tuple[str, Any]] | None, tags_json: str | None) -> dict[s
         if not any(type(v) is type(value) and v == value for v in seen):  # 1 is not True
             out[key] = [*seen, value]
     return out
+
+
+def add_end_arguments(group: Any) -> None:
+    """``--keep-waiting`` (and ``--exit-on-end``, the default, kept for scripts): whether
+    a consumer command ends with its stream. By default it exits 0 once the stream has
+    ended: its publisher sent END (a clean stop of ``actbus serve``), or under fan-in
+    every publisher did (never with ``@FILE``, whose fleet may grow). A publisher that
+    died without END is waited for either way."""
+    end = group.add_mutually_exclusive_group()
+    end.add_argument(
+        "--keep-waiting",
+        dest="exit_on_end",
+        action="store_false",
+        help="when the publisher ends its stream, wait for one to start again at the "
+        "address (by default the command exits once the stream ended)",
+    )
+    end.add_argument(
+        "--exit-on-end",
+        dest="exit_on_end",
+        action="store_true",
+        help="exit when the publisher ends its stream (the default)",
+    )
+    group.set_defaults(exit_on_end=True)

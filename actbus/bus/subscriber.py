@@ -86,6 +86,9 @@ IDLE_COPY_S = 0.1
 their acknowledgement does not wait on the consumer (``Subscriber._shm_service``)."""
 WAITING_LOG_S = 5.0
 """While no publisher answers, a line every this many seconds says what we wait for."""
+MISSING_SOCKET_S = 1.0
+"""An ``ipc://`` address whose socket file is still missing after this long is said at
+once (then in every waiting line): a path typed wrong, or a publisher not started."""
 
 
 class SubscriptionRejected(RuntimeError):
@@ -280,6 +283,7 @@ class Subscriber:
         self._last_recv_call = time.monotonic()
         self._waiting_since = self._waiting_logged = time.monotonic()
         self._busy_logged = False  # the "silent but connected" line, once per quiet spell
+        self._missing_logged = False  # the "socket file does not exist" line, once per wait
         self._welcome_handshakes = -1  # ClientAuth.handshakes when the last WELCOME came
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -523,14 +527,35 @@ class Subscriber:
             self._hello()
         elif self.welcome is not None and now - self._last_credit > 0.5:
             self._grant()
-        if self.welcome is None and now - self._waiting_logged >= WAITING_LOG_S:
-            self._waiting_logged = now
-            log.warning(
-                "no publisher has answered at %s for %.0fs; still waiting, to subscribe to %s",
-                self.address,
-                now - self._waiting_since,
-                self._wanted(),
-            )
+        if self.welcome is None and now - self._waiting_since >= MISSING_SOCKET_S:
+            due = now - self._waiting_logged >= WAITING_LOG_S
+            missing = self._missing_socket() if due or not self._missing_logged else None
+            if missing is not None and not self._missing_logged:
+                self._missing_logged = True
+                log.warning(
+                    "the socket file %s does not exist: no publisher is bound at %s (not "
+                    "started yet, or another path in --connect?); still waiting",
+                    missing,
+                    self.address,
+                )
+            elif due:
+                self._waiting_logged = now
+                log.warning(
+                    "no publisher has answered at %s for %.0fs; still waiting, to subscribe "
+                    "to %s%s",
+                    self.address,
+                    now - self._waiting_since,
+                    self._wanted(),
+                    "" if missing is None else f" (the socket file {missing} does not exist)",
+                )
+
+    def _missing_socket(self) -> str | None:
+        """The path of an ``ipc://`` address whose socket file does not exist (no
+        publisher has bound it), else None; an abstract name (``ipc://@``) has no file."""
+        if not self.address.startswith("ipc://") or self.address.startswith("ipc://@"):
+            return None
+        path = self.address[len("ipc://") :]
+        return None if os.path.exists(path) else path
 
     def _wanted(self) -> str:
         """What this subscription asks for, in a few words (the waiting log)."""
@@ -621,6 +646,7 @@ class Subscriber:
             if not repeat:
                 check_taps(self.address, body, self.subscription.layers, self.subscription.hooks)
             self.welcome = body
+            self._missing_logged = False
             # A new stream, or the publisher forgot us (dropped, then let in again) and
             # numbers afresh: it refuses acknowledgements beyond what it sent.
             if new_stream or next_seq < self._next_seq:

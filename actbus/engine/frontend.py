@@ -85,6 +85,13 @@ def patch() -> bool:
         InprocClient.__init__ = _wrap_inproc_init(InprocClient.__init__)
         InprocClient.get_output = _wrap_inproc_get_output(InprocClient.get_output)
     try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:
+        pass
+    else:
+        AsyncLLM.shutdown = _wrap_async_shutdown(AsyncLLM.shutdown)
+        logging.getLogger(ASYNC_LLM_LOGGER).addFilter(_EndOfOutputs())
+    try:
         from vllm.v1.engine.core import EngineCore
     except ImportError:
         pass
@@ -186,6 +193,42 @@ def _wrap_shutdown(orig):
             if not getattr(self, "_actbus_farewell", False):
                 self._actbus_farewell = True
                 _farewell(getattr(self, "vllm_config", None))
+
+    return shutdown
+
+
+ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
+_STOPPING = threading.Event()
+"""Set once an ``AsyncLLM`` of this process was asked to shut down."""
+
+
+class _EndOfOutputs(logging.Filter):
+    """``AsyncLLM.shutdown`` stops its engine client, which closes the output socket,
+    then cancels the output handler: in between, the handler reads the closed socket as
+    ``EngineDeadError`` and logs "output_handler failed" as an ERROR with a traceback,
+    on every clean stop (issue 50: each SIGTERM of ``actbus serve``). Once a shutdown
+    was asked for, that record is what it is, the end of the outputs, and becomes one
+    INFO line; the error itself still reaches any request in flight, as before."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if (
+            _STOPPING.is_set()
+            and record.levelno >= logging.ERROR
+            and "output_handler failed" in str(record.msg)
+            and type(exc).__name__ == "EngineDeadError"
+        ):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "[shutdown] AsyncLLM: outputs ended with the engine", ()
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def _wrap_async_shutdown(orig):
+    @functools.wraps(orig)
+    def shutdown(self, *args: Any, **kwargs: Any):
+        _STOPPING.set()  # before the engine client stops: see _EndOfOutputs
+        return orig(self, *args, **kwargs)
 
     return shutdown
 

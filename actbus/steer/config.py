@@ -17,7 +17,7 @@ the vector is multiplied, per token, by a gate read off a monitor's score (``Gat
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -151,6 +151,11 @@ class SteerSpec:
     sae: str = ""
     feature: int = 0
     value: float = 0.0
+    entry: int = field(default=-1, compare=False)
+    """The index of the request's entry this spec expands (-1: not from a list);
+    errors name the entry, not the expanded spec."""
+    key: str = field(default="vector", compare=False)
+    """The entry's key that gave ``vector``: ``vector``, or ``rows[j]`` of a ``replace``."""
 
     @property
     def point(self) -> tuple[int, str]:
@@ -396,7 +401,9 @@ def parse_steer(
         )
     _check_count(raw, where, width)
     out: list[SteerSpec] = []
+    starts: list[int] = []
     for i, e in enumerate(raw):
+        starts.append(len(out))
         w = f"{where}[{i}]"
         if not isinstance(e, dict):
             raise ConfigError(f"{w}: expected a mapping with 'vector' and 'layers'")
@@ -438,7 +445,7 @@ def parse_steer(
         gate = Gate.from_dict(e["gate"], f"{w}.gate") if e.get("gate") is not None else None
         points = [(layer, hook) for layer in ls for hook in hs]
         if op == "replace":
-            out.extend(_replace_specs(e, w, points, tier, positions, gate))
+            out.extend(_replace_specs(e, w, points, tier, positions, gate, width))
             continue
         if op == "ablate":
             dirs = e["directions"]
@@ -451,7 +458,7 @@ def parse_steer(
                     f"{w}.directions: expected a vector (a name or a list of floats) or a list "
                     f"of 1..{MAX_DIRECTIONS} of them"
                 )
-            got = tuple(_vector(d, f"{w}.directions[{j}]") for j, d in enumerate(dirs))
+            got = tuple(_vector(d, f"{w}.directions[{j}]", width) for j, d in enumerate(dirs))
             out.extend(
                 SteerSpec(la, h, "", 0.0, False, tier, positions, gate, "ablate", got)
                 for la, h in points
@@ -480,7 +487,7 @@ def parse_steer(
                 for la, h in points
             )
             continue
-        vec = _vector(e["vector"], f"{w}.vector")
+        vec = _vector(e["vector"], f"{w}.vector", width)
         scale = check_finite(e.get("scale", 1.0), f"{w}.scale", "a scale")
         norm_match = e.get("norm_match", False)
         if not isinstance(norm_match, bool):
@@ -488,21 +495,32 @@ def parse_steer(
         out.extend(
             SteerSpec(la, h, vec, scale, norm_match, tier, positions, gate) for la, h in points
         )
-    return tuple(out)
+    starts.append(len(out))
+    return tuple(
+        replace(s, entry=i) for i in range(len(raw)) for s in out[starts[i] : starts[i + 1]]
+    )
 
 
-def _vector(vec: Any, where: str) -> str | np.ndarray:
-    """A registered vector's name, or inline values checked finite as float32."""
+def _vector(vec: Any, where: str, width: int | None = None) -> str | np.ndarray:
+    """A registered vector's name, or inline values checked finite as float32 (and,
+    with ``width``, as wide as the model's residual stream: the error names ``where``,
+    the key the values came from)."""
     if isinstance(vec, str):
         return check_name(vec, where)
     if isinstance(vec, (list, tuple, np.ndarray)) and len(vec):
+        if width is not None and len(vec) != width:
+            raise ConfigError(
+                f"{where}: has {len(vec)} values; this model's residual stream has {width}"
+            )
         return check_floats(vec, where)
     raise ConfigError(
         f"{where}: expected a registered vector's name or a list of floats, got {vec!r:.60}"
     )
 
 
-def _replace_specs(e: dict, w: str, points: list, tier: str, positions: Any, gate: Any):
+def _replace_specs(
+    e: dict, w: str, points: list, tier: str, positions: Any, gate: Any, width: int | None
+):
     """A ``replace`` entry's specs: one row for every selected token (``vector``), or
     ``rows[j]`` at ``positions[j]`` (each its own spec, listed at that position)."""
     if ("vector" in e) == ("rows" in e):
@@ -511,7 +529,7 @@ def _replace_specs(e: dict, w: str, points: list, tier: str, positions: Any, gat
             "(one row per listed position)"
         )
     if "vector" in e:
-        vec = _vector(e["vector"], f"{w}.vector")
+        vec = _vector(e["vector"], f"{w}.vector", width)
         return [
             SteerSpec(la, h, vec, 1.0, False, tier, positions, gate, "replace") for la, h in points
         ]
@@ -525,11 +543,11 @@ def _replace_specs(e: dict, w: str, points: list, tier: str, positions: Any, gat
         )
     if len(positions) != len(raw_pos):
         raise ConfigError(f"{w}.positions: a position is listed twice")
-    got = [_vector(r, f"{w}.rows[{j}]") for j, r in enumerate(rows)]
+    got = [_vector(r, f"{w}.rows[{j}]", width) for j, r in enumerate(rows)]
     return [
-        SteerSpec(la, h, v, 1.0, False, tier, (int(p),), gate, "replace")
+        SteerSpec(la, h, v, 1.0, False, tier, (int(p),), gate, "replace", key=f"rows[{j}]")
         for la, h in points
-        for v, p in zip(got, raw_pos, strict=True)
+        for j, (v, p) in enumerate(zip(got, raw_pos, strict=True))
     ]
 
 

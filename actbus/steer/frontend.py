@@ -215,23 +215,24 @@ class SteerFrontend:
         be read from (an HTTP caller's request), None for the operator's own entries."""
         out: list[Resolved] = []
         for i, s in enumerate(specs):
-            gate = self._gate(s, f"{where}[{i}].gate") if s.gate is not None else None
+            at = f"{where}[{s.entry if s.entry >= 0 else i}]"  # the entry, not the spec
+            gate = self._gate(s, f"{at}.gate") if s.gate is not None else None
             if s.op in ("ablate", "clamp"):
-                out.extend(self._project(s, gate, f"{where}[{i}]", confine))
+                out.extend(self._project(s, gate, at, confine))
                 continue
             terms = (0.0, 0.0, 0.0, 0.0, 1.0) if s.op == "replace" else ()
             if isinstance(s.vector, str) and s.vector in self.cfg.live:
                 out.append(Resolved(s, None, gate, live=s.vector, terms=terms))
                 continue
             if isinstance(s.vector, str):
-                vec = self.registry.get(s.vector, f"{where}[{i}].vector")
+                vec = self.registry.get(s.vector, f"{at}.{s.key}")
             else:
-                vec = Vector.of(s.vector, f"{where}[{i}].vector", self.registry.width)
+                vec = Vector.of(s.vector, f"{at}.{s.key}", self.registry.width)
             if s.norm_match and vec.norm == 0.0:
-                raise ConfigError(f"{where}[{i}].norm_match: the vector is zero; nothing to match")
+                raise ConfigError(f"{at}.norm_match: the vector is zero; nothing to match")
             if s.norm_match and abs(s.scale / vec.norm) > FLOAT32_MAX:
                 raise ConfigError(
-                    f"{where}[{i}].scale: {s.scale:.4g} / the vector's norm {vec.norm:.4g} "
+                    f"{at}.scale: {s.scale:.4g} / the vector's norm {vec.norm:.4g} "
                     "is past float32's range; use a smaller scale or a larger vector"
                 )
             out.append(Resolved(s, vec, gate, terms=terms))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from actbus.bus.options import SubscriberOptions
+from actbus.bus.options import SubscriberOptions, add_end_arguments
 from actbus.bus.protocol import DASHBOARD_POLICY
 from actbus.experts import add_expert_load_argument
 from actbus.flags import HelpFormatter
@@ -34,6 +34,7 @@ def parser() -> argparse.ArgumentParser:
         exclude=("layers", "hooks"),
         defaults={"policy": DASHBOARD_POLICY, "name": "dashboard"},
     )
+    add_end_arguments(p.add_argument_group("run"))
     d = p.add_argument_group("dashboard")
     d.add_argument(
         "--port",

@@ -120,11 +120,15 @@ def serve(
                 subscription=options.consumer_subscription,
                 restart=consumers.RestartPolicy(on_error="restart"),
                 stop=stop,
+                exit_on_end=args.exit_on_end,
                 **options.keys,
             )
             log.info("consumer stopped: received=%d missed=%d", out.received, out.missed)
             if out.failure is not None:
                 board.stop(capped_text(f"{out.failure}; gave up after {out.restarts} restarts"))
+            elif not stop.is_set():  # the stream ended (not --keep-waiting): so does the page
+                board.closed.set()
+                server.should_exit = True
         except SubscriptionRejected as e:
             failed.append(e)
             print(f"actbus dashboard: {e}", file=sys.stderr)

@@ -126,6 +126,35 @@ def test_restart_keeps_receiving_and_nobody_else_notices(publisher, address, hea
     assert set(_departures(publisher, "null")) <= {"left", "disconnected"}
 
 
+def test_a_consumer_ends_with_its_stream_unless_told_to_keep_waiting(address, tmp_path):
+    """Issue 50: a consumer started as the README starts it (no flag) kept waiting, and
+    saying so, forever after the server stopped. It ends, status 0, with the stream;
+    ``--keep-waiting`` keeps it subscribed for the next publisher at the address."""
+    ended = _Run(tmp_path, address)
+    (tmp_path / "keep").mkdir()
+    kept = _Run(tmp_path / "keep", address, "--keep-waiting")
+    try:
+        pub = Publisher(address, info={"model": "test"}, heartbeat_s=0.1)
+        try:
+            wait_for(lambda: len(pub.stats()["subscribers"]) >= 2, 30, "both to subscribe")
+            pub.publish(*_msg(0))
+        finally:
+            pub.close(timeout=5)  # a clean stop: END
+        assert ended.wait(30) == 0, ended.stderr()
+        assert "the publisher ended the stream: stopping" in ended.stderr()
+        assert [t["messages"] for t in ended.totals()] == [1]
+        # the other waits for the next publisher and takes its stream up
+        pub = Publisher(address, info={"model": "test"}, heartbeat_s=0.1)
+        try:
+            wait_for(lambda: "null" in pub.stats()["subscribers"], 30, "the resubscription")
+            assert kept.proc.poll() is None
+        finally:
+            pub.close(timeout=5)
+    finally:
+        ended.kill()
+        kept.kill()
+
+
 def test_stop_exits_nonzero_naming_the_error_and_the_bus_goes_on(
     publisher, address, healthy, tmp_path
 ):

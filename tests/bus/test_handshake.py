@@ -60,12 +60,18 @@ def test_a_layer_or_hook_the_publisher_does_not_tap_is_refused_at_once(tmp_path)
                     "--layers", "7", timeout=60)  # fmt: skip
         assert r.returncode == 1, r.stderr[-2000:]
         assert "taps layers [1, 3] and hooks ['post_block'], not layer 7" in r.stderr
+        assert "actbus run fs-sink: the publisher at" in r.stderr and "usage:" not in r.stderr
         assert time.monotonic() - t0 < 30
         r = _actbus("run", "sae", "--connect", address, "--layer", "1,7", "--no-progress",
                     "--out", str(tmp_path / "sae"))  # fmt: skip
-        assert r.returncode == 2, r.stderr[-2000:]
-        # named as typed (--layer), issue 34
-        assert "--layer: the publisher at" in r.stderr and "not layer 7 asked for" in r.stderr
+        # issue 50: the same refusal, the same status and one line in every command (it
+        # was status 2 with argparse's usage, as if a flag were malformed)
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert "actbus run sae: the publisher at" in r.stderr, r.stderr[-2000:]
+        assert "not layer 7 asked for" in r.stderr and "usage:" not in r.stderr
+        assert "Traceback" not in r.stderr
+        (line,) = [x for x in r.stderr.splitlines() if "not layer 7" in x]
+        assert line.startswith("actbus run sae: ")
         r = _actbus("run", "sae", "--connect", address, "--layer", "3", "--hook", "mlp_out",
                     "--d-in", "64", "--no-progress", "--out", str(tmp_path / "sae"))  # fmt: skip
         assert r.returncode == 1, r.stderr[-2000:]
@@ -100,3 +106,40 @@ def test_a_consumer_with_no_publisher_says_what_it_waits_for(tmp_path):
         f"at {address} for 5s; still waiting, to subscribe to layers [3], all hooks" in waiting[0]
     )
     assert "policy block, as fs-sink" in waiting[0] and "for 10s" in waiting[1]
+
+
+def test_a_missing_ipc_socket_file_is_named_within_seconds(tmp_path, caplog, monkeypatch):
+    """Issue 50: a subscriber given an ipc:// path no publisher had bound waited in
+    silence; it says, once and then in each waiting line, that the file does not exist."""
+    import actbus.bus.subscriber as subscriber
+
+    monkeypatch.setattr(subscriber, "WAITING_LOG_S", 1.0)  # the waiting line, sooner
+    path = tmp_path / "typo.sock"
+    sub = Subscriber(f"ipc://{path}", Subscription(name="early"))
+    caplog.set_level("WARNING", logger="actbus.subscriber")
+
+    def said(words: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if words in r.getMessage()]
+
+    try:
+        deadline = time.monotonic() + 20.0  # bounded; it takes about 2 s
+        while time.monotonic() < deadline and len(said("no publisher has answered")) < 2:
+            assert sub.recv(timeout=0.1) is None
+        first = said("does not exist: no publisher is bound")
+        assert len(first) == 1 and str(path) in first[0], caplog.text[-2000:]
+        waiting = said("no publisher has answered")
+        assert len(waiting) >= 2, caplog.text[-2000:]
+        assert all(f"(the socket file {path} does not exist)" in w for w in waiting)
+        # once the file is there (a publisher bound it), the waiting lines stop naming it
+        pub = Publisher(f"ipc://{path}", info=INFO, heartbeat_s=0.1)
+        try:
+            deadline = time.monotonic() + 20.0
+            got = None
+            while time.monotonic() < deadline and not isinstance(got, Event):
+                got = sub.recv(timeout=0.1)
+            assert isinstance(got, Event) and got.kind == "welcome"
+        finally:
+            pub.close(timeout=1)
+        assert len(said("does not exist: no publisher is bound")) == 1
+    finally:
+        sub.close()

@@ -100,6 +100,23 @@ def test_the_limits_name_themselves_and_reservations_are_let_go():
     assert b.refused == {"request": 1, "server": 1, "client": 0, "store": 0}
 
 
+def test_the_server_refusal_counts_the_calls_own_prompts_as_its_own():
+    """Issue 50: a call whose own earlier prompts filled the server's limit was told the
+    server held those rows "for other HTTP responses"; they are this call's."""
+    b = HttpReturns(2 * MIB, MIB, ttl_s=300, max_client=MIB)
+    row = 1024
+    call = HttpCall("10.0.0.1")
+    for _ in range(3):
+        b.admit(SEL, 10, 100, 1, row, False, call)  # 0.28 MiB each, as base64
+    with pytest.raises(ConfigError) as e:
+        b.admit(SEL, 10, 100, 1, row, False, call)  # within 2 MiB a call, past 1 MiB held
+    msg = str(e.value)
+    assert "holds 0.00 MiB of rows for other HTTP calls" in msg, msg
+    assert "this call's 1.14 MiB would pass its http_return_max_server_mb (1 MiB)" in msg, msg
+    b.end_call(call)
+    assert b.held() == 0
+
+
 def test_one_call_is_bounded_over_its_prompts_and_held_until_sent():
     """The prompts of one HTTP call count together against the per-request limit, and
     a refusal names the call's own total; the server's refusal counts only other calls'

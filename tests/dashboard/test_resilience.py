@@ -108,7 +108,7 @@ def test_nan_rows_never_stop_the_dashboard_and_the_page_says_when_its_feed_stopp
     log = tmp_path / "dash.log"
     dash = DashboardProc(
         f"ipc://{tmp_path}/bus.sock", log, "--interval", "0.3", "--policy", "sample:2",
-        "--stale-s", "2",
+        "--stale-s", "2", "--keep-waiting",  # served on after the publisher's END
     )  # fmt: skip
     browser = None
     try:

@@ -399,3 +399,22 @@ def test_under_fan_in_each_publisher_has_its_row_on_the_page_and_in_wandb(tmp_pa
         for pub in pubs:
             pub.close()
     assert rc == 0, (tmp_path / "dash.log").read_text()
+
+
+def test_the_dashboard_ends_with_its_stream_by_default(tmp_path):
+    """Issue 50: started as the README starts it, the dashboard kept waiting, and saying
+    so, after the server stopped; it exits 0 once the publisher ends its stream."""
+    address = f"ipc://{tmp_path}/bus.sock"
+    pub = Publisher(address, info={"model": "m", "hidden_size": 8}, heartbeat_s=0.1)
+    dash = DashboardProc(address, tmp_path / "dash.log", "--interval", "0.3")
+    try:
+        wait_for(lambda: "dashboard" in pub.stats()["subscribers"], 30, "the dashboard")
+    finally:
+        pub.close(timeout=5)  # a clean stop: END
+    try:
+        rc = dash.popen.wait(timeout=30)
+    finally:
+        dash.stop()
+    text = (tmp_path / "dash.log").read_text()
+    assert rc == 0 and "the publisher ended the stream: stopping" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -97,7 +97,7 @@ def test_replay_keeps_two_server_sessions_of_one_run_apart(tmp_path):
     session's steps, then the second's, never one message of both (was: step N of each
     merged into one message)."""
     out, address = tmp_path / "run", f"ipc://{tmp_path}/bus.sock"
-    proc = start_sink(address, out, "--flush-s", "30")
+    proc = start_sink(address, out, "--flush-s", "30", "--keep-waiting")  # past the first END
     try:
         _publish_session(address, "a", 3)
         _publish_session(address, "b", 3)

@@ -54,6 +54,24 @@ def test_rows_pair_with_positions_and_count_per_token():
         f.request([{**e, "vector": [0.0] * H}], True, "s")
 
 
+def test_errors_name_the_entry_and_key_the_values_came_from():
+    """Issue 50: a wrong-width row of a ``replace`` was reported as ``steer[0].vector``,
+    and a request's errors named the expanded spec's index, not the entry's."""
+    f = _front()
+    e = {"op": "replace", "layers": 1, "positions": [0, 1], "rows": [[0.0] * H, [1.0, 2.0]]}
+    with pytest.raises(ConfigError, match=r"^s\[0\]\.rows\[1\]: has 2 values; .* has 8$"):
+        f.request([e], True, "s")
+    with pytest.raises(ConfigError, match=r"^s\[0\]\.directions\[0\]: has 3 values"):
+        f.request([{"op": "ablate", "layers": 1, "directions": [[1.0, 2.0, 3.0]]}], True, "s")
+    # entry 0 expands to four specs; entry 1's unknown names are entry 1's
+    wide = {"vector": [1.0] * H, "layers": [0, 1], "hooks": ["pre_attn", "post_block"]}
+    with pytest.raises(ConfigError, match=r"^s\[1\]\.vector: no steering vector named 'nope'"):
+        f.request([wide, {"vector": "nope", "layers": 1}], True, "s")
+    rows = {"op": "replace", "layers": 1, "positions": [0, 1], "rows": [[0.0] * H, "nope"]}
+    with pytest.raises(ConfigError, match=r"^s\[1\]\.rows\[1\]: no steering vector named"):
+        f.request([wide, rows], True, "s")
+
+
 def test_ablate_directions_are_orthonormalized():
     f = _front()
     d = np.random.default_rng(0).normal(size=(3, H))

@@ -298,6 +298,8 @@ def test_bad_flags_are_named():
         (*live[:-1], "-1", "--k", "2"): "error: --layer: expected a 0-based layer index",
         (*live, "--k", "2", "--hook", "post_blok"): "error: --hook: unknown hook 'post_blok'",
         (*live, "--k", "2", "--hooks", "post_block,pre_atn"): "error: --hooks[1]: unknown hook",
+        # relu has no k: two values of it would be two models of one name
+        (*live, "--kind", "relu", "--k", "2,4"): "two models would be saved as 'L0.post_block",
     }
     for (argv, want), (code, err) in zip(cases.items(), _run_many(*cases), strict=True):
         assert code == 2 and want in err, (argv, code, err[-2000:])
@@ -473,6 +475,7 @@ def test_a_trainer_says_whom_it_waits_for_whom_it_joined_and_what_it_missed(tmp_
     ), out[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert (summary["policy"], summary["dropped"], summary["routed"]) == ("drop_oldest", n, 200)
+    assert out.count("warmed up: the first step starts") == 1, out[-3000:]  # issue 50
 
 
 def test_a_trainer_whose_every_push_failed_exits_non_zero(tmp_path):

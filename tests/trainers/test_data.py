@@ -165,3 +165,45 @@ def test_a_drain_leaves_no_batch_of_a_few_rows(total, sizes):
         seen += b[key]["position"].tolist()
     assert got == sizes
     assert sorted(seen) == list(range(total))
+
+
+def test_warm_up_is_reported_until_the_first_step(monkeypatch, caplog):
+    """Issue 50: the warm-up's lines stopped once its tokens were in, though the first
+    step waits for the batch Lightning reads ahead of it: a trainer looked hung for as
+    long as that batch took. They go on, saying what the first step waits for, until
+    the trainer starts it."""
+    import trainers.data as data
+
+    monkeypatch.setattr(data, "WARMUP_LOG_S", 0.0)  # a line each time the hub waits
+    caplog.set_level("INFO", logger="actbus.trainers")
+    cfg = DataConfig(
+        streams=((0, "post_block"),), address="ipc:///x", batch_tokens=100,
+        buffer_tokens=1000, warmup_tokens=100,
+    )  # fmt: skip
+    hub, stop = TokenHub(cfg), threading.Event()
+    (key,) = hub.keys
+    hub.put(key, _rows(100), stop)
+    assert len(hub.next_batch(stop)[key]["position"]) == 100  # the warm-up's batch
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "warming up" in r.getMessage()]
+
+    caplog.clear()
+    waiting = threading.Thread(target=hub.next_batch, args=(stop,), daemon=True)
+    waiting.start()  # the batch read ahead of the first step: none yet
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not lines():
+        time.sleep(0.05)
+    assert lines(), "no warm-up line while the first step waited"
+    assert "the warm-up's 100 tokens per stream are in; the first step waits" in lines()[0]
+    assert "L0.post_block 0 of the 100 tokens per stream (--batch-tokens)" in lines()[0]
+    hub.first_step()
+    assert any(r.getMessage() == "warmed up: the first step starts" for r in caplog.records)
+    time.sleep(0.6)  # two of the hub's waits: no line after the first step
+    caplog.clear()
+    time.sleep(0.6)
+    assert not lines(), lines()
+    stop.set()
+    hub.finish()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()

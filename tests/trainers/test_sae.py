@@ -189,6 +189,11 @@ def test_default_names_use_the_stream_name_and_old_named_checkpoints_still_load(
     from trainers.config import ProbeConfig
 
     assert SAEConfig(d_in=16, layer=3, k=8, expansion=4).name == "L3.post_block-topk-k8-x4"
+    # issue 50: k means nothing to relu and jumprelu; their names do not carry it
+    for kind in ("relu", "jumprelu"):
+        name = SAEConfig(d_in=16, layer=3, k=8, expansion=4, kind=kind).name
+        assert name == f"L3.post_block-{kind}-x4"
+    assert SAEConfig(d_in=16, k=8, kind="batchtopk").name == "L0.post_block-batchtopk-k8-x16"
     assert ProbeConfig(d_in=16, layer=3).name == "L3.post_block-probe-logistic"
     old = "L3-post_block-topk-k8-x4"
     sae, _ = _train(SAEConfig(d_in=64, d_sae=256, k=8, layer=3, name=old), 5)
