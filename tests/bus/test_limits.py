@@ -362,7 +362,17 @@ def test_a_publisher_flooding_past_credit_is_held_at_its_own_queue(address):
         # Its receive queue, the hostile side's 4 and what the kernel buffers: no more.
         room = recv_queue(stats_subscription().window)
         assert sent < room + 64, f"{sent} messages taken past a credit of one"
-        got = [sub.recv(timeout=0.2) for _ in range(sent + 2)]
+        # Read until the socket has given all it took: a refused message yields nothing,
+        # so a read returns None after 0.2 s however many it refused meanwhile. Stop once
+        # 2 s passed with no message yielded or refused (every read of the old fixed
+        # sent + 2 was such a wait once the queue ran dry: about 40 s in all).
+        got: list = []
+        quiet, refused = 0, -1
+        while len(got) < sent + 2 and quiet < 10:
+            got.append(sub.recv(timeout=0.2))
+            now = sub.stats.rejected_by.get("unsolicited", 0)
+            quiet = 0 if got[-1] is not None or now != refused else quiet + 1
+            refused = now
         assert not any(isinstance(b, Batch) for b in got)
         assert sub.stats.rejected_by.get("unsolicited", 0) >= 1
     finally:

@@ -54,6 +54,14 @@ def parallel_engine(tiny_models, tmp_path_factory):
             max_num_seqs=8,
             num_gpu_blocks_override=64,
             seed=0,
+            # Stages, ranks and one stream are under test here, not Inductor's kernels
+            # (the Llama engine of tests/support/engine.py compiles with Inductor): the
+            # graph is traced by Dynamo as vLLM CPU always traces it, taps and steering
+            # in it, and run without Inductor's code generation, which took most of four
+            # workers' start on two cores. This is what VLLM_CPU_CI_ENV picks (DYNAMO_ONLY),
+            # set here as the config so the workers still run vLLM's warm-up, which
+            # pipeline parallelism needs (its later stages allocate their tensors there).
+            compilation_config={"mode": 2, "backend": "eager"},  # DYNAMO_TRACE_ONCE
             additional_config={
                 "actbus": {
                     "publish": address,
