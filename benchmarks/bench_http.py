@@ -251,10 +251,31 @@ def client(
     return got, time.time()
 
 
-def clients(arm, url, shares, per, n_layers, t0, limit) -> list:
+def dump_stacks(pids: list[int]) -> None:
+    """Where each process waits (py-spy, where installed), printed before a timed-out
+    arm's processes are killed: the client pool's and the server's, its children too."""
+    import shutil
+
+    if shutil.which("py-spy") is None:
+        print("(py-spy is not installed: no stacks of the hung processes)", file=sys.stderr)
+        return
+    for pid in pids:
+        cmd = ["py-spy", "dump", "--subprocesses", "--pid", str(pid)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            print(
+                f"=== py-spy dump of pid {pid}\n{out.stdout[-20000:]}{out.stderr[-2000:]}",
+                file=sys.stderr,
+            )
+        except (subprocess.TimeoutExpired, OSError) as e:
+            print(f"=== py-spy dump of pid {pid} failed: {e}", file=sys.stderr)
+
+
+def clients(arm, url, shares, per, n_layers, t0, limit, server=()) -> list:
     """Every client process's ``client``, all within ``limit`` seconds: a client that
     has not ended by then fails the arm, saying how many responses were read, and its
-    process is killed (a hung read never holds the benchmark)."""
+    process is killed (a hung read never holds the benchmark); first, where py-spy is
+    installed, the stacks of the clients and of ``server`` (pids) are printed."""
     ctx = multiprocessing.get_context("spawn")
     counter = ctx.Value("i", 0)
     total = sum(len(s) for s in shares)
@@ -267,6 +288,7 @@ def clients(arm, url, shares, per, n_layers, t0, limit) -> list:
             try:
                 out.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
             except multiprocessing.TimeoutError:
+                dump_stacks([*(w.pid for w in pool._pool), *server])
                 raise TimeoutError(
                     f"the clients had read {counter.value} of {total} responses after "
                     f"{limit:g} s (--arm-timeout)"
@@ -298,12 +320,13 @@ def run_arm(arm: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
         n = len(_arm(arm, args)[1])
         bodies = [body(arm, p, args, str(path)) for p in prompts]
         warm = [dict(b, max_tokens=8) for b in bodies[: min(16, len(bodies))]]
-        clients(arm, url, [warm], len(warm), n, time.time(), args.arm_timeout)  # compiles
+        t0 = time.time()
+        clients(arm, url, [warm], len(warm), n, t0, args.arm_timeout, [proc.pid])  # compiles
         k = max(1, args.clients)
         shares = [s for s in (bodies[i::k] for i in range(k)) if s]
         per = max(1, args.concurrency // k)
         t0 = time.time() + 5.0  # the client processes start (spawn) before it
-        results = clients(arm, url, shares, per, n, t0, args.arm_timeout)
+        results = clients(arm, url, shares, per, n, t0, args.arm_timeout, [proc.pid])
         gen_s = max(end for _, end in results) - t0
         pairs = [p for got, _ in results for p in got]
         generated = sum(g for g, _ in pairs)

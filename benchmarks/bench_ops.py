@@ -144,7 +144,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             }
         }
         if name == "clamp_1":
-            sae = write_sae(tempfile.mkdtemp(prefix="bench-sae-"), hidden, SAE_EXPANSION * hidden)
+            sae = args.sae  # written once by main(), outside the arm's time limit
     kw: dict = {}
     if name == "hook_1":  # in process (a Hook object), the graph split at the hook's op
         import os
@@ -210,6 +210,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     arms = ArmFlags(ARMS)
     add_bench_args(ap, arms)
+    ap.add_argument("--sae", help=argparse.SUPPRESS)  # clamp_1's SAE, written by main()
     args = parse_bench_args(ap, arms)
     if args.one:
         print(RESULT + json.dumps(run_one(args.one, args)), flush=True)
@@ -219,7 +220,13 @@ def main() -> int:
         print(f"  {n:16s} skipped: {why}", flush=True)
     run = [n for n in args.arms if n not in skipped]
     plugins = lambda n: PLUGINS.get(n, "actbus")  # noqa: E731
-    results = run_arms(__file__, run, arm_argv(args), plugins, args.arm_timeout)
+    argv = arm_argv(args)
+    if "clamp_1" in run:  # a 2 GiB file at the GPU shape: written before any arm's clock
+        _, config = model(args.tiny)
+        hidden = config["hidden_size"]
+        sae = write_sae(tempfile.mkdtemp(prefix="bench-sae-"), hidden, SAE_EXPANSION * hidden)
+        argv += ["--sae", sae]
+    results = run_arms(__file__, run, argv, plugins, args.arm_timeout)
     summary = throughput_table(results, args, width=14)
     for name, why in skipped.items():
         print(f"{name:14s} skipped: {why}")

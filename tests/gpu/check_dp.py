@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=None)
     ap.add_argument("--start-timeout", type=float, default=600)
     args = ap.parse_args()
-    from tests.support.installed import require_actbus_plugin
+    from tests.support.installed import gpu_memory, require_actbus_plugin
 
     require_actbus_plugin()
     import torch
@@ -86,11 +86,14 @@ def main() -> int:
         sys.executable, "-m", "actbus.cli", "serve", str(path),
         "--layers", ",".join(map(str, LAYERS)), "--hooks", ",".join(HOOKS),
         "--publish", template, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", args.dtype, "--max-model-len", "640", "--gpu-memory-utilization", "0.3",
+        "--dtype", args.dtype, "--max-model-len", "640",
         "--data-parallel-size", "2", "--served-model-name", "m",
     ]  # fmt: skip
     if args.device == "cpu":
-        cmd += ["--enforce-eager"]
+        cmd += ["--enforce-eager", "--gpu-memory-utilization", "0.3"]
+    else:  # its share of each GPU, as the other checks take (run_all: lanes share GPUs)
+        for k, v in gpu_memory().items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     t0 = time.monotonic()
     with open(log, "w") as logf:

@@ -43,12 +43,14 @@ for f in capture steer monitor push; do
 done
 checks+=("capture-tp4|4|$cap --tp 4" "dp|2|python3 tests/gpu/check_dp.py --dtype bfloat16")
 
-# Lanes: single-GPU checks share GPUs round-robin; multi-GPU ones take a lane of their own
-# only where the machine has that many GPUs (run after the single-GPU lanes end).
+# Lanes: single-GPU checks share GPUs round-robin. A check on G GPUs runs where the
+# machine has that many, in lanes of G GPUs each (0,1 and 2,3 for G=2 on four GPUs),
+# LANES_PER_GPU of them on each set like the single-GPU ones; those lanes start after
+# the single-GPU lanes end.
 declare -a lane_specs=() skipped=()
 nlanes=$(( ngpu * per ))
 for ((i = 0; i < nlanes; i++)); do lane_specs[i]="$(( i % ngpu ))"; done
-multi=()
+declare -A multi=() next=()
 i=0
 for c in "${checks[@]}"; do
   IFS='|' read -r name gpus cmd <<< "$c"
@@ -63,15 +65,18 @@ for c in "${checks[@]}"; do
   elif [ "$gpus" = 1 ]; then
     lane_specs[i % nlanes]+="|$wrapped"; i=$((i + 1))
   else
-    multi+=("$(seq -s, 0 $((gpus - 1)))|$wrapped")
+    sets=$(( ngpu / gpus )); k=${next[$gpus]:-0}; next[$gpus]=$((k + 1))
+    first=$(( (k % sets) * gpus )); lane="$gpus:$(( k % (sets * per) ))"
+    multi[$lane]="${multi[$lane]:-$(seq -s, "$first" $((first + gpus - 1)))}|$wrapped"
   fi
 done
 specs=()
 for s in "${lane_specs[@]}"; do [[ "$s" == *"|"* ]] && specs+=("$s"); done
+mspecs=("${multi[@]}")
 start=$(date +%s)
 {
-  bash "$here/lanes.sh" "${specs[@]}"
-  for m in "${multi[@]}"; do bash "$here/lanes.sh" "$m"; done
+  [ "${#specs[@]}" -gt 0 ] && bash "$here/lanes.sh" "${specs[@]}"
+  [ "${#mspecs[@]}" -gt 0 ] && bash "$here/lanes.sh" "${mspecs[@]}"
 } | tee "$out/lanes.txt"
 for s in "${skipped[@]}"; do echo "skipped :: $s" >> "$out/lanes.txt"; done
 python3 "$here/table.py" "$out/lanes.txt" "$(( $(date +%s) - start ))" | tee "$out/table.md"
