@@ -34,12 +34,15 @@ hold under a quarter of it (``Slab.sparse``), the few left move out (``retire``,
 ``SlotRows.compact``), so a long request does not keep its neighbours' rows.
 
 Fresh memory costs the kernel a page fault per 4 KiB page at its first write, which
-made writing returned rows several times slower than copying them. So a pool keeps
-one spare slab per row size whose pages a thread of its own faults in ahead of use
-(``madvise(MADV_POPULATE_WRITE)``, which never changes what a page holds, and runs
-without the GIL): the receiving thread writes into memory that is already there. The
-spare (``SLAB_BYTES``) stays resident while rows are being returned, and goes with
-the pool's slabs when the front end is idle.
+made writing returned rows several times slower than copying them. So a thread of
+its own faults in the rows just past the regions a pool handed out, and at a slab's
+end the next slab's first ones (``madvise(MADV_POPULATE_WRITE)``, which never changes
+what a page holds, and runs without the GIL): the receiving thread writes into memory
+that is already there. It runs as far ahead as the pool handed out since it was last
+idle (at least ``PREFAULT_MIN``, at most a slab), and what it faulted in that no
+buffer took is given back at idle: a few requests make about their own size resident,
+not a slab. (A whole spare slab, 256 MiB, was faulted in for the first row returned: an
+HTTP server limited to 20 MiB of rows, ``http_return_max_server_mb``, grew by 275 MiB.)
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ SLAB_BYTES = 256 << 20
 """Rows of many requests share one allocation of about this size (pages are touched
 only where rows are written): larger, fewer scatters per message; smaller, less memory
 kept by a view held after its neighbours' requests ended."""
+PREFAULT_MIN = 16 << 20
+"""Bytes a pool faults in ahead of its regions when it has handed out fewer since it
+was idle."""
 
 
 class Slab:
@@ -71,7 +77,8 @@ class Slab:
     rows as ``[rows, row_bytes / itemsize]`` of a dtype (``("val", np.float32)``)."""
 
     __slots__ = (
-        "__weakref__", "buffers", "cols", "items", "live", "memory", "pos", "rows", "tok", "used"
+        "__weakref__", "buffers", "cols", "faulted", "items", "live", "memory", "pos", "rows",
+        "tok", "used",
     )  # fmt: skip
 
     def __init__(
@@ -97,6 +104,8 @@ class Slab:
         if typed is not None:
             self.cols[typed[0]] = self.rows.view(typed[1])
         self.used = 0
+        self.faulted = 0
+        """Rows up to here were asked to be faulted in ahead (those past ``used``)."""
         self.live = 0
         """Rows of the regions of requests not collected yet."""
         self.buffers: set[TapRows] = set()
@@ -131,8 +140,9 @@ def as_items(rows: np.ndarray) -> np.ndarray:
 class SlabPool:
     """Hands out regions of slabs, one slab being filled per row size; a full slab is
     forgotten here and lives on as long as its buffers or views do. With ``prefault``
-    (where the kernel can), the next slab of each row size is faulted in ahead.
-    ``extra`` and ``typed``: the columns of its slabs (see ``Slab``)."""
+    (where the kernel can), the rows past those handed out are faulted in ahead, as
+    many bytes as were handed out since the pool was idle (``_ahead``). ``extra`` and
+    ``typed``: the columns of its slabs (see ``Slab``)."""
 
     def __init__(
         self,
@@ -146,6 +156,8 @@ class SlabPool:
         self._spare: dict[int, Slab] = {}
         self._columns = (extra, typed)
         self.prefault = prefault and _Populator.works()
+        self._taken = 0
+        """Bytes of regions handed out since the pool was idle (``release``)."""
 
     def take(self, rows: int, row_bytes: int) -> tuple[Slab, int]:
         """A region of ``rows`` rows of ``row_bytes``: its slab and first row."""
@@ -156,28 +168,62 @@ class SlabPool:
         base = slab.used
         slab.used += rows
         slab.live += rows
+        self._taken += rows * row_bytes
+        if self.prefault:
+            self._ahead(slab, row_bytes)
         return slab, base
 
     def _next(self, rows: int, row_bytes: int) -> Slab:
-        usual = max(self.slab_bytes // max(row_bytes, 1), 1)
         spare = self._spare.get(row_bytes)
         if spare is not None and len(spare.pos) >= rows:
-            slab = self._spare.pop(row_bytes)
-        else:  # the first of its size (or an outsized one): faulted in as it is written
-            slab = Slab(max(usual, rows), row_bytes, *self._columns)
-        if self.prefault and row_bytes not in self._spare:  # an unused spare is kept
-            self._spare[row_bytes] = nxt = Slab(usual, row_bytes, *self._columns)
-            _Populator.submit(nxt)
-        return slab
+            return self._spare.pop(row_bytes)
+        return Slab(max(self._usual(row_bytes), rows), row_bytes, *self._columns)
+
+    def _usual(self, row_bytes: int) -> int:
+        return max(self.slab_bytes // max(row_bytes, 1), 1)
+
+    def _ahead(self, slab: Slab, row_bytes: int) -> None:
+        """Once under half a window is left faulted in past the regions handed out, fault
+        in a window: as many bytes as were handed out since the pool was idle, at least
+        ``PREFAULT_MIN`` and at most a slab; what passes the slab's end, at the start of
+        the next one (kept as a spare). Rows about to be handed out are written into
+        memory that is there, and what is resident ahead of use is bounded by use."""
+        size = max(row_bytes, 1)
+        window = min(max(self._taken, PREFAULT_MIN, size), max(self.slab_bytes, size)) // size
+        if slab.faulted - slab.used > window // 2:
+            return
+        _fault(slab, slab.used + window)
+        over = slab.used + window - len(slab.pos)
+        if over > 0:
+            spare = self._spare.get(row_bytes)
+            if spare is None:
+                spare = self._spare[row_bytes] = Slab(
+                    self._usual(row_bytes), row_bytes, *self._columns
+                )
+            _fault(spare, over)
 
     def release(self) -> None:
-        """Fill no slab further: each is freed once its buffers and views are gone
-        (and keep no spare)."""
+        """Fill no slab further: each is freed once its buffers and views are gone; the
+        rows faulted in ahead and never handed out are given back now, not with the last
+        view (and keep no spare)."""
+        for slab in self._filling.values():
+            if slab.faulted > slab.used:
+                _Populator.submit(slab, slab.used, slab.faulted, _Populator.MADV_DONTNEED)
+                slab.faulted = slab.used
         self._filling.clear()
         self._spare.clear()
+        self._taken = 0
 
     def filling(self, slab: Slab) -> bool:
         return self._filling.get(slab.rows.shape[1]) is slab
+
+
+def _fault(slab: Slab, end: int) -> None:
+    """Have rows past the regions handed out, up to ``end``, faulted in (once each)."""
+    lo, hi = max(slab.faulted, slab.used), min(end, len(slab.pos))
+    if hi > lo:
+        slab.faulted = hi
+        _Populator.submit(slab, lo, hi, _Populator.MADV_POPULATE_WRITE)
 
 
 def retire(buffers: list[TapRows], pool: SlabPool) -> None:
@@ -512,14 +558,16 @@ class SlotRows:
 
 
 class _Populator:
-    """One thread per process that faults slabs' pages in ahead of their use."""
+    """One thread per process that faults slabs' pages in ahead of their use, and gives
+    back those never used (in the order asked)."""
 
-    _queue: queue.SimpleQueue[weakref.ref[Slab]] = queue.SimpleQueue()
+    _queue: queue.SimpleQueue[tuple[weakref.ref[Slab], int, int, int]] = queue.SimpleQueue()
     _thread: threading.Thread | None = None
     _lock = threading.Lock()
     _works: bool | None = None
     _madvise = None
     MADV_POPULATE_WRITE = 23  # Linux 5.14+
+    MADV_DONTNEED = 4
 
     @classmethod
     def works(cls) -> bool:
@@ -547,19 +595,27 @@ class _Populator:
         return True
 
     @classmethod
-    def submit(cls, slab: Slab) -> None:
+    def submit(cls, slab: Slab, lo: int, hi: int, advice: int) -> None:
+        """Fault in (``MADV_POPULATE_WRITE``) or give back (``MADV_DONTNEED``: rows no
+        buffer was handed) rows ``lo .. hi`` of ``slab``."""
         with cls._lock:
             if cls._thread is None:
                 cls._thread = threading.Thread(target=cls._run, name="actbus-prefault", daemon=True)
                 cls._thread.start()
-        cls._queue.put(weakref.ref(slab))  # a slab let go meanwhile is not kept for this
+        # A slab let go meanwhile is not kept for this.
+        cls._queue.put((weakref.ref(slab), lo, hi, advice))
 
     @classmethod
     def _run(cls) -> None:
         while True:
-            slab = cls._queue.get()()
+            ref, lo, hi, advice = cls._queue.get()
+            slab = ref()
             if slab is None:
                 continue
-            # ctypes lets go of the GIL for the call; the slab is held until it returns.
-            cls._madvise(slab.rows.ctypes.data, slab.rows.nbytes, cls.MADV_POPULATE_WRITE)
+            row, page = slab.rows.shape[1], mmap.PAGESIZE
+            # madvise starts at a page: the one row lo is in, or (giving back) the next.
+            start = (lo * row + (page - 1 if advice == cls.MADV_DONTNEED else 0)) // page * page
+            if hi * row > start:
+                # ctypes lets go of the GIL for the call; the slab is held until it returns.
+                cls._madvise(slab.rows.ctypes.data + start, hi * row - start, advice)
             del slab

@@ -149,28 +149,47 @@ def _resident(a: np.ndarray) -> int:
     return sum(v & 1 for v in vec) * mmap.PAGESIZE
 
 
-def test_the_next_slab_is_faulted_in_ahead_and_rows_written_meanwhile_are_kept():
+def _wait_resident(a: np.ndarray, nbytes: int) -> int:
+    """``_resident(a)`` once it is ``nbytes`` (the populator's thread at work), or as it
+    is after 30 s."""
     import time
 
-    pool = SlabPool(slab_bytes=8 << 20)
-    if not pool.prefault:
-        import pytest
-
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
-    row = 4096
-    slab, _ = pool.take(4, row)  # the first slab, and a spare made beside it
-    spare = pool._spare[row]
-    spare.rows[-4:] = 7  # written while the populator may be at it
     deadline = time.monotonic() + 30
-    while _resident(spare.rows) < spare.rows.nbytes and time.monotonic() < deadline:
+    while _resident(a) != nbytes and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _resident(spare.rows) == spare.rows.nbytes  # every page there before use
-    assert (spare.rows[-4:] == 7).all()  # populating never changes a page
-    # Filling the first slab hands out the spare and makes the next one.
-    nxt, at = pool.take(len(slab.pos), row)
+    return _resident(a)
+
+
+def test_rows_past_those_handed_out_are_faulted_in_ahead_as_many_as_were_handed_out(
+    monkeypatch,
+):
+    """A few rows handed out make a window of ``PREFAULT_MIN`` resident, not a slab
+    (a whole spare slab, 256 MiB, was faulted in for the first row an HTTP server
+    returned); more handed out, more ahead, into the next slab, handed out next. Idle,
+    the pool gives back what it faulted in and never handed out."""
+    import pytest
+
+    from actbus import rowstore
+
+    row = 4096  # a page a row
+    monkeypatch.setattr(rowstore, "PREFAULT_MIN", 64 * row)
+    pool = SlabPool(slab_bytes=1024 * row)
+    if not pool.prefault:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    slab, _ = pool.take(4, row)  # 64 rows past these 4 are faulted in, no more
+    slab.rows[10] = 7  # written while the populator may be at it
+    assert _wait_resident(slab.rows, 64 * row) == 64 * row and not pool._spare
+    assert (slab.rows[10] == 7).all()  # populating never changes a page
+    pool.take(700, row)  # 704 handed out: as many past them, 320 here and 384 next
+    assert _wait_resident(slab.rows, (64 + 320) * row) == (64 + 320) * row
+    spare = pool._spare[row]
+    assert _wait_resident(spare.rows, 384 * row) == 384 * row
+    nxt, at = pool.take(400, row)  # no room left here: the next slab, already there
     assert nxt is spare and at == 0 and pool._spare[row] is not spare
-    pool.release()
-    assert not pool._spare
+    # 384 rows came ahead; those handed out past them (to 400) wait for their first write.
+    assert _wait_resident(nxt.rows, (384 + 624) * row) == (384 + 624) * row
+    pool.release()  # rows 400 on were never handed out: given back
+    assert not pool._spare and _wait_resident(nxt.rows, 384 * row) == 384 * row
 
 
 def test_slot_rows_of_any_row_kind_keep_their_views_and_free_their_slabs():

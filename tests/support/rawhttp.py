@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from urllib.parse import urlparse
 
@@ -35,6 +36,37 @@ def status_of(s: socket.socket, timeout: float) -> int:
     s.settimeout(timeout)
     head = s.recv(12, socket.MSG_PEEK)
     return int(head[9:12])
+
+
+def body_started(s: socket.socket, timeout: float) -> bytes:
+    """What has arrived on ``s``, left unread, once the answer's body has begun (a
+    stream's first event: the server has made it)."""
+    s.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        got = s.recv(1 << 16, socket.MSG_PEEK)
+        head = got.find(b"\r\n\r\n")
+        if not got or (head >= 0 and len(got) > head + 4):
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no body after {timeout}s: {got[:200]!r}")
+        time.sleep(0.01)
+
+
+def reset_peak(proc: psutil.Process) -> None:
+    """Start ``proc``'s peak resident memory (``peak_rss``) over from what it has now."""
+    with open(f"/proc/{proc.pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss(proc: psutil.Process) -> int:
+    """The most memory ``proc`` had resident since it started or ``reset_peak``: growth
+    that comes and goes between two looks at its size shows here."""
+    with open(f"/proc/{proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise LookupError(f"no VmHWM for process {proc.pid}")
 
 
 def api_server(proc: psutil.Process | int) -> psutil.Process:
