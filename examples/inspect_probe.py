@@ -7,10 +7,11 @@ layer on the prompt's last token (``"return": true``) and for a monitor's scores
 in the eval log. The probe is a linear direction on that row (``-T probe=FILE``: a
 safetensors file with a ``weight`` vector; by default a fixed random direction, for
 a demo on a tiny model); the monitor is one the server was started with (a refusal
-probe in real use: ``-T monitor=refusal``).
+probe in real use: ``-T monitor=refusal``). docs/http.md ("Inspect AI") starts such a
+server on the tiny model and runs this eval; ``--debug-errors`` makes a failed eval
+exit non-zero (``inspect eval`` alone exits 0 and leaves the error in the log):
 
-    actbus serve MODEL --layers 3 --actbus-config '{"monitor": {"monitors": {...}}}'
-    inspect eval examples/inspect_probe.py --model actbus/MODEL \\
+    inspect eval examples/inspect_probe.py --model actbus/MODEL --debug-errors \\
         --model-base-url http://127.0.0.1:8000/v1 -T layer=3 -T monitor=refusal
 """
 

@@ -112,26 +112,41 @@ def test_slugs_match_mkdocs() -> None:
 
 
 # ------------------------------------------------------------ repository paths
+_TOP = "examples|benchmarks|tests|actbus|consumers|trainers|scripts"
 _REPO_PATH = re.compile(
-    r"(?<![\w./-])((?:examples|benchmarks|tests|actbus)/[\w./-]*\w\.(?:py|sh|md))"
+    rf"(?<![\w./-])((?:{_TOP})/(?:[\w.-]+/)*(?:[\w.-]*\w\.\w+\b|(?=[\s`)|,;:]|$)))", re.M
 )
+"""A repository path: a file with an extension (`examples/inspect_probe.py`,
+`benchmarks/results/x.png`) or a directory ending in a slash (`consumers/fs/`) under a
+top-level folder; not a URL's path (`/v1/actbus/vectors`), a placeholder (`actbus/MODEL`)
+or a glob (`tests/gpu/check_*.py`)."""
 
 
 def missing_paths(text: str) -> list[str]:
-    """Repository files a page names (in prose or code, e.g. `examples/x.py`) that do
-    not exist: a user pastes them."""
+    """Repository files and directories a page names (in prose or code, e.g.
+    `examples/x.py`) that do not exist: a user pastes them."""
     return sorted({p for p in _REPO_PATH.findall(text) if not (ROOT / p).exists()})
 
 
 def test_every_repository_file_the_docs_name_exists() -> None:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages = [*(ROOT / name for name in CHECKED), *sorted((ROOT / "docs").rglob("*.md"))]
     gone = {str(p.relative_to(ROOT)): m for p in pages if (m := missing_paths(p.read_text()))}
     assert gone == {}, f"files named in the docs that do not exist: {gone}"
+    named = {m for p in pages for m in _REPO_PATH.findall(p.read_text())}
+    assert {"examples/inspect_probe.py", "consumers/fs/"} <= named, "the path pattern is broken"
 
 
 def test_the_path_checker_finds_a_missing_file() -> None:
-    text = "see `examples/demo.py` and examples/no_such_example.py, not x/examples/y.py"
-    assert missing_paths(text) == ["examples/no_such_example.py"]
+    text = (
+        "see `examples/demo.py` and examples/no_such_example.py, not x/examples/y.py;\n"
+        "examples/chat.jinja, `consumers/fs/`, `consumers/gone/`, `/v1/actbus/vectors/f12`,\n"
+        "actbus/MODEL, `tests/gpu/check_*.py`"
+    )
+    assert missing_paths(text) == [
+        "consumers/gone/",
+        "examples/chat.jinja",
+        "examples/no_such_example.py",
+    ]
 
 
 # ------------------------------------------------------------------ code blocks

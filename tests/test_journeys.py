@@ -3,11 +3,14 @@ the tiny Llama, and what each made checked: checkpoints that load, rows stored a
 replayed, W&B runs with metrics, the dashboard's view, activations returned with the
 right shapes, the closed loop's scores against HF transformers. Then the README's
 blocks, as pasted (``tests/support/docs_blocks.py`` says how): serve and train, steer
-over HTTP, store and replay, and its Python steering snippet run as a file.
+over HTTP, store and replay, and its Python steering snippet run as a file; and
+docs/http.md's Inspect block, whose server is its own (its monitor is the probe the
+README's serve block trained).
 
-Three engines in all: one ``actbus serve`` that journeys 1 (serve and train) and 2
-(store and replay), the closed loop and the README's shell blocks drive as a running
-server (``--connect/--url``), journey 3's own offline ``LLM``, and the README snippet's.
+The engines: one ``actbus serve`` that journeys 1 (serve and train) and 2 (store and
+replay), the closed loop and the README's shell blocks drive as a running server
+(``--connect/--url``), the Inspect block's server, journey 3's own offline ``LLM``, and
+the README snippet's.
 Journey 1 runs last of the server's journeys and ends with Ctrl-C of that server
 (``--until-end``): its trainers save on the END ``actbus serve`` sends.
 """
@@ -243,10 +246,18 @@ def test_return_activations_in_process(tmp_path):
 REQUESTS = 16  # the README sends 64; a few suffice to train something and store it
 
 
-def _bash(script: str, cwd: Path, name: str, timeout: float = 300) -> str:
+def _bash(
+    script: str, cwd: Path, name: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> str:
     """Run ``script`` in bash (``set -e``: a failing command fails the block); its
     output, which is also kept in ``cwd/name.log``."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
     log = cwd / f"{name}.log"
     with open(log, "w") as f:
         r = subprocess.run(
@@ -316,6 +327,17 @@ def test_readme_serve_and_train(server, tiny_models, readme_dir):
     source = json.loads(probe.read_text())["source"]
     assert source["address"] == address and source["hidden_size"] == 128, source
     assert list(readme_dir.glob("wandb/offline-run-*")), "actbus run wandb logged nothing"
+    # docs/dashboards.md's reader, as pasted into a file, on that run (once W&B's service
+    # process, which may outlive its client, has written its history).
+    from consumers.wandb_offline import find_runs, history
+    from tests.support.docs_blocks import block
+
+    runs = find_runs(readme_dir / "wandb")
+    wait_for(lambda: runs and history(runs[-1]), 60, "the W&B history", 0.5)
+    (readme_dir / "wandb_read.py").write_text(block("dashboards-wandb-read").code)
+    r = subprocess.run([sys.executable, "wandb_read.py"], cwd=readme_dir, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_readme_steer_over_http(server, tiny_models, readme_dir):
@@ -377,6 +399,81 @@ def test_readme_store_and_replay(server, tiny_models, readme_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     verified, last = r.stdout.splitlines()[-2:]
     assert verified == "[]" and last.startswith("torch.Size([") and '"label"' in last, r.stdout
+
+
+# docs/http.md's Inspect block: a server of its own (a monitor made of the probe the
+# README's serve block trained), then `inspect eval` of examples/inspect_probe.py.
+_STOP_ON_EXIT = "trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT  # the block's server, always\n"
+
+
+def _examples_here(where: Path) -> None:
+    """The blocks run from the checkout, where ``examples/`` is."""
+    if not (where / "examples").exists():
+        (where / "examples").symlink_to(ROOT / "examples")
+
+
+def test_docs_inspect_eval(tiny_models, readme_dir):
+    """docs/http.md's Inspect block, as pasted (its server on a port of the test's, its
+    engine in the server's process and Dynamo-only: a start of half the time; what is
+    under test is the eval, not the compiled graph): the eval succeeds and every sample's log
+    holds the returned row and the ``refusal`` monitor's scores, and the scores Inspect
+    computed from them are the probe on that row and the scores' mean."""
+    from inspect_ai.log import read_eval_log
+
+    from actbus.client import from_metadata
+    from tests.support.docs_blocks import block, own_server_script
+
+    probe = readme_dir / "out" / "probes" / "L1.post_block-probe-logistic"
+    assert probe.is_dir(), "needs test_readme_serve_and_train's probe"
+    _examples_here(readme_dir)
+    venv = Path(sys.executable).parent.parent
+    prologue = (
+        f". {venv}/bin/activate\nMODEL={tiny_models['llama']}\n"
+        f"BUS=ipc://{readme_dir}/inspect.sock\n{_STOP_ON_EXIT}"
+    )
+    script = prologue + own_server_script(block("http-inspect").code, port=free_port())
+    _bash(script, readme_dir, "inspect", env=IN_PROCESS)
+    (path,) = (readme_dir / "logs").glob("*.eval")
+    log = read_eval_log(str(path))
+    assert log.status == "success" and len(log.samples) == 4, (log.status, log.error)
+    for sample in log.samples:
+        assert {"activations", "monitor"} <= set(sample.output.metadata["actbus"]), sample.id
+        got = from_metadata(sample.output.metadata)
+        assert got.complete is True and list(got.tensors) == [(3, "post_block")]
+        prompt_len = sample.output.usage.input_tokens
+        assert got.positions.tolist() == [prompt_len - 1], (sample.id, got.positions)
+        assert list(got.scores) == [("refusal", 1)]
+        fed = prompt_len + sample.output.usage.output_tokens - 1
+        assert got.score_positions.tolist() == list(range(fed))
+        (score,) = sample.scores.values()
+        mean = float(got.scores[("refusal", 1)].mean())
+        assert score.value["monitor"] == pytest.approx(mean, rel=1e-5)
+        row = got[(3, "post_block")][-1]
+        w = torch.randn(row.numel(), generator=torch.Generator().manual_seed(0))
+        assert score.value["probe"] == pytest.approx(float(torch.sigmoid(row @ (w / w.norm()))))
+
+
+def test_docs_inspect_eval_fails_loudly(tmp_path):
+    """The block's ``inspect eval``, against a server that refuses every chat call (as
+    vLLM refuses one for a model without a chat template): it exits non-zero, naming
+    the error (``inspect eval`` alone exits 0 and leaves it in the log)."""
+    from tests.support.docs_blocks import block, command
+    from tests.support.refusing import refusing_server
+
+    _examples_here(tmp_path)
+    with refusing_server(400, REFUSAL) as port:
+        cmd = command(block("http-inspect").code, "inspect eval")
+        cmd = cmd.replace("localhost:8000", f"127.0.0.1:{port}")
+        venv = Path(sys.executable).parent.parent
+        script = f". {venv}/bin/activate\nMODEL=tiny\n{cmd}\n"
+        r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert REFUSAL in out, out[-3000:]
+
+
+REFUSAL = "As of transformers v4.44, default chat template is no longer allowed"
 
 
 def test_serve_and_train_live_until_the_server_stops(server, tmp_path):

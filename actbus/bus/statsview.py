@@ -13,12 +13,13 @@ subscription takes the ``router`` stream alone (``drop_newest``: it never holds 
 engine back; what it misses is counted) and counts the tokens routed to each expert
 since this client connected. ``--once`` and ``--json`` show it with ``--experts-s S``:
 they listen that long (less if the publisher ends, or on SIGINT or SIGTERM) before
-printing.
+printing, with the counters as of the window's end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import time
@@ -360,6 +361,27 @@ def _show(
             watch.close()
 
 
+def listen(
+    watch: ExpertWatch,
+    seconds: float,
+    interval: float,
+    again: Callable[[], dict[str, Any]],
+    snap: dict[str, Any],
+) -> dict[str, Any]:
+    """Count the router stream for ``seconds`` (less if the publisher ends or ``watch``
+    is stopped); the publisher's counters as of the window's end. Asked for every
+    ``interval`` while it listens: once the publisher has ended it cannot answer, and
+    the counters shown beside the load must not be those from before the load came
+    (``published 0  last step -1`` over a window of traffic)."""
+    deadline = time.monotonic() + seconds
+    while not (watch.ended or watch.stopped) and (left := deadline - time.monotonic()) > 0:
+        watch.pump(min(interval, left))
+        if not watch.ended:
+            with contextlib.suppress(TimeoutError):  # kept: the last counters it gave
+                snap = again()
+    return snap
+
+
 def _show_with(
     args: argparse.Namespace,
     console: Console,
@@ -381,7 +403,7 @@ def _show_with(
         if watch is not None:  # Ctrl-C (or SIGTERM) ends the listening: what came is shown
             handlers = {sig: signal.signal(sig, watch.stop) for sig in STOP_SIGNALS}
             try:
-                wait(args.experts_s)
+                snap = listen(watch, args.experts_s, args.interval, again, snap)
             finally:
                 for sig, handler in handlers.items():
                     signal.signal(sig, handler)

@@ -263,6 +263,41 @@ def test_actbus_stats_counts_the_expert_load_and_refuses_bad_router_rows(address
     assert "4 experts, top 2" in text and "L1" in text and "3:50%" in text
 
 
+def test_actbus_stats_experts_shows_the_counters_at_the_windows_end(address, capsys):
+    """``--json --experts-s``: the counters printed beside the load are the publisher's
+    after the rows it counted, not the ones asked for before it listened (``published 0
+    last step -1`` over a window of traffic)."""
+    import numpy as np
+    import torch
+
+    from actbus.wire import Header, RowIndex
+
+    info = {"model": "moe", "layers": [1], "router": {"num_experts": 4, "top_k": 2}}
+    pub = Publisher(address, info=info, heartbeat_s=0.1)
+
+    def feed() -> None:  # once stats listens; it is not ended: the window runs out
+        wait_for(
+            lambda: statsview.EXPERTS_NAME in pub.stats()["subscribers"], 30, "the router reader"
+        )
+        for step in range(2):
+            ri = RowIndex(["r"], np.array([0, 1]), np.arange(1), np.arange(1))
+            h = Header(step, 1, "router", "float32", (1, 4), "moe", ri)
+            pub.publish(h, torch.tensor([[0, 3, 0.75, 0.25]], dtype=torch.float32))
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    try:
+        argv = ["stats", "--connect", address, "--json", "--experts-s", "4", "--interval", "0.5"]
+        rc = main(argv)
+    finally:
+        t.join(timeout=30)
+        pub.close(timeout=2)
+    assert rc == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["experts"]["layers"]["1"]["tokens"] == 2, snap["experts"]
+    assert (snap["published"], snap["last_step"]) == (2, 1), snap
+
+
 def test_actbus_stats_json_shows_a_reply_holding_bytes(address, capsys):
     """A STATS reply is the publisher's msgpack: bytes values and keys are shown as
     hex and text, not a crash of ``--json``."""

@@ -10,7 +10,8 @@ line, an HTML comment (invisible on GitHub and on the MkDocs site):
 ``tests/test_docs.py`` fails on a block with neither. The shell blocks run against the
 suite's shared ``actbus serve`` (``tests/test_journeys.py``), with the substitutions
 ``shell_script`` applies: that server's address, port and model in place of the
-README's, and its own start left out (it is already up).
+README's, and its own start left out (it is already up). A block whose server is its
+own (``own_server_script``) runs whole, on a port of the test's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ RUN_BY = {
     "readme-return-http": "tests/test_journeys.py::test_readme_rows_over_http",
     "readme-store": "tests/test_journeys.py::test_readme_store_and_replay",
     "datasets-read": "tests/test_journeys.py::test_readme_store_and_replay",  # its run
+    "http-inspect": "tests/test_journeys.py::test_docs_inspect_eval",
+    "dashboards-wandb-read": "tests/test_journeys.py::test_readme_serve_and_train",  # its run
+    "security-keys": "tests/test_docs_run.py::test_security_keys",
+    "moe-tiny-model": "tests/test_docs_run.py::test_moe_tiny_model",
 }
 """Every ``runs:`` id, and the test that runs it."""
 
@@ -105,3 +110,21 @@ def shell_script(code: str, *, address: str, port: int, venv: Path) -> str:
     code = code.replace(". .venv/bin/activate", f". {venv}/bin/activate")
     code = code.replace("ipc:///tmp/actbus.sock", address)
     return code.replace("localhost:8000", f"127.0.0.1:{port}")
+
+
+def own_server_script(code: str, *, port: int) -> str:
+    """A block that starts its own ``actbus serve`` on port 8000, as pasted but on
+    ``port`` of the loopback interface (the suite binds no other)."""
+    for old in ("--port 8000", "localhost:8000"):
+        if old not in code:
+            raise ValueError(f"the block has no {old!r} to put the test's port in")
+    code = code.replace("--port 8000", f"--host 127.0.0.1 --port {port}")
+    return code.replace("localhost:8000", f"127.0.0.1:{port}")
+
+
+def command(code: str, start: str) -> str:
+    """The command of ``code`` that begins with ``start``, with its continuation lines."""
+    m = re.search(rf"^{re.escape(start)}(?:.*\\\n)*.*$", code, re.M)
+    if m is None:
+        raise ValueError(f"no command starting {start!r} in the block")
+    return m.group(0)
