@@ -23,6 +23,7 @@ are not computed yet when the point is steered in the same forward).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -170,6 +171,8 @@ class _Batch:
     listed_keys: np.ndarray | None = None  # sorted ``entry * _KEY + position`` of them
     listed_late: bool = False  # a listed position past its request's prompt
     gate_slot: np.ndarray | None = None  # per steered request: its row of ``last``
+    by_point: np.ndarray | None = None  # the entries grouped by point, in entry order
+    rank: np.ndarray | None = None  # per entry: its place among its request's at its point
 
 
 def _entry_mask(
@@ -185,6 +188,34 @@ def _entry_mask(
         default=True,
     )
     return keep & by_mode
+
+
+def _token_slots(p: np.ndarray, row: np.ndarray, n: int) -> np.ndarray:
+    """Each kept pair's slot of its token's ``per_token`` at its point: (point, row)'s
+    entries take slots 0, 1, ... in entry order (the front end admits at most
+    per_token of them). The pairs come point by point, each entry's rows ascending,
+    so the stable sort mostly meets runs already in order."""
+    key = p * n + row
+    order = np.argsort(key, kind="stable")
+    grouped = key[order]
+    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+    k = np.empty(len(key), dtype=np.int64)
+    k[order] = np.arange(len(key)) - np.repeat(starts, np.diff(np.r_[starts, len(key)]))
+    return k
+
+
+def _point_order(bt: _Batch, points: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's entries grouped by point (in entry order within one), and each
+    entry's place among its request's entries at its point (all 0: no token has two
+    entries at a point, and a step needs no slot sort, ``_token_slots``)."""
+    by_point = np.argsort(bt.point, kind="stable")
+    key = bt.req * points + bt.point
+    by_req = np.argsort(key, kind="stable")
+    grouped = key[by_req]
+    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+    rank = np.empty(len(key), dtype=np.int64)
+    rank[by_req] = np.arange(len(key)) - np.repeat(starts, np.diff(np.r_[starts, len(key)]))
+    return by_point, rank
 
 
 class Steerer:
@@ -496,6 +527,7 @@ class Steerer:
             req=np.repeat(np.arange(len(cat)), per_req),
             listed={int(base[k] + j): v for k, st in enumerate(cat) for j, v in st.listed.items()},
         )
+        self._last.by_point, self._last.rank = _point_order(self._last, len(self.points))
         if self._last.listed:
             entries = np.fromiter(self._last.listed, dtype=np.int64)
             self._last.listed_entry = np.zeros(len(self._last.point), dtype=bool)
@@ -525,9 +557,10 @@ class Steerer:
         count = offsets[bt.where + 1] - lo
         req, point, slot, cf = bt.req, bt.point, bt.slot, bt.cf
         width = self.tables.coefs
-        # Every (entry, token of its request in this step) pair.
-        reps = count[req]
-        pair = np.repeat(np.arange(len(req)), reps)  # pair -> its entry
+        # Every (entry, token of its request in this step) pair, point by point.
+        assert bt.by_point is not None and bt.rank is not None
+        reps = count[req[bt.by_point]]
+        pair = np.repeat(bt.by_point, reps)  # pair -> its entry
         within = np.arange(len(pair)) - np.repeat(np.cumsum(reps) - reps, reps)
         r = req[pair]
         row = lo[r] + within
@@ -547,40 +580,35 @@ class Steerer:
             self._plan_save(bt, lo, count)
         if not len(pair):
             return {}
-        p = point[pair]
-        # Each (point, row)'s entries take slots 0, 1, ... in order (the front end
-        # admits at most per_token entries per point).
-        order = np.lexsort((pair, row, p))
-        pair, row, p, within, r = pair[order], row[order], p[order], within[order], r[order]
-        key = p * n + row
-        run_start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        k = np.arange(len(key)) - np.repeat(run_start, np.diff(np.r_[run_start, len(key)]))
+        p = point[pair]  # sorted: the pairs come point by point
+        k = _token_slots(p, row, n) if bt.rank.any() else np.zeros(len(pair), dtype=np.int64)
         k_max = self.tables.per_token
         if gt is not None:
             g_src, g_idx, carried = self._gate_sources(bt, pair, p, row, within, r)
-        out: dict[int, tuple[np.ndarray, ...]] = {}
-        for pid in np.unique(p):
-            m = p == pid
-            idx = np.zeros((n, k_max), dtype=np.int64)
-            coef = np.zeros((n, k_max, width), dtype=np.float32)
-            rr, kk, ee = row[m], k[m], pair[m]
-            idx[rr, kk] = slot[ee]
-            coef[rr, kk] = cf[ee, :width]
-            if self.gates is None:
-                out[int(pid)] = (idx, coef)
-                continue
-            src = np.full((n, k_max), -1, dtype=np.int64)
-            gidx = np.zeros((n, k_max), dtype=np.int64)
-            par = np.zeros((n, k_max, 2), dtype=np.float32)
-            if gt is not None:
-                src[rr, kk] = g_src[m]
-                gidx[rr, kk] = g_idx[m]
-                par[rr, kk, 0] = gt.thr[ee]
-                par[rr, kk, 1] = gt.sharp[ee]
-                c = m & carried
-                if c.any():
-                    self._plan_carry(int(pid), gt, pair[c], row[c] * k_max + k[c], r[c], bt)
-            out[int(pid)] = (idx, coef, src, gidx, par)
+        # One array per table for all the step's points (a point's are views of it):
+        # a handful of numpy calls a step, whatever the number of points.
+        bounds = np.flatnonzero(np.r_[True, p[1:] != p[:-1], True])
+        pids = p[bounds[:-1]]
+        at = np.repeat(np.arange(len(pids)), np.diff(bounds))  # pair -> its point's place
+        idx = np.zeros((len(pids), n, k_max), dtype=np.int64)
+        coef = np.zeros((len(pids), n, k_max, width), dtype=np.float32)
+        idx[at, row, k] = slot[pair]
+        coef[at, row, k] = cf[pair, :width]
+        if self.gates is None:
+            return {int(pid): (idx[i], coef[i]) for i, pid in enumerate(pids)}
+        src = np.full((len(pids), n, k_max), -1, dtype=np.int64)
+        gidx = np.zeros((len(pids), n, k_max), dtype=np.int64)
+        par = np.zeros((len(pids), n, k_max, 2), dtype=np.float32)
+        if gt is not None:
+            src[at, row, k] = g_src
+            gidx[at, row, k] = g_idx
+            par[at, row, k, 0] = gt.thr[pair]
+            par[at, row, k, 1] = gt.sharp[pair]
+            for i, (lo_, hi_) in enumerate(itertools.pairwise(bounds)):
+                c = np.flatnonzero(carried[lo_:hi_]) + lo_
+                if len(c):
+                    self._plan_carry(int(pids[i]), gt, pair[c], row[c] * k_max + k[c], r[c], bt)
+        out = {int(pid): (idx[i], coef[i], src[i], gidx[i], par[i]) for i, pid in enumerate(pids)}
         return out
 
     def _gate_sources(self, bt: _Batch, pair, p, row, within, r):
