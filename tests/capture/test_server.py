@@ -31,7 +31,7 @@ from tests.capture.hostile_http import OUTSIDE, Case, corpus, number_cases
 from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.procs import ROOT, actbus_serve, wait_for
-from tests.support.rawhttp import metric, returns_stats
+from tests.support.rawhttp import metric, post_unread, returns_stats, status_of
 from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
@@ -462,6 +462,44 @@ def test_streamed_chunks_carry_their_own_tokens_rows(server):
     after = returns_stats(base)["streamed"]
     assert after["chunks"] - before["chunks"] == sent, (before, after)
     assert after["late_chunks"] == before["late_chunks"] and after["chunk_wait_s"] == CHUNK_WAIT_S
+
+
+def test_a_client_gone_mid_read_ends_its_call(server):
+    """Issue 49, 1: clients that stop reading part-way and hang up, one after the first
+    rows of a long streamed ``"return"`` answer, one after the first bytes of a whole
+    one too large for its socket's buffer: each call ends (its request leaves the
+    engine, its reservation is let go) rather than hang, ``/health`` answers, and the
+    next streamed call comes back whole."""
+    base, model = server.base, str(server.model)
+    wait_for(lambda: returns_stats(base)["held_bytes"] == 0, 60, "earlier reservations to go")
+    streamed = {"model": model, "prompt": list(range(3, 13)), "max_tokens": 480,
+                "ignore_eos": True, "stream": True,
+                **_ret("gone", layers=[3], hooks=["post_block"])}  # fmt: skip
+    s = post_unread(base, "/v1/completions", streamed)
+    try:
+        s.settimeout(120)
+        got = b""
+        while b'"activations"' not in got:  # the prompt's rows, in the first chunk
+            more = s.recv(1 << 16)
+            assert more, got[-300:]
+            got += more
+    finally:
+        s.close()
+    whole = {"model": model, "prompt": list(range(3, 13)), "max_tokens": 200,
+             "ignore_eos": True, **_ret("gone_whole")}  # fmt: skip
+    w = post_unread(base, "/v1/completions", whole)  # 0.57 MiB of base64
+    try:
+        assert status_of(w, 120) == 200
+        assert w.recv(4096)
+    finally:
+        w.close()
+    wait_for(lambda: metric(base, "vllm:num_requests_running") == 0, 60, "the requests to end")
+    wait_for(lambda: returns_stats(base)["held_bytes"] == 0, 60, "the reservations to go")
+    _healthy(server)
+    ask = {"max_tokens": 6, "ignore_eos": True, "return_token_ids": True, **_ret("after")}
+    prompt = list(range(3, 13))
+    body = {"model": model, "prompt": prompt, "stream": True, **ask}
+    _check_chunks(_sse(base, "/v1/completions", body), lambda _, i: prompt)
 
 
 def test_returned_rows_limits_and_fetch(server):
