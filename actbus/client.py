@@ -8,7 +8,8 @@ rows keyed by ``(layer, hook)`` with their token positions. It reads:
   ``httpx`` / ``requests`` response;
 - a stream: the ``openai`` client's ``Stream`` (or a list of its chunks), an
   ``httpx`` / ``requests`` streamed response, or the SSE text itself; pieces are
-  joined in order, each position once.
+  joined in order, each position once (``pieces`` gives each chunk's own: the rows
+  of the tokens it carries).
 
 Rows kept for fetching (``"return": "fetch"``) are read with ``fetch``. The format is
 in docs/http.md; this module needs torch and numpy, not vLLM.
@@ -49,6 +50,9 @@ class Returned:
     score_positions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     fetch: str | None = None
     """Where the rows wait to be fetched once (``"return": "fetch"``): read with ``fetch``."""
+    late: int = 0
+    """A streamed chunk's: rows of its tokens (and earlier chunks') that had not come in
+    time; a later chunk of the choice carries them. Joined: the last piece's."""
 
     def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
         return self.tensors[key]
@@ -81,6 +85,16 @@ def returned(response: Any) -> dict[int, Returned]:
         if isinstance(extra, dict):
             pieces.setdefault(int(choice.get("index", 0)), []).append(extra)
     return {i: _join(p) for i, p in sorted(pieces.items())}
+
+
+def pieces(response: Any) -> Iterator[tuple[int, Returned]]:
+    """(choice index, its piece) of each chunk of a stream (or of each choice of a whole
+    response) that carried any, in order: a streamed chunk's rows are those of the
+    tokens it carries (docs/http.md)."""
+    for choice in _choices(response):
+        extra = choice.get("actbus")
+        if isinstance(extra, dict):
+            yield int(choice.get("index", 0)), _join([extra])
 
 
 def fetch(base_url: str, where: str, api_key: str | None = None, timeout: float = 60) -> Returned:
@@ -160,6 +174,7 @@ def _join(pieces: list[dict[str, Any]]) -> Returned:
     rows: dict[tuple[int, str], list[torch.Tensor]] = {}
     complete = None
     fetch_path = None
+    late = 0
     spos: list[int] = []
     scores: dict[tuple[str, int], list[list[float | None]]] = {}
     for p in pieces:
@@ -175,6 +190,7 @@ def _join(pieces: list[dict[str, Any]]) -> Returned:
                 key, t = decode_rows(entry)
                 rows.setdefault(key, []).append(t)
             complete = acts.get("complete", complete)
+            late = int(acts.get("late", 0))
         mon = p.get("monitor")
         if isinstance(mon, dict):
             spos += mon["positions"]
@@ -191,6 +207,7 @@ def _join(pieces: list[dict[str, Any]]) -> Returned:
         {k: _f32(v) for k, v in scores.items()},
         torch.tensor(spos, dtype=torch.long),
         fetch_path,
+        late,
     )
 
 

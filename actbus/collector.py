@@ -199,7 +199,11 @@ class Collector:
             if arrived():
                 ok = True
                 break
-        waited = time.monotonic() - t0
+        self._count_wait(time.monotonic() - t0, ok)
+        return ok
+
+    def _count_wait(self, waited: float, ok: bool) -> None:
+        """Under ``_cond``: a final output's wait, counted and, when long, logged."""
         w = self._waits
         w[0], w[1], w[2], w[3] = w[0] + 1, w[1] + waited, max(w[2], waited), w[3] + (not ok)
         if waited > SLOW_WAIT_S:
@@ -207,7 +211,6 @@ class Collector:
                 "actbus: a final output waited %.2f s for its request's last %s (%s)",
                 waited, self.what, "they came" if ok else "gave up",
             )  # fmt: skip
-        return ok
 
     def stats(self) -> dict[str, float]:
         """Final outputs that had to wait for their last data, the seconds waited in
@@ -259,7 +262,7 @@ class Collector:
             stale = [
                 k
                 for k, p in self._pending.items()
-                if (p.ended_at and now - p.ended_at > FORGET_AFTER_S)
+                if (p.ended_at and now - p.ended_at > FORGET_AFTER_S and not _streamed(p))
                 or now - p.created > FORGET_UNENDED_S
             ]
             for key in stale:
@@ -274,3 +277,9 @@ class Collector:
 
     def _housekeep(self, dropped: bool) -> None:
         """Under ``_cond``, every second, after stale requests were dropped."""
+
+
+def _streamed(p: Any) -> bool:
+    """Rows its SSE chunks take (``chunked``): its stream lets it go when it ends, however
+    slowly its client reads, so it is not forgotten once ended."""
+    return bool(getattr(p, "chunked", False))

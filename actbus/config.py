@@ -141,6 +141,9 @@ class CaptureConfig:
     once, in MiB; a ``"fetch"`` request beyond it is refused, naming this key."""
     http_return_fetch_ttl_s: float = 300.0
     """How long rows kept for ``GET /v1/actbus/returns/ID`` wait to be fetched (once)."""
+    http_return_chunk_wait_s: float = 0.25
+    """How long a streamed chunk waits, at most, for the rows of the tokens it carries
+    before it goes without them (they follow in a later chunk, counted); 0: never."""
     shm_mb: float = 1024.0
     """The shared-memory region subscribers on this host read rows from, in MiB
     (``actbus.bus.shm``; made when the first subscribes, backed as it fills). 0: they
@@ -211,6 +214,7 @@ class CaptureConfig:
             ("http_return_max_server_mb", (int, float), 0.001, "MiB >= 0.001"),
             ("http_return_fetch_client_mb", (int, float), 0.001, "MiB >= 0.001"),
             ("http_return_fetch_ttl_s", (int, float), 1.0, "seconds >= 1"),
+            ("http_return_chunk_wait_s", (int, float), 0.0, "seconds >= 0"),
             ("shm_mb", (int, float), 0, "MiB >= 0 (0: no shared memory)"),
         ):
             if name in raw:

@@ -13,6 +13,16 @@ OUTPUT new tokens each (``ignore_eos``); Llama-3-8B shape with dummy bf16 weight
     ehs_1      upstream vLLM's ``extract_hidden_states`` with ``ExampleHiddenStatesConnector``
                (a safetensors file per request, its path in ``kv_transfer_params``): layer 16
     ehs_4      the same, layers 4, 12, 20, 28
+    splain     ``plain``, streamed (SSE)
+    stream_1   ``http_1``, streamed: each chunk carries its own tokens' rows, waiting for
+               them at most ``http_return_chunk_wait_s`` (0.25 s, the default)
+    nowait_1   ``stream_1`` with ``http_return_chunk_wait_s: 0``: chunks never wait (they
+               carry the rows that arrived; the rest follow, counted late)
+
+The streamed arms measure what a chunk's wait for its rows costs: the time to the first
+chunk and between chunks (p50, p99) as the client sees them, and the server's own count
+of the chunks that waited, for how long, and those that went late
+(``GET /v1/actbus/returns``, ``streamed``).
 
 The clients read every response as a user would, inside the timed window: actbus's rows
 with ``actbus.client`` (each request must get prompt + generated - 1 rows per layer,
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -52,7 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_arms import model
 
-ARMS = ("plain", "http_1", "http_4", "lens_1", "lens_4", "ehs_1", "ehs_4")
+ARMS = (
+    "plain", "http_1", "http_4", "lens_1", "lens_4", "ehs_1", "ehs_4",
+    "splain", "stream_1", "nowait_1",
+)  # fmt: skip
+STREAMED = {"splain": "plain", "stream": "http", "nowait": "http"}
+"""Streamed arms: the kind of server each runs."""
 LAYERS = {
     "gpu": {"1": [16], "4": [4, 12, 20, 28]},
     "tiny": {"1": [3], "4": [0, 1, 2, 3]},
@@ -64,9 +80,13 @@ DEFAULTS = {
 
 
 def _arm(arm: str, args: argparse.Namespace) -> tuple[str, list[int]]:
-    """An arm's kind (plain, http, lens, ehs) and the layers it returns."""
+    """An arm's kind of server (plain, http, lens, ehs) and the layers it returns."""
     kind, _, n = arm.partition("_")
-    return kind, LAYERS["tiny" if args.tiny else "gpu"].get(n, [])
+    return STREAMED.get(kind, kind), LAYERS["tiny" if args.tiny else "gpu"].get(n, [])
+
+
+def _streamed(arm: str) -> bool:
+    return arm.partition("_")[0] in STREAMED
 
 
 def _free_port() -> int:
@@ -94,10 +114,13 @@ def server_command(arm: str, path: Path, args: argparse.Namespace, port: int, tm
         return vllm + common, {"VLLM_PLUGINS": "no-plugin"}
     if kind == "http":
         cmd = [sys.executable, "-m", "actbus.cli", "serve", str(path), *common]
+        cfg: dict[str, Any] = {"http_return_max_request_mb": 4096,
+                               "http_return_max_server_mb": 1 << 20}  # fmt: skip
+        if arm.startswith("nowait"):
+            cfg["http_return_chunk_wait_s"] = 0
         cmd += ["--layers", ",".join(map(str, layers)), "--requests", "selected",
                 "--publish", f"ipc://{tmp}/bus.sock",
-                "--actbus-config", json.dumps({"http_return_max_request_mb": 4096,
-                                               "http_return_max_server_mb": 1 << 20})]  # fmt: skip
+                "--actbus-config", json.dumps(cfg)]  # fmt: skip
         return cmd, {"VLLM_PLUGINS": "actbus"}
     if kind == "lens":
         try:
@@ -165,6 +188,8 @@ def body(arm: str, prompt: list[int], args: argparse.Namespace, model_name: str)
         "model": model_name, "prompt": prompt, "max_tokens": args.output,
         "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
     }  # fmt: skip
+    if _streamed(arm):
+        out["stream"] = True
     if kind == "http":
         entry = {"layers": layers, "positions": "all", "return": True}
         out["vllm_xargs"] = {"actbus": json.dumps(entry)}
@@ -212,6 +237,24 @@ def read_rows(arm: str, resp: dict, n_layers: int) -> tuple[int, int]:
     return gen, int(hs.shape[0])
 
 
+def read_stream(arm: str, lines: list[str], n_layers: int) -> tuple[int, int]:
+    """(generated tokens, rows per layer) of one streamed response (its ``data:``
+    lines), its rows joined as a user joins them; raises when they do not add up."""
+    chunks = [json.loads(x[len("data: ") :]) for x in lines]
+    choices = [c for chunk in chunks for c in chunk.get("choices") or ()]
+    gen = sum(len(c.get("token_ids") or ()) for c in choices)
+    prompt = next(c["prompt_token_ids"] for c in choices if c.get("prompt_token_ids"))
+    if STREAMED[arm.partition("_")[0]] == "plain":
+        return gen, 0
+    from actbus.client import returned
+
+    got = returned(chunks)[0]
+    fed = len(prompt) + gen - 1
+    assert got.complete and len(got.tensors) == n_layers, (got.complete, list(got.tensors))
+    assert got.positions.tolist() == list(range(fed)), (len(got.positions), fed)
+    return gen, fed
+
+
 _read = None
 """A client process's share of the arm's count of responses read (``_count``)."""
 
@@ -221,7 +264,9 @@ def _count(counter) -> None:
     _read = counter
 
 
-async def _drive(arm, url, bodies, concurrency, n_layers, t0, limit) -> list[tuple[int, int]]:
+async def _drive(arm, url, bodies, concurrency, n_layers, t0, limit) -> list[tuple]:
+    """Per response: (generated, rows per layer), and streamed, the seconds to its
+    first chunk and between its chunks."""
     import httpx
 
     while time.time() < t0:  # every client starts at once
@@ -230,11 +275,26 @@ async def _drive(arm, url, bodies, concurrency, n_layers, t0, limit) -> list[tup
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=limit, limits=limits) as client:
 
+        async def streamed(b):
+            sent = time.perf_counter()
+            lines, at = [], []
+            async with client.stream("POST", f"{url}/v1/completions", json=b) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        at.append(time.perf_counter())
+                        lines.append(line)
+            gaps = [later - t for t, later in itertools.pairwise(at)]
+            return (*read_stream(arm, lines, n_layers), at[0] - sent, gaps)
+
         async def one(b):
             async with sem:
-                r = await client.post(f"{url}/v1/completions", json=b)
-                r.raise_for_status()
-                got = read_rows(arm, r.json(), n_layers)
+                if b.get("stream"):
+                    got = await streamed(b)
+                else:
+                    r = await client.post(f"{url}/v1/completions", json=b)
+                    r.raise_for_status()
+                    got = read_rows(arm, r.json(), n_layers)
             if _read is not None:
                 with _read.get_lock():
                     _read.value += 1
@@ -325,21 +385,69 @@ def run_arm(arm: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
         k = max(1, args.clients)
         shares = [s for s in (bodies[i::k] for i in range(k)) if s]
         per = max(1, args.concurrency // k)
+        waits0 = chunk_waits(url) if _arm(arm, args)[0] == "http" else None
         t0 = time.time() + 5.0  # the client processes start (spawn) before it
         results = clients(arm, url, shares, per, n, t0, args.arm_timeout, [proc.pid])
         gen_s = max(end for _, end in results) - t0
-        pairs = [p for got, _ in results for p in got]
-        generated = sum(g for g, _ in pairs)
-        rows = sorted({r for _, r in pairs})
-        return {
+        each = [p for got, _ in results for p in got]
+        generated = sum(p[0] for p in each)
+        rows = sorted({p[1] for p in each})
+        out = {
             "gen_s": round(gen_s, 2),
             "generated_tokens": generated,
             "tok_per_s": round(generated / gen_s, 1),
             "rows_per_request_per_layer": rows if len(rows) <= 4 else [rows[0], rows[-1]],
             "layers": n,
         }
+        if _streamed(arm):
+            out.update(chunk_times(each))
+            if waits0 is not None:
+                out["server"] = since(waits0, chunk_waits(url))
+        return out
     finally:
         stop(proc)
+
+
+def _ms(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else float("nan")
+
+
+def chunk_times(each: list[tuple]) -> dict[str, Any]:
+    """The client's view of a streamed arm: ms to the first chunk, and between chunks."""
+    first = [p[2] for p in each]
+    gaps = [g for p in each for g in p[3]]
+    return {
+        "chunks": len(gaps) + len(first),
+        "first_chunk_ms_p50": _ms(first, 0.5),
+        "first_chunk_ms_p99": _ms(first, 0.99),
+        "chunk_gap_ms_p50": _ms(gaps, 0.5),
+        "chunk_gap_ms_p99": _ms(gaps, 0.99),
+        "chunk_gap_ms_max": _ms(gaps, 1.0),
+    }
+
+
+def chunk_waits(url: str) -> dict[str, Any]:
+    """The server's count of streamed chunks and their waits for rows."""
+    with urllib.request.urlopen(f"{url}/v1/actbus/returns", timeout=30) as r:
+        return json.loads(r.read())["streamed"]
+
+
+def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The timed window's share of the server's streamed counts: chunks that carried
+    rows, those that waited (mean and longest wait, ms), and those that went late."""
+    d = {k: after[k] - before[k] for k in ("chunks", "waits", "wait_s", "late_chunks")}
+    d["late_rows"] = after["late_rows"] - before["late_rows"]
+    waits = d.pop("waits")
+    return {
+        "chunk_wait_s": after["chunk_wait_s"],
+        "chunks": d["chunks"],
+        "chunks_that_waited": waits,
+        "wait_ms_mean": round(1000 * d.pop("wait_s") / waits, 2) if waits else 0.0,
+        "wait_ms_max_ever": round(1000 * after["wait_max_s"], 2),
+        "late_chunks": d["late_chunks"],
+        "late_rows": d["late_rows"],
+    }
 
 
 def main() -> int:
@@ -386,6 +494,25 @@ def main() -> int:
         ratio = round(r["tok_per_s"] / base, 3) if base else None
         summary[f"ratio_{arm}"] = ratio
         print(f"{arm:<8} {r['tok_per_s']:>10} {ratio!s:>7}  {r['rows_per_request_per_layer']}")
+    streamed = {a: r for a, r in results.items() if _streamed(a) and "chunks" in r}
+    if streamed:
+        print(
+            f"{'arm':<8} {'first ms p50':>12} {'p99':>8} {'gap ms p50':>10} {'p99':>8} "
+            f"{'max':>8}  server: chunks waited, mean/max ms, late"
+        )
+    for arm, r in streamed.items():
+        sv = r.get("server")
+        srv = (
+            f"{sv['chunks_that_waited']}/{sv['chunks']}, {sv['wait_ms_mean']}/"
+            f"{sv['wait_ms_max_ever']}, {sv['late_chunks']}"
+            if sv
+            else "-"
+        )
+        print(
+            f"{arm:<8} {r['first_chunk_ms_p50']:>12} {r['first_chunk_ms_p99']:>8} "
+            f"{r['chunk_gap_ms_p50']:>10} {r['chunk_gap_ms_p99']:>8} {r['chunk_gap_ms_max']:>8}  "
+            f"{srv}"
+        )
     print(json.dumps(summary))
     return 0
 

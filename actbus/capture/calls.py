@@ -10,7 +10,8 @@ proxy's header counts); rows kept for fetching are shared out by it.
 
 actbus's middleware (``actbus.engine.routes``) runs every request to vLLM inside a
 call (``around``): a context variable that the request's tasks inherit, read where
-the front end admits a prompt (``actbus.engine.frontend``).
+the front end admits a prompt (``actbus.engine.frontend``). A streamed call's chunks
+take their rows themselves (``STREAMED``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from typing import Any
 
 CURRENT: ContextVar[HttpCall | None] = ContextVar("actbus_http_call", default=None)
 """The HTTP call the running request belongs to; None outside one."""
+STREAMED: ContextVar[bool] = ContextVar("actbus_streamed", default=False)
+"""True inside vLLM's SSE generator of a call, as ``actbus.engine.responses`` runs it
+(its prompts are read there): its inline rows go out by its chunks."""
 
 
 class HttpCall:

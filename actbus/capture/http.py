@@ -50,6 +50,9 @@ WHERE = "extra_args.actbus.return"
 FETCH = "fetch"
 FETCH_PATH = "/v1/actbus/returns/"
 MIB = 1 << 20
+CHUNK_WAIT_S = 0.25
+"""How long a streamed chunk waits for its tokens' rows at most, by default
+(``http_return_chunk_wait_s``)."""
 ENCODING = "base64-raw-le"
 """The inline encoding's name: base64 of the rows' raw bytes, little-endian, row-major."""
 
@@ -91,6 +94,8 @@ def to_json(acts: Activations, final: bool) -> dict[str, Any]:
         "token_ids": acts.token_ids.tolist(),
         "rows": rows,
     }
+    if acts.late:
+        out["late"] = acts.late
     if final:
         out["complete"] = acts.complete
     return out
@@ -156,10 +161,22 @@ class HttpReturns:
     response is sent, and rows kept for fetching are shared out by client."""
 
     def __init__(
-        self, max_request: int, max_server: int, ttl_s: float, max_client: int | None = None
+        self,
+        max_request: int,
+        max_server: int,
+        ttl_s: float,
+        max_client: int | None = None,
+        chunk_wait_s: float = CHUNK_WAIT_S,
     ) -> None:
         self.max_request, self.max_server, self.ttl_s = max_request, max_server, ttl_s
         self.max_client = max_server if max_client is None else max_client
+        self.chunk_wait_s = chunk_wait_s
+        """How long a streamed chunk waits for its tokens' rows at most."""
+        self.streamed = {"chunks": 0, "waits": 0, "wait_s": 0.0, "wait_max_s": 0.0,
+                         "late_chunks": 0, "late_rows": 0}  # fmt: skip
+        """Streamed chunks that carried rows; those that waited for them, the seconds
+        waited in all and at most; those that went with rows missing (``late``), and
+        the rows that came in a later chunk than their tokens."""
         self._lock = threading.Lock()
         self._holds: dict[int, _Hold] = {}  # ticket token -> bytes still reserved
         # vLLM's sample id -> (ticket token, bytes, held until its call is sent)
@@ -347,11 +364,28 @@ class HttpReturns:
             self._unstore(got)
             return got.blob
 
+    def chunk_sent(self, waited_s: float, late: int, carried_late: int) -> None:
+        """A streamed chunk carried a choice's rows: it waited ``waited_s`` for them,
+        went with ``late`` still missing, and carried ``carried_late`` of an earlier
+        chunk's tokens."""
+        with self._lock:
+            s = self.streamed
+            s["chunks"] += 1
+            if waited_s > 0:
+                s["waits"] += 1
+                s["wait_s"] += waited_s
+                s["wait_max_s"] = max(s["wait_max_s"], waited_s)
+            s["late_chunks"] += late > 0
+            s["late_rows"] += carried_late
+
     def stats(self) -> dict[str, Any]:
-        """What is held, and every request and choice refused or dropped, for
-        ``GET /v1/actbus/returns``."""
+        """What is held, every request and choice refused or dropped, and what streamed
+        chunks waited for their rows, for ``GET /v1/actbus/returns``."""
         with self._lock:
             self._expire(time.monotonic())
+            streamed = dict(self.streamed, chunk_wait_s=self.chunk_wait_s)
+            for k in ("wait_s", "wait_max_s"):
+                streamed[k] = round(streamed[k], 6)
             return {
                 "held_bytes": self._held(),
                 "stored": len(self._stored),
@@ -360,6 +394,7 @@ class HttpReturns:
                 "refused": dict(self.refused),
                 "expired": self.expired[0],
                 "expired_bytes": self.expired[1],
+                "streamed": streamed,
                 "limits_mb": {
                     "http_return_max_request_mb": self.max_request / MIB,
                     "http_return_max_server_mb": self.max_server / MIB,
@@ -403,6 +438,7 @@ def for_config(cfg: Any) -> HttpReturns:
                 int(cfg.http_return_max_server_mb * MIB),
                 float(cfg.http_return_fetch_ttl_s),
                 int(cfg.http_return_fetch_client_mb * MIB),
+                float(cfg.http_return_chunk_wait_s),
             )
         return _ONE
 

@@ -27,10 +27,20 @@ have arrived, a prefix of those; the final output waits (bounded: see
 ``actbus.collector``) until every row its tokens imply is there (for
 ``positions="last"``, until the request's end event), and says in ``complete``
 whether it got them all.
+
+A sample streamed over HTTP with its rows inline is ``chunked``: its outputs carry a
+``Due`` (the position its tokens reach) instead of rows, and each SSE chunk made from
+them takes its own tokens' rows with ``rows_for``, waiting for them on the event loop
+without blocking it (``actbus.engine.responses``). Its rows are handed out by its
+chunks alone, in order, so a chunk carries exactly its tokens' rows whatever outputs
+were merged before vLLM read them, and its final output waits for nothing in vLLM's
+output processing (which every request's outputs share).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -45,6 +55,7 @@ from actbus.collector import (  # noqa: F401  (the timeouts: named here too)
     FORGET_AFTER_S,
     FORGET_UNENDED_S,
     RETURN_TIMEOUT_S,
+    STALL_S,
     Collector,
     Registry,
 )
@@ -70,6 +81,10 @@ class Activations:
     """``(layer, hook)`` -> ``[n, hidden]``, rows aligned with ``positions``."""
     complete: bool
     """Every row the selection implies for these tokens is here (final outputs)."""
+    late: int = 0
+    """A streamed chunk's rows (per tap) that its tokens and its choice's earlier
+    chunks' imply and that had not arrived within the chunk's wait: a later chunk of
+    the choice carries them."""
 
     def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
         return self.tensors[key]
@@ -88,12 +103,46 @@ class Activations:
         )
 
 
+@dataclass(eq=False)
+class Due:
+    """What an output of a ``chunked`` sample owes the SSE chunk made from it: its rows
+    below ``limit`` (``prompt_len + generated - 1``), taken by the chunk with
+    ``ReturnCollector.rows_for``, so they follow the chunk's tokens, not the output."""
+
+    collector: ReturnCollector
+    key: tuple[str, int]
+    limit: int
+    final: bool
+    ends_follow: bool = True
+    """False when the front end ended the request (a stop string): see ``take``."""
+
+    @staticmethod
+    def join(first: Due | None, then: Due) -> Due:
+        """Outputs merged before vLLM read them owe what the later one owes (its
+        limit covers the earlier one's tokens)."""
+        return then
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A chunk awaiting its rows: the taps still short of ``want`` rows below ``limit``
+    (or of the request's end), and the future the receiving thread resolves."""
+
+    limit: int
+    want: int | None
+    short: set[tuple[int, str]]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+
+
 @dataclass
 class _Pending:
     sel: Selection
     prompt_len: int
     capacity: int
     """Rows per tap to make room for at first: what the request's token budget implies."""
+    chunked: bool = False
+    """Its rows go out by its SSE chunks (``rows_for``), not by its outputs."""
     taps: dict[tuple[int, str], TapRows] = field(default_factory=dict)
     ended: str | None = None
     ended_at: float = 0.0
@@ -130,6 +179,7 @@ class ReturnCollector(Collector):
         self._slabs = SlabPool()
         self._retired: list[TapRows] = []  # buffers of collected requests, for _forget_stale
         self._plan_of: RowIndex | None = None  # the row index _plan was made from
+        self._waiters: dict[tuple[str, int], _Waiter] = {}  # chunks awaiting their rows
         # Per request: (key, first row, end row); every row's position and token id.
         self._plan: tuple[list[tuple[tuple[str, int], int, int]], list[int], list[int]] = (
             [],
@@ -151,18 +201,20 @@ class ReturnCollector(Collector):
         max_tokens: int | None = None,
         *,
         index: int = 0,
+        chunked: bool = False,
     ) -> None:
         """Register samples ``index .. index + n - 1`` of a request before it is queued;
         ``max_tokens`` (its token budget) sizes their buffers, so most never grow. The
         front end registers each sample under vLLM's own id of it (unique where caller
-        ids repeat), which the worker publishes in ``RowIndex.engine_ids``."""
+        ids repeat), which the worker publishes in ``RowIndex.engine_ids``. ``chunked``:
+        its rows go out by its SSE chunks (``Due``, ``rows_for``)."""
         budget = prompt_len + (max_tokens if max_tokens else CAPACITY_GUESS) - 1
         rows = _expected_rows(sel, prompt_len, min(budget, prompt_len + CAPACITY_CAP))
         capacity = 1 if rows is None else rows
         with self._cond:
             for i in range(index, index + n):
                 self._drop((request_id, i))  # an id used again: the old one is gone
-                self._pending[(request_id, i)] = _Pending(sel, prompt_len, capacity)
+                self._pending[(request_id, i)] = _Pending(sel, prompt_len, capacity, chunked)
             self._own(request_id)
 
     def take(
@@ -175,7 +227,7 @@ class ReturnCollector(Collector):
         delta: bool,
         ends_follow: bool = True,
         wait: bool = True,
-    ) -> Activations | None:
+    ) -> Activations | Due | None:
         """The rows for an output with ``num_generated`` tokens so far: views of the
         request's buffers, made in constant time under the lock (the receiving thread
         is never held up by an output being made).
@@ -186,6 +238,9 @@ class ReturnCollector(Collector):
         an abort: nobody reads its rows, and they may never come (a request still
         queued was never computed), so its final output takes what is there at once,
         and the engine hears of the abort without delay.
+
+        A ``chunked`` sample's output gets a ``Due`` instead, made at once: its chunk
+        takes the rows, and waits for them off vLLM's output processing.
         """
         key = (request_id, index)
         with self._cond:
@@ -193,6 +248,8 @@ class ReturnCollector(Collector):
             if p is None:
                 return None
             limit = p.prompt_len + num_generated - 1  # positions fed so far
+            if p.chunked:
+                return Due(self, key, limit, final, ends_follow)
             want = None
             if final:
                 want = _expected_rows(p.sel, p.prompt_len, limit)
@@ -234,18 +291,123 @@ class ReturnCollector(Collector):
         dtype = DTYPES.get(info.get("dtype", "float32"), torch.float32)
         return torch.empty((0, int(info.get("hidden_size", 0))), dtype=dtype)
 
+    async def rows_for(self, due: Due, bound: float) -> tuple[Activations | None, float]:
+        """The rows of the chunk made from ``due``'s output: those below its limit not
+        handed out yet, once all have arrived or ``bound`` seconds passed (a final
+        chunk: up to ``RETURN_TIMEOUT_S``, while rows keep coming, and it lets the
+        sample go). Awaited on the running loop, which it never blocks: the receiving
+        thread wakes it, and a sample dropped meanwhile (an abort) ends the wait at
+        once. Returns the rows (None: the sample is gone) and the seconds waited."""
+        key, limit = due.key, due.limit
+        with self._cond:
+            p = self._pending.get(key)
+            if p is None:
+                return None, 0.0
+            want = _expected_rows(p.sel, p.prompt_len, limit)
+        if due.final:
+            bound = RETURN_TIMEOUT_S if want is not None or due.ends_follow else 0.0
+        elif want is None:  # "last": its one row comes with the end
+            bound = 0.0
+        waited = await self._until(key, limit, want, min(bound, RETURN_TIMEOUT_S), due.final)
+        with self._cond:
+            p = self._pending.get(key)
+            if p is None:
+                return None, waited
+            acts = self._hand_out(p, limit, delta=True)
+            if due.final:
+                acts.complete = self._arrived(p, limit, want)
+                self._drop(key)
+                self._disown_if_done(key[0])
+                if not self._pending:
+                    self._slabs.release()
+            elif want is not None:
+                taps = (p.taps.get(k) for k in p.sel.keys)
+                handed = min((t.released + t.start if t else 0) for t in taps)
+                acts.late = max(want - handed, 0)
+        if due.final and not acts.complete:
+            log.warning(
+                "actbus: request %s sample %d: %d of %s rows arrived before its last chunk",
+                key[0], key[1], len(acts.positions), want,
+            )  # fmt: skip
+        return acts, waited
+
+    def release(self, key: tuple[str, int]) -> None:
+        """Let a ``chunked`` sample go whose stream ended before its final chunk."""
+        with self._cond:
+            if key in self._pending:
+                self._drop(key)
+                self._disown_if_done(key[0])
+
+    async def _until(
+        self, key: tuple[str, int], limit: int, want: int | None, bound: float, final: bool
+    ) -> float:
+        """Await, at most ``bound`` s (``final``: and while rows keep coming, as
+        ``_wait_final``), until every tap of ``key`` has its rows below ``limit``;
+        the seconds waited. One waiter per sample: its stream's current chunk."""
+        if bound <= 0:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        ok = waited = False
+        try:
+            while True:
+                with self._cond:
+                    p = self._pending.get(key)
+                    short = set() if p is None else self._short(p, limit, want)
+                    if not short:
+                        ok = p is not None
+                        break
+                    w = _Waiter(limit, want, short, loop, loop.create_future())
+                    self._waiters[key] = w
+                now = time.monotonic()
+                left = t0 + bound - now
+                if final:
+                    left = min(left, STALL_S - (now - max(self._received_at, t0)))
+                if left <= 0:
+                    break
+                waited = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(w.future, left)
+        finally:
+            with self._cond:
+                self._waiters.pop(key, None)
+        took = time.monotonic() - t0 if waited else 0.0
+        if waited and final:
+            with self._cond:
+                self._count_wait(took, ok)
+        return took
+
+    @staticmethod
+    def _short(p: _Pending, limit: int, want: int | None) -> set[tuple[int, str]]:
+        """The taps of ``p`` whose rows below ``limit`` have not all come."""
+        return {
+            k
+            for k in p.sel.keys
+            if k not in p.ended_taps
+            and (want is None or ((t := p.taps.get(k)) is None or t.below(limit) < want))
+        }
+
+    def _wake(self, tap: tuple[int, str]) -> None:
+        """Under the lock, after a message of ``tap`` was filed: resolve the waiters
+        that now have every tap's rows, or whose sample is gone."""
+        for key, w in list(self._waiters.items()):
+            p = self._pending.get(key)
+            if p is not None and tap in w.short:
+                t = p.taps.get(tap)
+                if tap in p.ended_taps or (
+                    w.want is not None and t is not None and t.below(w.limit) >= w.want
+                ):
+                    w.short.discard(tap)
+            if p is None or not w.short:
+                del self._waiters[key]
+                _resolve(w)
+
     @staticmethod
     def _arrived(p: _Pending, limit: int, want: int | None) -> bool:
         """Every tap has its rows: as many as expected, or the request's end came on
         that tap's stream (messages of one tap arrive in order; ``last`` rows come
         with the end)."""
-        for k in p.sel.keys:
-            if k in p.ended_taps:
-                continue
-            t = p.taps.get(k)
-            if want is None or (t.below(limit) if t else 0) < want:
-                return False
-        return True
+        return not ReturnCollector._short(p, limit, want)
 
     # ------------------------------------------------------------- receiving side
     def _add(self, b: Batch) -> None:
@@ -312,6 +474,8 @@ class ReturnCollector(Collector):
                     p.ended_taps.add(tap)
                     if p.ended is None:
                         p.ended, p.ended_at = end.reason, now
+            if self._waiters:
+                self._wake(tap)
             self._cond.notify_all()
 
     def _buffer(self, row_bytes: int, dtype: torch.dtype, width: int, capacity: int) -> TapRows:
@@ -323,6 +487,16 @@ class ReturnCollector(Collector):
         p = self._pending.pop(key, None)
         if p is not None:
             self._retired.extend(p.taps.values())
+        w = self._waiters.pop(key, None)
+        if w is not None:  # its chunk waits no longer: the sample is gone
+            _resolve(w)
+
+    def close(self) -> None:
+        with self._cond:
+            waiters, self._waiters = list(self._waiters.values()), {}
+        for w in waiters:
+            _resolve(w)
+        super().close()
 
     def _housekeep(self, dropped: bool) -> None:
         """Let the slabs that collected requests left sparse go (on this thread: it
@@ -331,6 +505,17 @@ class ReturnCollector(Collector):
             self._slabs.release()
         retired, self._retired = self._retired, []
         retire(retired, self._slabs)
+
+
+def _resolve(w: _Waiter) -> None:
+    """Wake a waiting chunk, from any thread (its loop may be gone: then nobody waits)."""
+
+    def done() -> None:
+        if not w.future.done():
+            w.future.set_result(None)
+
+    with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+        w.loop.call_soon_threadsafe(done)
 
 
 def _expected_rows(sel: Selection, prompt_len: int, limit: int) -> int | None:

@@ -19,7 +19,8 @@ response's choices.
 Requests with ``"return": true`` are registered with the front end's
 ``ReturnCollector``; ``RequestState._new_completion_output`` (where every output
 of the V1 output processor is made, offline and streaming alike) is wrapped to
-attach their rows as ``CompletionOutput.activations``.
+attach their rows as ``CompletionOutput.activations`` (a streamed HTTP call's, with
+its rows inline: a ``Due`` its chunk takes them with, ``actbus.capture.returns``).
 Requests with ``"monitor_return": true`` are registered the same way with the
 front end's ``ScoreCollector`` (``actbus.monitor.returns``), and their outputs carry
 ``CompletionOutput.monitor_scores``; over HTTP ``actbus.engine.responses`` writes them
@@ -485,7 +486,11 @@ def _wrap_process_inputs(orig):
             except ConfigError as e:
                 raise _client_error(e) from None
             plen, budget = _prompt_len(request), sp.max_tokens
-            expects.append(lambda rid, i: rows.expect(rid, 1, sel, plen, budget, index=i))
+            # Streamed with rows inline: its SSE chunks take their own tokens' rows.
+            chunked = http_mode == "inline" and calls.STREAMED.get()
+            expects.append(
+                lambda rid, i: rows.expect(rid, 1, sel, plen, budget, index=i, chunked=chunked)
+            )
             if http_mode is not None:
                 try:
                     ticket = fe.admit_http(sel, request, sp, http_mode == "fetch")
@@ -652,15 +657,13 @@ def _wrap_add(orig):
     def add(self, next_output, aggregate: bool, *args: Any, **kwargs: Any) -> None:
         joined: dict[tuple[str, int], Any] = {}
         if aggregate:
-            from actbus.capture.returns import Activations
-            from actbus.monitor.returns import MonitorScores
-
-            for attr, kind in (("activations", Activations), ("monitor_scores", MonitorScores)):
+            for attr in ("activations", "monitor_scores"):
                 mine = {c.index: getattr(c, attr, None) for c in self.outputs}
                 for nc in next_output.outputs:
                     new = getattr(nc, attr, None)
                     if new is not None and nc.index in mine:
-                        joined[(attr, nc.index)] = kind.join(mine[nc.index], new)
+                        # Activations, MonitorScores, or a Due (rows a chunk takes)
+                        joined[(attr, nc.index)] = type(new).join(mine[nc.index], new)
         orig(self, next_output, aggregate, *args, **kwargs)
         for c in self.outputs:
             for attr in ("activations", "monitor_scores"):

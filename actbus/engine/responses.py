@@ -5,10 +5,14 @@ A request that asks (``"monitor_return": true``, ``"return": true`` or ``"fetch"
 {...}, "activations": {...}}``: what came with the output the choice was made from
 (``MonitorScores.to_json``, ``actbus.capture.http.to_json``; the formats are in
 docs/monitors.md and docs/http.md). Non-streaming responses carry every position's
-in each choice; each streamed chunk carries those that arrived since the previous chunk
-of its choice, so a stream carries every position once. Rows asked with ``"fetch"``
-are kept (``actbus.capture.http``) when the choice's final output is made, and the
-choice names where to fetch them.
+in each choice. Streamed, each chunk carries the scores that arrived since the previous
+chunk of its choice, and the rows of exactly the tokens it carries: an output of such a
+choice owes rows up to its tokens (``Due``), noted when vLLM's generator reads it
+(``_Reading``), and the chunk made next awaits them, at most
+``http_return_chunk_wait_s``, before it is sent; on the event loop, never blocking it.
+Either way a stream carries every position once. Rows asked with ``"fetch"`` are kept
+(``actbus.capture.http``) when the choice's final output is made, and the choice names
+where to fetch them.
 
 vLLM's serving classes build the choices from the engine's outputs; the wrappers
 here watch the outputs go by (the ``result_generator`` the serving method reads) and
@@ -18,12 +22,14 @@ Other requests' responses are left byte for byte as vLLM wrote them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import json
 import logging
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger("actbus")
@@ -81,20 +87,60 @@ class _Choice:
         self.final = False
         self.fetch: str | None = None
         """The sample's id when its rows are kept for fetching."""
+        self.last: Any = None
+        """A streamed choice whose chunks take its rows: the latest ``Due`` seen."""
+        self.due: Any = None
+        """The ``Due`` of the latest output vLLM read: what its next chunk is owed."""
+        self.owed_to = 0
+        """The limit its previous chunk's rows reached (or waited for)."""
+        self.rows_final = False
+        """Its final chunk's rows were taken (the sample is let go)."""
 
     def seen(self, out: Any) -> bool:
+        from actbus.capture.returns import Due
         from actbus.monitor.returns import MonitorScores
 
         ms = getattr(out, "monitor_scores", None)
         acts = getattr(out, "activations", None)
         if ms is not None:
             self.scores = MonitorScores.join(self.scores, ms)
-        if acts is not None:
+        if isinstance(acts, Due):
+            self.last = acts
+        elif acts is not None:
             self.rows.append(acts)
             self.fetch = getattr(out, "actbus_fetch", None) or None
         if out.finish_reason is not None:
             self.final = True
         return ms is not None or acts is not None
+
+    def read(self, due: Any) -> None:
+        """vLLM's generator reads the output owing ``due``: the chunk it makes next
+        carries that output's tokens."""
+        self.due = due
+
+    async def take(self) -> None:
+        """A chunk of this choice is about to go: the rows its tokens owe, waited for
+        when they are new (at most ``http_return_chunk_wait_s``; the final chunk as a
+        final output waits), or those of earlier chunks that came since."""
+        due = self.due
+        if due is None or self.rows_final:
+            return
+        from actbus.capture import http
+
+        bounds = http.current()
+        new = due.limit > self.owed_to
+        wait_s = (bounds.chunk_wait_s if bounds else http.CHUNK_WAIT_S) if new else 0.0
+        acts, waited = await due.collector.rows_for(due, wait_s)
+        before, self.owed_to = self.owed_to, due.limit
+        if due.final:
+            self.rows_final, self.due = True, None
+        if acts is None:  # let go (an abort): nothing more comes
+            self.rows_final = True
+            return
+        if bounds is not None:
+            carried = int((acts.positions < before).sum()) if before else 0
+            bounds.chunk_sent(waited, acts.late, carried)
+        self.rows = [acts]
 
     def field(self) -> dict[str, Any] | None:
         """The ``actbus`` field of the next chunk of this choice; what it carries is
@@ -104,9 +150,37 @@ class _Choice:
             out["monitor"] = self.scores.to_json(self.final)
             self.scores = None
         if self.rows and (self.final or not self.fetch):
-            out["activations"] = _rows_field(_joined(self.rows), self.final, self.fetch)
+            final = self.rows_final if self.last is not None else self.final
+            out["activations"] = _rows_field(_joined(self.rows), final, self.fetch)
             self.rows = []
         return out or None
+
+    def spent(self) -> bool:
+        """Nothing left for a later chunk: no scores, no rows, none owed."""
+        owes = self.last is not None and not self.rows_final
+        return self.scores is None and not self.rows and not owes
+
+    def release(self) -> None:
+        """The stream ended before this choice's final chunk: its rows are let go."""
+        if self.last is not None and not self.rows_final:
+            self.rows_final = True
+            self.last.collector.release(self.last.key)
+
+
+class _Reading(list):
+    """An item's outputs, noting each one as vLLM's stream generator reads it: the
+    chunk it makes next carries that output's tokens (one made before, like a chat
+    stream's first, with the role, carries none)."""
+
+    def __init__(self, outputs: list[Any], reads: list[Callable[[], None] | None]) -> None:
+        super().__init__(outputs)
+        self._reads = reads
+
+    def __iter__(self) -> Iterator[Any]:
+        for out, read in zip(list.__iter__(self), self._reads, strict=False):
+            if read is not None:
+                read()
+            yield out
 
 
 def _joined(pieces: list[Any]) -> Any:
@@ -190,29 +264,43 @@ def _wrap_stream(orig, kind: str):
 
     @functools.wraps(orig)
     async def stream(self, *args: Any, **kwargs: Any):
+        from actbus.capture import calls
+
         waiting: dict[int, _Choice] = {}  # choice -> what no chunk carried yet
 
         def seen(request: Any, item: Any) -> None:
+            reads: list[Callable[[], None] | None] = []
             for i, out in _choices_of(item, kind, int(getattr(request, "n", 1) or 1)):
                 c = waiting.get(i) or _Choice()
                 if c.seen(out):
                     waiting[i] = c
+                due = c.last if c.last is getattr(out, "activations", None) else None
+                reads.append(functools.partial(c.read, due) if due is not None else None)
+            if any(reads):
+                res = item[1] if kind == "completion" else item
+                res.outputs = _Reading(res.outputs, reads)
 
         bound = _with_result_tap(orig, kind, seen)(self, args, kwargs)
+        # The prompts are read inside this generator: their rows go out by its chunks.
+        token = calls.STREAMED.set(True)
         chunks = orig(*bound.args, **bound.kwargs)
         try:
             async for chunk in chunks:
                 if waiting and isinstance(chunk, str) and chunk.startswith("data: {"):
-                    chunk = _add_to_chunk(chunk, waiting)
+                    chunk = await _add_to_chunk(chunk, waiting)
                 yield chunk
         finally:  # a client gone mid-stream: vLLM's own generator cleans up (aborts)
             await chunks.aclose()
+            for c in waiting.values():
+                c.release()
             waiting.clear()
+            with contextlib.suppress(ValueError):  # closed from another context
+                calls.STREAMED.reset(token)
 
     return stream
 
 
-def _add_to_chunk(chunk: str, waiting: dict[int, _Choice]) -> str:
+async def _add_to_chunk(chunk: str, waiting: dict[int, _Choice]) -> str:
     body = chunk[len("data: ") :].rstrip("\n")
     try:
         obj = json.loads(body)
@@ -224,8 +312,9 @@ def _add_to_chunk(chunk: str, waiting: dict[int, _Choice]) -> str:
         c = waiting.get(i) if isinstance(i, int) else None
         if c is None:
             continue
+        await c.take()
         field = c.field()
-        if c.scores is None and not c.rows:
+        if c.spent():
             del waiting[i]
         if field is not None:
             choice["actbus"] = field

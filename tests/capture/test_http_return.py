@@ -20,7 +20,7 @@ from actbus.capture.http import (
 )
 from actbus.capture.returns import Activations
 from actbus.capture.selection import Selection
-from actbus.client import returned
+from actbus.client import pieces, returned
 from actbus.errors import ConfigError
 
 MIB = 1 << 20
@@ -42,7 +42,7 @@ def _acts(n: int, dtype: torch.dtype, start: int = 0) -> Activations:
 def test_inline_rows_read_back_bitwise_plain_and_streamed(dtype):
     """A choice's JSON rows decode to the same bits, whole or as a stream's pieces (SSE
     text, chunks as dicts; a chunk whose tokens brought no new rows among them), each
-    position once, in order."""
+    position once, in order; ``pieces`` gives each chunk's own, with its ``late``."""
     whole = _acts(7, dtype)
     body = {"choices": [{"index": 0, "actbus": {"activations": to_json(whole, True)}}]}
     got = returned(json.loads(json.dumps(body)))[0]
@@ -58,6 +58,15 @@ def test_inline_rows_read_back_bitwise_plain_and_streamed(dtype):
     got = returned(sse)[1]
     assert got.positions.tolist() == list(range(7)) and got.complete is True
     assert torch.equal(got[(3, "post_block")][3:], then.tensors[(3, "post_block")])
+    first.late = 2  # went without two rows of its tokens: the next chunk carries them
+    assert "late" not in to_json(none, False) and to_json(first, False)["late"] == 2
+    sse = "".join(
+        "data: " + json.dumps({"choices": [{"index": 0, "actbus": {
+            "activations": to_json(a, final)}}]}) + "\n\n"
+        for a, final in ((first, False), (then, True))
+    )  # fmt: skip
+    own = [(i, p.positions.tolist(), p.late) for i, p in pieces(sse)]
+    assert own == [(0, [0, 1, 2], 2), (0, [3, 4, 5, 6], 0)]
 
 
 def test_rows_that_do_not_add_up_are_refused():

@@ -1,10 +1,12 @@
 """The front end's collector of returned rows, against a real publisher: DELTA outputs
 hand out every row once, in order, and the collector keeps only what is not handed out
-yet, and writing rows batched (a scatter per slab) or per request gives the same rows
-(the engine-level tests are in test_engine_return.py)."""
+yet, writing rows batched (a scatter per slab) or per request gives the same rows, and
+a streamed chunk awaits its own tokens' rows without blocking the event loop (the
+engine-level tests are in test_engine_return.py and capture/test_server.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -13,22 +15,24 @@ import torch
 
 from actbus import rowstore
 from actbus.bus import Publisher
-from actbus.capture.returns import ReturnCollector
+from actbus.capture.returns import Due, ReturnCollector
 from actbus.capture.selection import Selection
 from actbus.wire import Header, RequestEnd, RowIndex
 
 TAPS = ((0, "post_block"), (3, "post_block"))
 
 
-def _send(pub: Publisher, step: int, positions: list[int], end: bool = False) -> None:
+def _send(
+    pub: Publisher, step: int, positions: list[int], end: bool = False, rid: str = "r"
+) -> None:
     ri = RowIndex(
-        ["r"],
+        [rid],
         np.array([0, len(positions)]),
         np.array(positions),
         np.array(positions) + 100,
         returned=[True],
     )
-    ended = [RequestEnd("r", 0, "stop")] if end else []
+    ended = [RequestEnd(rid, 0, "stop")] if end else []
     for layer, hook in TAPS:
         x = torch.tensor([[float(p) + layer] * 4 for p in positions])
         pub.publish(Header(step, layer, hook, "float32", tuple(x.shape), "m", ri, ended=ended), x)
@@ -163,6 +167,60 @@ def test_batched_and_per_request_writes_keep_every_row_in_order(tmp_path, monkey
                 assert t[:, 1].tolist() == [float(p) for p in want], (r, layer)
         # In a slab: the batched way's buffers, but r1's (sorted into memory of its own).
         assert homes == {q: [batched and q != 1] * len(TAPS) for q in range(1, n)}
+    finally:
+        col.close()
+        pub.close()
+
+
+def test_a_chunk_awaits_its_own_rows_without_blocking_the_loop(tmp_path):
+    """A streamed sample's outputs owe rows (``Due``) that its chunks take: a chunk
+    awaits its tokens' rows while the event loop runs on; past its bound it goes with
+    what came (``late`` counts the rest) and the next chunk carries them; the final
+    chunk says ``complete`` and lets the sample go; a sample let go (an abort) ends
+    its chunk's wait at once."""
+    address = f"ipc://{tmp_path}/bus.sock"
+    pub = Publisher(address, info={"model": "m", "hidden_size": 4, "dtype": "float32"})
+    col = ReturnCollector(address)
+    sel = Selection(layers=(0, 3), hooks=("post_block",))
+    prompt = 5
+
+    async def stream() -> None:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        beat = asyncio.create_task(ticker())
+        loop = asyncio.get_running_loop()
+        col.expect("r", 1, sel, prompt, max_tokens=8, chunked=True)
+        first = col.take("r", 0, 1, final=False, delta=True)  # its first token: the prompt's
+        assert isinstance(first, Due) and first.limit == prompt
+        loop.call_later(0.2, _send, pub, 0, list(range(prompt)))
+        acts, waited = await col.rows_for(first, 60.0)
+        assert acts.positions.tolist() == list(range(prompt)) and acts.late == 0
+        assert waited > 0 and ticks > 10, (waited, ticks)  # the loop ran meanwhile
+        _send(pub, 1, [5])  # tokens 2 and 3 owe positions 5 and 6; 6 is late
+        acts, waited = await col.rows_for(col.take("r", 0, 3, final=False, delta=True), 0.2)
+        assert acts.positions.tolist() == [5] and acts.late == 1 and waited > 0
+        _send(pub, 2, [6])
+        _send(pub, 3, [7], end=True)
+        last = col.take("r", 0, 4, final=True, delta=True)
+        acts, _ = await col.rows_for(last, 0.0)
+        assert acts.positions.tolist() == [6, 7] and acts.complete and acts.late == 0
+        assert acts.tensors[(3, "post_block")][:, 0].tolist() == [9.0, 10.0]
+        assert col.pending() == 0  # let go by its last chunk
+        col.expect("q", 1, sel, 3, chunked=True)
+        due = col.take("q", 0, 1, final=False, delta=True)
+        loop.call_later(0.1, col.forget, ["q"])
+        acts, _ = await asyncio.wait_for(col.rows_for(due, 60.0), 30)
+        assert acts is None
+        beat.cancel()
+
+    try:
+        asyncio.run(stream())
     finally:
         col.close()
         pub.close()

@@ -30,7 +30,7 @@ from tests.capture.hostile_http import OUTSIDE, Case, corpus, number_cases
 from tests.support.monitors import ScoreLog, as_f32, max_rel, raw_expected, raw_monitor
 from tests.support.oracle import hf_activations, max_rel_error
 from tests.support.procs import ROOT, actbus_serve, wait_for
-from tests.support.rawhttp import metric, returns_stats
+from tests.support.rawhttp import metric, post_unread, returns_stats, status_of
 from tests.support.recorder import RowRecorder
 
 pytestmark = pytest.mark.engine
@@ -43,6 +43,8 @@ Llama (hidden 128: 0.45 MiB, 0.6 as base64) fits; kept for fetching, two fit the
 (from two clients), three do not."""
 
 
+CHUNK_WAIT_S = 10.0
+"""The server's ``http_return_chunk_wait_s``."""
 ADMIN = "admin-key-of-the-test-server"
 """The steering endpoints' key (``--actbus-admin-key``); completions need none."""
 
@@ -80,6 +82,9 @@ def server(tiny_models, tmp_path_factory):
             # Small bounds, so requests of this module's size meet them (a row: 512 bytes).
             "http_return_max_request_mb": REQUEST_MB, "http_return_max_server_mb": SERVER_MB,
             "http_return_fetch_client_mb": CLIENT_MB,
+            # A streamed chunk waits this long for its rows (0.25 s by default), so that
+            # on a loaded machine each still carries exactly its own (none came late).
+            "http_return_chunk_wait_s": CHUNK_WAIT_S,
         }),
     ]  # fmt: skip
     model, log = Path(tiny_models["llama"]), tmp / "server.log"
@@ -351,6 +356,149 @@ def test_returned_rows_over_http(server):
     # Each choice's rows came in its chunks (as many pieces as the rows' arrival made),
     # joined above into every position once.
     assert pieces["stream"] >= 2 and pieces["chat_stream"] >= 1, pieces
+
+
+def _sse(base: str, path: str, body: dict) -> list[dict]:
+    """A streamed call's chunks, as JSON."""
+    import httpx
+
+    with httpx.stream("POST", f"{base}{path}", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()[:300]
+        return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+
+
+def _check_chunks(chunks: list[dict], prompt_of) -> dict[int, list[int]]:
+    """Each chunk of a stream (``return_token_ids``) carries the rows of exactly the
+    tokens it carries: the positions from where its choice's previous chunk ended to
+    the one that fed its last token (the first chunk from 0: the prompt's too), with
+    the token fed at each; ``complete`` on the choice's final chunk alone, none late.
+    ``prompt_of(chunk, choice)``: the choice's prompt. Returns each choice's tokens."""
+    gen: dict[int, list[int]] = {}
+    owed: dict[int, int] = {}
+    final: dict[int, bool] = {}
+    for chunk in chunks:
+        for ch in chunk.get("choices") or ():
+            i = ch["index"]
+            gen.setdefault(i, []).extend(ch.get("token_ids") or [])
+            fed = prompt_of(chunk, i) + gen[i]
+            limit = len(fed) - 1 if gen[i] else 0
+            want = list(range(owed.get(i, 0), limit))
+            acts = (ch.get("actbus") or {}).get("activations")
+            if acts is None:  # a chat stream's first chunk (the role): no tokens
+                assert not want, (i, want)
+                continue
+            assert acts["positions"] == want and "late" not in acts, (i, acts, want)
+            assert acts["token_ids"] == [fed[p] for p in want], i
+            assert all(r["shape"][0] == len(want) for r in acts["rows"]), i
+            final[i] = ch.get("finish_reason") is not None
+            assert acts.get("complete") is (True if final[i] else None), (i, acts)
+            owed[i] = limit
+    assert set(final) == set(gen) and all(final.values()), final
+    return gen
+
+
+def test_streamed_chunks_carry_their_own_tokens_rows(server):
+    """Issue 49, 3: every chunk of a streamed ``"return": true`` call carries the rows of
+    exactly its tokens (``_check_chunks``), joined every position once and bitwise the
+    rows of the same call not streamed; so with several prompts and n=2, and in a chat
+    stream, whose first chunks (the role) carry no tokens and no rows. A streamed call
+    that did not ask carries no field, and the chunks' wait is counted."""
+    from actbus.client import pieces, returned
+
+    base, model = server.base, str(server.model)
+    rng = random.Random(49)
+    prompt = [rng.randrange(3, 400) for _ in range(13)]
+    ask = {"max_tokens": 9, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+           **_ret("chunks", layers=[0, 3])}  # fmt: skip
+    before = returns_stats(base)["streamed"]
+    with urllib.request.urlopen(urllib.request.Request(
+        f"{base}/v1/completions", json.dumps({"model": model, "prompt": prompt, **ask}).encode(),
+        {"Content-Type": "application/json"}), timeout=120) as r:  # fmt: skip
+        whole = json.loads(r.read())
+    body = {"model": model, "prompt": prompt, "stream": True, **ask}
+    chunks = _sse(base, "/v1/completions", body)
+    gen = _check_chunks(chunks, lambda _, i: prompt)
+    assert gen[0] == whole["choices"][0]["token_ids"]  # greedy: the same tokens
+    once, streamed = returned(whole)[0], returned(chunks)[0]
+    assert streamed.positions.tolist() == once.positions.tolist() == list(range(13 + 9 - 1))
+    assert streamed.token_ids.tolist() == once.token_ids.tolist()
+    assert set(streamed.tensors) == {(0, "post_block"), (0, "mlp_out"), (3, "post_block"),
+                                     (3, "mlp_out")}  # fmt: skip
+    for key, t in once.tensors.items():
+        assert torch.equal(streamed[key].view(torch.int32), t.view(torch.int32)), key
+    own = [(i, p.positions.tolist()) for i, p in pieces(chunks)]
+    assert len(own) > 2 and own[0] == (0, list(range(13))), own[:2]  # the prompt's first
+    sent = sum(1 for c in chunks for x in c["choices"] if "actbus" in x)
+    # Several prompts, n=2, sampled: four choices, each chunk its own tokens' rows.
+    prompts = [prompt[:7], prompt[4:]]
+    body = {"model": model, "prompt": prompts, "n": 2, "stream": True,
+            **ask, "temperature": 1.0, "max_tokens": 8}  # fmt: skip
+    chunks = _sse(base, "/v1/completions", body)
+    gen = _check_chunks(chunks, lambda _, i: prompts[i // 2])
+    assert sorted(gen) == [0, 1, 2, 3] and all(len(g) == 8 for g in gen.values()), gen
+    for i, got in returned(chunks).items():
+        assert got.complete and got.positions.tolist() == list(range(len(prompts[i // 2]) + 7))
+    sent += sum(1 for c in chunks for x in c["choices"] if "actbus" in x)
+    # Chat, n=2: the prompt is the template's, in the first chunk.
+    chat_prompt: list[int] = []
+
+    def chat_prompt_of(chunk: dict, i: int) -> list[int]:
+        if chunk.get("prompt_token_ids") and not chat_prompt:
+            chat_prompt.extend(chunk["prompt_token_ids"])
+        return chat_prompt
+
+    msgs = [{"role": "user", "content": "the quick brown fox"}]
+    body = {"model": model, "messages": msgs, "n": 2, "stream": True, **ask, "temperature": 1.0}
+    chunks = _sse(base, "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["delta"].get("role") and "actbus" not in chunks[0]["choices"][0]
+    gen = _check_chunks(chunks, chat_prompt_of)
+    assert sorted(gen) == [0, 1] and chat_prompt
+    sent += sum(1 for c in chunks for x in c["choices"] if "actbus" in x)
+    # Not asked: no field, in no chunk.
+    plain = _sse(base, "/v1/completions", {"model": model, "prompt": prompt, "stream": True,
+                                           "max_tokens": 4})  # fmt: skip
+    assert plain and not any("actbus" in x for c in plain for x in c["choices"])
+    after = returns_stats(base)["streamed"]
+    assert after["chunks"] - before["chunks"] == sent, (before, after)
+    assert after["late_chunks"] == before["late_chunks"] and after["chunk_wait_s"] == CHUNK_WAIT_S
+
+
+def test_a_client_gone_mid_read_ends_its_call(server):
+    """Issue 49, 1: clients that stop reading part-way and hang up, one after the first
+    rows of a long streamed ``"return"`` answer, one after the first bytes of a whole
+    one too large for its socket's buffer: each call ends (its request leaves the
+    engine, its reservation is let go) rather than hang, ``/health`` answers, and the
+    next streamed call comes back whole."""
+    base, model = server.base, str(server.model)
+    wait_for(lambda: returns_stats(base)["held_bytes"] == 0, 60, "earlier reservations to go")
+    streamed = {"model": model, "prompt": list(range(3, 13)), "max_tokens": 480,
+                "ignore_eos": True, "stream": True,
+                **_ret("gone", layers=[3], hooks=["post_block"])}  # fmt: skip
+    s = post_unread(base, "/v1/completions", streamed)
+    try:
+        s.settimeout(120)
+        got = b""
+        while b'"activations"' not in got:  # the prompt's rows, in the first chunk
+            more = s.recv(1 << 16)
+            assert more, got[-300:]
+            got += more
+    finally:
+        s.close()
+    whole = {"model": model, "prompt": list(range(3, 13)), "max_tokens": 200,
+             "ignore_eos": True, **_ret("gone_whole")}  # fmt: skip
+    w = post_unread(base, "/v1/completions", whole)  # 0.57 MiB of base64
+    try:
+        assert status_of(w, 120) == 200
+        assert w.recv(4096)
+    finally:
+        w.close()
+    wait_for(lambda: metric(base, "vllm:num_requests_running") == 0, 60, "the requests to end")
+    wait_for(lambda: returns_stats(base)["held_bytes"] == 0, 60, "the reservations to go")
+    _healthy(server)
+    ask = {"max_tokens": 6, "ignore_eos": True, "return_token_ids": True, **_ret("after")}
+    prompt = list(range(3, 13))
+    body = {"model": model, "prompt": prompt, "stream": True, **ask}
+    _check_chunks(_sse(base, "/v1/completions", body), lambda _, i: prompt)
 
 
 def test_returned_rows_limits_and_fetch(server):
