@@ -314,7 +314,7 @@ def main(argv: list[str]) -> int:
             console.print(f"actbus stats: {e}", style="red")
             return 1
         return _show(
-            args, console, snap, lambda: request(sub, args.timeout), render, sub.welcome, opts
+            args, console, snap, lambda timeout: request(sub, timeout), render, sub.welcome, opts
         )
 
 
@@ -330,8 +330,8 @@ def _main_fanin(args: argparse.Namespace, opts: SubscriberOptions, console: Cons
                 return 1
             console.print(f"actbus stats: {e}; showing the others", style="yellow")
 
-        def snapshot() -> dict[str, Any]:
-            snaps = request_all(sub, args.timeout)
+        def snapshot(timeout: float = args.timeout) -> dict[str, Any]:
+            snaps = request_all(sub, timeout)
             return {"publishers": snaps, "silent": [a for a in sub.publishers if a not in snaps]}
 
         def draw(snap: dict[str, Any]) -> Group:
@@ -345,7 +345,7 @@ def _show(
     args: argparse.Namespace,
     console: Console,
     snap: dict[str, Any],
-    again: Callable[[], dict[str, Any]],
+    again: Callable[[float], dict[str, Any]],
     draw: Callable[[dict[str, Any]], Group],
     welcome: dict[str, Any] | None,
     opts: SubscriberOptions,
@@ -365,20 +365,22 @@ def listen(
     watch: ExpertWatch,
     seconds: float,
     interval: float,
-    again: Callable[[], dict[str, Any]],
+    again: Callable[[float], dict[str, Any]],
     snap: dict[str, Any],
 ) -> dict[str, Any]:
     """Count the router stream for ``seconds`` (less if the publisher ends or ``watch``
     is stopped); the publisher's counters as of the window's end. Asked for every
     ``interval`` while it listens: once the publisher has ended it cannot answer, and
     the counters shown beside the load must not be those from before the load came
-    (``published 0  last step -1`` over a window of traffic)."""
+    (``published 0  last step -1`` over a window of traffic). Each ask waits at most
+    ``interval``: a stop (Ctrl-C) while it waits ends the listening that soon, not after
+    ``--timeout``."""
     deadline = time.monotonic() + seconds
     while not (watch.ended or watch.stopped) and (left := deadline - time.monotonic()) > 0:
         watch.pump(min(interval, left))
-        if not watch.ended:
+        if not (watch.ended or watch.stopped):
             with contextlib.suppress(TimeoutError):  # kept: the last counters it gave
-                snap = again()
+                snap = again(max(0.1, interval))
     return snap
 
 
@@ -386,7 +388,7 @@ def _show_with(
     args: argparse.Namespace,
     console: Console,
     snap: dict[str, Any],
-    again: Callable[[], dict[str, Any]],
+    again: Callable[[float], dict[str, Any]],
     draw: Callable[[dict[str, Any]], Group],
     watch: ExpertWatch | None,
 ) -> int:
@@ -416,7 +418,7 @@ def _show_with(
         try:
             while True:
                 wait(args.interval)
-                live.update(draw(full(again())), refresh=True)
+                live.update(draw(full(again(args.timeout))), refresh=True)
         except KeyboardInterrupt:
             return 0
         except TimeoutError as e:

@@ -335,3 +335,26 @@ def test_actbus_stats_json_shows_a_reply_holding_bytes(address, capsys):
     assert rc == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap == {"published": 3, "odd": "00ff", "key": ["6162", {"deep": "01"}]}
+
+
+def test_listening_asks_the_counters_with_a_short_wait_so_a_stop_ends_it_soon():
+    """``--experts-s`` refreshes the counters while it listens; each ask waits at most
+    ``--interval``, so a Ctrl-C (or a publisher gone) during an ask ends the listening
+    within that, not after ``--timeout`` (a full-suite run waited out 120 s there)."""
+    from actbus.bus.statsview import listen
+
+    class Watch:
+        ended = stopped = False
+
+        def pump(self, seconds: float) -> None:
+            pass
+
+    watch, asked = Watch(), []
+
+    def again(timeout: float) -> dict:
+        asked.append(timeout)
+        watch.stopped = True  # the stop comes while this ask waits
+        return {"published": 1}
+
+    assert listen(watch, 600.0, 1.0, again, {"published": 0}) == {"published": 1}  # type: ignore[arg-type]
+    assert asked == [1.0]
