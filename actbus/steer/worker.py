@@ -172,7 +172,7 @@ class _Batch:
     listed_late: bool = False  # a listed position past its request's prompt
     gate_slot: np.ndarray | None = None  # per steered request: its row of ``last``
     by_point: np.ndarray | None = None  # the entries grouped by point, in entry order
-    rank: np.ndarray | None = None  # per entry: its place among its request's at its point
+    stacked: bool = False  # a request has two entries at one point
 
 
 def _entry_mask(
@@ -204,18 +204,12 @@ def _token_slots(p: np.ndarray, row: np.ndarray, n: int) -> np.ndarray:
     return k
 
 
-def _point_order(bt: _Batch, points: int) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's entries grouped by point (in entry order within one), and each
-    entry's place among its request's entries at its point (all 0: no token has two
-    entries at a point, and a step needs no slot sort, ``_token_slots``)."""
-    by_point = np.argsort(bt.point, kind="stable")
+def _point_order(bt: _Batch, points: int) -> tuple[np.ndarray, bool]:
+    """The batch's entries grouped by point (in entry order within one), and whether a
+    request has two entries at one point (else no token does, and a step's slots are
+    all 0: no ``_token_slots`` sort)."""
     key = bt.req * points + bt.point
-    by_req = np.argsort(key, kind="stable")
-    grouped = key[by_req]
-    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
-    rank = np.empty(len(key), dtype=np.int64)
-    rank[by_req] = np.arange(len(key)) - np.repeat(starts, np.diff(np.r_[starts, len(key)]))
-    return by_point, rank
+    return np.argsort(bt.point, kind="stable"), len(np.unique(key)) < len(key)
 
 
 class Steerer:
@@ -527,7 +521,7 @@ class Steerer:
             req=np.repeat(np.arange(len(cat)), per_req),
             listed={int(base[k] + j): v for k, st in enumerate(cat) for j, v in st.listed.items()},
         )
-        self._last.by_point, self._last.rank = _point_order(self._last, len(self.points))
+        self._last.by_point, self._last.stacked = _point_order(self._last, len(self.points))
         if self._last.listed:
             entries = np.fromiter(self._last.listed, dtype=np.int64)
             self._last.listed_entry = np.zeros(len(self._last.point), dtype=bool)
@@ -558,7 +552,7 @@ class Steerer:
         req, point, slot, cf = bt.req, bt.point, bt.slot, bt.cf
         width = self.tables.coefs
         # Every (entry, token of its request in this step) pair, point by point.
-        assert bt.by_point is not None and bt.rank is not None
+        assert bt.by_point is not None
         reps = count[req[bt.by_point]]
         pair = np.repeat(bt.by_point, reps)  # pair -> its entry
         within = np.arange(len(pair)) - np.repeat(np.cumsum(reps) - reps, reps)
@@ -581,7 +575,7 @@ class Steerer:
         if not len(pair):
             return {}
         p = point[pair]  # sorted: the pairs come point by point
-        k = _token_slots(p, row, n) if bt.rank.any() else np.zeros(len(pair), dtype=np.int64)
+        k = _token_slots(p, row, n) if bt.stacked else np.zeros(len(pair), dtype=np.int64)
         k_max = self.tables.per_token
         if gt is not None:
             g_src, g_idx, carried = self._gate_sources(bt, pair, p, row, within, r)
@@ -608,8 +602,7 @@ class Steerer:
                 c = np.flatnonzero(carried[lo_:hi_]) + lo_
                 if len(c):
                     self._plan_carry(int(pids[i]), gt, pair[c], row[c] * k_max + k[c], r[c], bt)
-        out = {int(pid): (idx[i], coef[i], src[i], gidx[i], par[i]) for i, pid in enumerate(pids)}
-        return out
+        return {int(pid): (idx[i], coef[i], src[i], gidx[i], par[i]) for i, pid in enumerate(pids)}
 
     def _gate_sources(self, bt: _Batch, pair, p, row, within, r):
         """Per kept pair: its gate source (-1 ungated, j: the point's j-th monitor
