@@ -221,12 +221,11 @@ def main() -> int:
     run = [n for n in args.arms if n not in skipped]
     plugins = lambda n: PLUGINS.get(n, "actbus")  # noqa: E731
     argv = arm_argv(args)
-    if "clamp_1" in run:  # a 2 GiB file at the GPU shape: written before any arm's clock
-        _, config = model(args.tiny)
-        hidden = config["hidden_size"]
-        sae = write_sae(tempfile.mkdtemp(prefix="bench-sae-"), hidden, SAE_EXPANSION * hidden)
-        argv += ["--sae", sae]
-    results = run_arms(__file__, run, argv, plugins, args.arm_timeout)
+    with tempfile.TemporaryDirectory(prefix="bench-sae-") as sae_dir:  # 2 GiB: not left behind
+        if "clamp_1" in run:  # written before any arm's clock
+            hidden = model(args.tiny)[1]["hidden_size"]
+            argv += ["--sae", write_sae(sae_dir, hidden, SAE_EXPANSION * hidden)]
+        results = run_arms(__file__, run, argv, plugins, args.arm_timeout)
     summary = throughput_table(results, args, width=14)
     for name, why in skipped.items():
         print(f"{name:14s} skipped: {why}")
